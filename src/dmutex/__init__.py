@@ -1,0 +1,85 @@
+"""dmutex: distributed mutexes and semaphores over MongoDB and Redis.
+
+Token-protected leases with a TTL. Inject the client your application already
+uses; dmutex imports none of them. ``InMemoryBackend`` stands in for a server
+in tests.
+"""
+
+from __future__ import annotations
+
+from ._async import (
+    AsyncClient,
+    AsyncDMutex,
+    AsyncDMutexLock,
+    AsyncDSemaphore,
+    AsyncDSemaphorePermit,
+)
+from ._clock import Clock, ManualClock, SystemClock
+from ._errors import (
+    AmbiguousClientError,
+    ArgumentTypeError,
+    BackendUnavailableError,
+    DMutexError,
+    InvalidArgumentError,
+    UnsupportedClientError,
+)
+from ._memory import InMemoryBackend
+from ._protocols import (
+    AsyncMongoClientLike,
+    AsyncMongoCollectionLike,
+    AsyncMongoDatabaseLike,
+    AsyncRedisCommandClient,
+    AsyncRedisSetEvalClient,
+    MongoClientLike,
+    MongoCollectionLike,
+    MongoDatabaseLike,
+    MongoDeleteResultLike,
+    MongoUpdateResultLike,
+    RedisArg,
+    RedisCommandClient,
+    RedisReply,
+    RedisSetEvalClient,
+)
+from ._sync import DMutex, DMutexLock, DSemaphore, DSemaphorePermit, SyncClient
+from ._validate import BackendName
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AmbiguousClientError",
+    "ArgumentTypeError",
+    "AsyncClient",
+    "AsyncDMutex",
+    "AsyncDMutexLock",
+    "AsyncDSemaphore",
+    "AsyncDSemaphorePermit",
+    "AsyncMongoClientLike",
+    "AsyncMongoCollectionLike",
+    "AsyncMongoDatabaseLike",
+    "AsyncRedisCommandClient",
+    "AsyncRedisSetEvalClient",
+    "BackendName",
+    "BackendUnavailableError",
+    "Clock",
+    "DMutex",
+    "DMutexError",
+    "DMutexLock",
+    "DSemaphore",
+    "DSemaphorePermit",
+    "InMemoryBackend",
+    "InvalidArgumentError",
+    "ManualClock",
+    "MongoClientLike",
+    "MongoCollectionLike",
+    "MongoDatabaseLike",
+    "MongoDeleteResultLike",
+    "MongoUpdateResultLike",
+    "RedisArg",
+    "RedisCommandClient",
+    "RedisReply",
+    "RedisSetEvalClient",
+    "SyncClient",
+    "SystemClock",
+    "UnsupportedClientError",
+    "__version__",
+]

@@ -1,0 +1,210 @@
+"""The lock algorithms, written once and free of I/O.
+
+:class:`Engine` holds one instance's settings and returns, for each public
+operation, a generator of effects (see ``_effects.py``). ``_drive.py`` runs
+those generators for the sync classes and for the asyncio classes; neither
+face repeats any of the logic here.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from ._clock import Clock
+from ._effects import Call, Gate, Sleep, Steps
+from ._errors import InvalidArgumentError
+from ._store import MAX_EXPIRY_MS, Store, now_ms
+from ._validate import (
+    check_callback,
+    check_key,
+    check_retry_delay,
+    check_timeout,
+    check_token,
+    check_ttl,
+)
+
+H = TypeVar("H")
+
+_ENTER = Gate(enter=True)
+_LEAVE = Gate(enter=False)
+
+
+@dataclass
+class Lease:
+    """The state of one acquired permit, shared by its handle and the engine.
+
+    ``expires_ms`` moves forward on a successful extend.
+    """
+
+    key: str
+    token: str
+    slot: int
+    expires_ms: int
+    fence: int | None = None
+
+
+class Engine:
+    """One DMutex/DSemaphore instance's algorithms over one store."""
+
+    def __init__(self, store: Store, *, max_permits: int, default_ttl: float) -> None:
+        self._store = store
+        self.max_permits = max_permits
+        self.default_ttl = default_ttl
+        self._ready = False
+        # Deprecated lock()/unlock(): the token of the last lock() per key.
+        self._remembered: dict[str, str] = {}
+        self._remembered_lock = threading.Lock()
+
+    @property
+    def clock(self) -> Clock:
+        """The store's clock, which also times retries."""
+        return self._store.clock
+
+    def ttl_ms(self, ttl: object | None) -> int:
+        """Validate ``ttl`` (None: the default) and return it in whole milliseconds.
+
+        Rounds up, as the TypeScript library does for ``PX``, so a lease never
+        lasts less than asked.
+        """
+        seconds = self.default_ttl if ttl is None else check_ttl("ttl", ttl)
+        millis = math.ceil(seconds * 1000)
+        limit = min(MAX_EXPIRY_MS, self._store.max_expiry_ms)
+        if now_ms(self.clock) + millis > limit:
+            raise InvalidArgumentError(
+                f"ttl={seconds} puts the expiry past what the backend can store"
+            )
+        return millis
+
+    def ready(self) -> Steps[None]:
+        """Prepare the store once per instance; concurrent callers wait for it.
+
+        A failure propagates and leaves the instance unprepared, so the next
+        operation tries again and surfaces the error again.
+        """
+        if self._ready:
+            return
+        yield _ENTER
+        try:
+            if not self._ready:
+                yield from self._store.ready()
+                self._ready = True
+        finally:
+            yield _LEAVE
+
+    def acquire(self, key: str, ttl: float | None) -> Steps[Lease | None]:
+        """Try once to take a permit; None only when all permits are active."""
+        check_key(key)
+        ttl_ms = self.ttl_ms(ttl)
+        yield from self.ready()
+        token = str(uuid.uuid4())
+        grant = yield from self._store.acquire(key, token, ttl_ms)
+        if grant is None:
+            return None
+        return Lease(key, token, grant.slot, grant.expires_ms, grant.fence)
+
+    def acquire_with_retry(
+        self, key: str, ttl: float | None, timeout: float, retry_delay: float
+    ) -> Steps[Lease | None]:
+        """Try to take a permit until ``timeout`` seconds have passed.
+
+        Sleeps ``retry_delay`` between attempts, never past the deadline, and
+        makes one last attempt at the deadline. Time is monotonic.
+        """
+        check_key(key)
+        self.ttl_ms(ttl)
+        timeout = check_timeout(timeout)
+        retry_delay = check_retry_delay(retry_delay)
+        deadline = self.clock.monotonic() + timeout
+        while True:
+            lease = yield from self.acquire(key, ttl)
+            if lease is not None:
+                return lease
+            remaining = deadline - self.clock.monotonic()
+            if remaining <= 0:
+                return None
+            yield Sleep(min(retry_delay, remaining))
+
+    def run(
+        self,
+        acquisition: Steps[Lease | None],
+        callback: Callable[[H], object],
+        wrap: Callable[[Lease], H],
+    ) -> Steps[object]:
+        """Run ``callback(wrap(lease))`` while holding the lease ``acquisition`` takes.
+
+        Returns None without calling it when no lease was taken. Releases in a
+        ``finally``, so an exception from the callback propagates after the
+        release. Never renews the lease.
+        """
+        check_callback(callback)
+        lease = yield from acquisition
+        if lease is None:
+            return None
+        try:
+            return (yield Call(callback, (wrap(lease),), role="callback"))
+        finally:
+            yield from self.release(lease)
+
+    def release(self, lease: Lease) -> Steps[bool]:
+        """Release the permit of ``lease`` if it is still active."""
+        yield from self.ready()
+        return (yield from self._store.release(lease.key, lease.token, lease.slot))
+
+    def extend(self, lease: Lease, ttl: float | None) -> Steps[bool]:
+        """Set the expiry of ``lease`` to now + ttl if it is still active."""
+        ttl_ms = self.ttl_ms(ttl)
+        yield from self.ready()
+        expires = yield from self._store.extend(lease.key, lease.token, lease.slot, ttl_ms)
+        if expires is None:
+            return False
+        lease.expires_ms = expires
+        return True
+
+    def release_token(self, key: str, token: str) -> Steps[bool]:
+        """Release the active permit of ``key`` that holds ``token``."""
+        check_key(key)
+        check_token(token)
+        yield from self.ready()
+        return (yield from self._store.release(key, token, None))
+
+    def extend_token(self, key: str, token: str, ttl: float | None) -> Steps[bool]:
+        """Extend the active permit of ``key`` that holds ``token``."""
+        check_key(key)
+        check_token(token)
+        ttl_ms = self.ttl_ms(ttl)
+        yield from self.ready()
+        expires = yield from self._store.extend(key, token, None, ttl_ms)
+        return expires is not None
+
+    def lock(self, key: str, ttl: float | None) -> Steps[bool]:
+        """Deprecated ``lock()``: acquire and remember the token for ``unlock``."""
+        lease = yield from self.acquire(key, ttl)
+        if lease is None:
+            return False
+        with self._remembered_lock:
+            self._remembered[key] = lease.token
+        return True
+
+    def unlock(self, key: str, token: str | None) -> Steps[bool]:
+        """Deprecated ``unlock()``: release by ``token``, else by the remembered one.
+
+        With no token given and none remembered, returns False without I/O:
+        there is nothing this instance may release.
+        """
+        check_key(key)
+        if token is None:
+            with self._remembered_lock:
+                token = self._remembered.get(key)
+            if token is None:
+                return False
+        released = yield from self.release_token(key, token)
+        # Whatever the answer, that token no longer guards anything for us.
+        with self._remembered_lock:
+            if self._remembered.get(key) == token:
+                del self._remembered[key]
+        return released

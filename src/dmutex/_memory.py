@@ -1,0 +1,161 @@
+"""InMemoryBackend: dmutex without a server, for tests and single-process use."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from datetime import datetime
+
+from ._clock import Clock, SystemClock
+from ._effects import Steps
+from ._store import MAX_EXPIRY_MS, Grant, Namespace, expiry_datetime, now_ms
+
+__all__ = ["InMemoryBackend"]
+
+
+@dataclass
+class _Record:
+    token: str
+    expires_ms: int
+
+
+# prefix -> key -> slot -> record, mirroring the Redis key layout
+# f"{prefix}permit:{slot}:{key}" without having to parse it back.
+_Records = dict[str, dict[str, dict[int, _Record]]]
+
+
+class InMemoryBackend:
+    """A thread-safe, in-process backend with the semantics of the real ones.
+
+    Pass it wherever a client goes: ``DMutex("svc", InMemoryBackend())``. One
+    instance may serve sync and async classes at once; instances that share it
+    see each other's locks, just as they would on one server. Records are kept
+    per namespace exactly as the Redis layout names them (``key_prefix``;
+    the MongoDB options are ignored), so a ``DMutex`` and a ``DSemaphore`` of
+    one service never collide.
+
+    Inject a :class:`~dmutex.ManualClock` to make time stand still until a
+    test moves it: leases then expire only when the test advances the clock,
+    and retry waits advance it instead of sleeping.
+
+    Caveat: it is one process's memory. It coordinates threads and tasks of
+    this process only.
+    """
+
+    def __init__(self, *, clock: Clock | None = None) -> None:
+        """Make an empty backend reading time from ``clock`` (the system clock if None)."""
+        self._clock: Clock = SystemClock() if clock is None else clock
+        self._lock = threading.Lock()
+        self._records: _Records = {}
+
+    @property
+    def clock(self) -> Clock:
+        """The clock that decides when leases expire."""
+        return self._clock
+
+    def snapshot(self) -> dict[str, tuple[str, datetime]]:
+        """Every active permit, as ``{storage key: (token, expires at)}``.
+
+        Storage keys are the Redis ones, ``f"{key_prefix}permit:{slot}:{key}"``.
+        Useful to assert that code under test left no lock behind.
+        """
+        now = now_ms(self._clock)
+        with self._lock:
+            return {
+                f"{prefix}permit:{slot}:{key}": (rec.token, expiry_datetime(rec.expires_ms))
+                for prefix, keys in self._records.items()
+                for key, slots in keys.items()
+                for slot, rec in slots.items()
+                if now < rec.expires_ms
+            }
+
+    def force_expire(self, key: str, slot: int | None = None) -> int:
+        """Make the permits of lock ``key`` expire now, in every namespace.
+
+        Only ``slot`` if given. The records stay in place, as an expired record
+        that a server has not yet removed would, so the next acquire takes
+        them over. Returns how many active permits expired. Use it to test
+        what code does when its lease is lost.
+        """
+        now = now_ms(self._clock)
+        expired = 0
+        with self._lock:
+            for keys in self._records.values():
+                for number, rec in keys.get(key, {}).items():
+                    if (slot is None or number == slot) and now < rec.expires_ms:
+                        rec.expires_ms = now
+                        expired += 1
+        return expired
+
+    def _bind(self, namespace: Namespace) -> _MemoryStore:
+        return _MemoryStore(self, namespace.key_prefix, namespace.max_permits)
+
+
+class _MemoryStore:
+    """One namespace of an :class:`InMemoryBackend`; a ``Store``."""
+
+    max_expiry_ms = MAX_EXPIRY_MS
+
+    def __init__(self, backend: InMemoryBackend, prefix: str, max_permits: int) -> None:
+        self._backend = backend
+        self._prefix = prefix
+        self._max_permits = max_permits
+
+    @property
+    def clock(self) -> Clock:
+        return self._backend.clock
+
+    def _active(self, key: str, token: str, slot: int | None) -> int | None:
+        """The slot of the active record of ``key`` holding ``token``.
+
+        The caller holds the backend's lock.
+        """
+        slots = self._backend._records.get(self._prefix, {}).get(key, {})
+        now = now_ms(self.clock)
+        numbers = range(self._max_permits) if slot is None else (slot,)
+        for number in numbers:
+            rec = slots.get(number)
+            if rec is not None and rec.token == token and now < rec.expires_ms:
+                return number
+        return None
+
+    # Each operation is a generator with nothing to yield: no I/O. The
+    # ``yield from ()`` makes it one, so that it fits the Store seam.
+
+    def ready(self) -> Steps[None]:
+        yield from ()
+
+    def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Grant | None]:
+        yield from ()
+        with self._backend._lock:
+            now = now_ms(self.clock)
+            keys = self._backend._records.setdefault(self._prefix, {})
+            slots = keys.setdefault(key, {})
+            for number in range(self._max_permits):
+                rec = slots.get(number)
+                if rec is None or rec.expires_ms <= now:
+                    slots[number] = _Record(token, now + ttl_ms)
+                    return Grant(number, now + ttl_ms)
+        return None
+
+    def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
+        yield from ()
+        with self._backend._lock:
+            number = self._active(key, token, slot)
+            if number is None:
+                return False
+            keys = self._backend._records[self._prefix]
+            del keys[key][number]
+            if not keys[key]:
+                del keys[key]
+            return True
+
+    def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
+        yield from ()
+        with self._backend._lock:
+            number = self._active(key, token, slot)
+            if number is None:
+                return None
+            rec = self._backend._records[self._prefix][key][number]
+            rec.expires_ms = now_ms(self.clock) + ttl_ms
+            return rec.expires_ms

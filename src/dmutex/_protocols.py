@@ -1,0 +1,192 @@
+"""The client contracts, as :class:`typing.Protocol` classes.
+
+dmutex imports no database package. It accepts any object shaped like one of
+these, and detects which at run time from the object's type (see
+``_detect.py``). The sync contracts return plain values and the asyncio ones
+return awaitables, so that a type checker can tell an asyncio client handed
+to a sync class wherever the client package's own annotations allow it.
+
+Arguments that dmutex passes are positional-only here so that clients may
+name their parameters as they like.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Protocol, TypeAlias
+
+__all__ = [
+    "AsyncMongoClientLike",
+    "AsyncMongoCollectionLike",
+    "AsyncMongoDatabaseLike",
+    "AsyncRedisCommandClient",
+    "AsyncRedisSetEvalClient",
+    "MongoClientLike",
+    "MongoCollectionLike",
+    "MongoDatabaseLike",
+    "MongoDeleteResultLike",
+    "MongoUpdateResultLike",
+    "RedisArg",
+    "RedisCommandClient",
+    "RedisReply",
+    "RedisSetEvalClient",
+]
+
+RedisArg: TypeAlias = str | bytes | int | float
+"""An argument dmutex sends in a Redis command."""
+
+RedisReply: TypeAlias = bool | int | float | str | bytes | Sequence[object] | None
+"""A reply dmutex can read from a sync Redis client (RESP2 or RESP3)."""
+
+IndexKeys: TypeAlias = Sequence[tuple[str, int]]
+Document: TypeAlias = Mapping[str, object]
+
+
+# --- Redis -------------------------------------------------------------------
+
+
+class RedisCommandClient(Protocol):
+    """A sync Redis client with ``execute_command`` (redis-py, valkey-py, fakeredis)."""
+
+    def execute_command(self, *args: RedisArg) -> RedisReply:
+        """Send one command and return its reply."""
+        ...
+
+
+class AsyncRedisCommandClient(Protocol):
+    """An asyncio Redis client with ``execute_command`` (``redis.asyncio.Redis``)."""
+
+    def execute_command(self, *args: RedisArg) -> Awaitable[object]:
+        """Send one command; the awaitable gives its reply."""
+        ...
+
+
+class RedisSetEvalClient(Protocol):
+    """A sync Redis client offering ``set`` with ``px``/``nx`` and ``eval``."""
+
+    def set(self, name: str, value: str, /, *, px: int, nx: bool) -> bool | str | bytes | None:
+        """``SET name value PX px [NX]``."""
+        ...
+
+    def eval(self, script: str, numkeys: int, /, *keys_and_args: RedisArg) -> object:
+        """Run a Lua script with ``EVAL``."""
+        ...
+
+
+class AsyncRedisSetEvalClient(Protocol):
+    """An asyncio Redis client offering ``set`` with ``px``/``nx`` and ``eval``."""
+
+    def set(
+        self, name: str, value: str, /, *, px: int, nx: bool
+    ) -> Awaitable[bool | str | bytes | None]:
+        """``SET name value PX px [NX]``."""
+        ...
+
+    def eval(self, script: str, numkeys: int, /, *keys_and_args: RedisArg) -> Awaitable[object]:
+        """Run a Lua script with ``EVAL``."""
+        ...
+
+
+# --- MongoDB -----------------------------------------------------------------
+
+
+class MongoUpdateResultLike(Protocol):
+    """What dmutex reads from the result of ``update_one``."""
+
+    @property
+    def matched_count(self) -> int:
+        """How many documents the filter matched."""
+        ...
+
+    @property
+    def upserted_id(self) -> object:
+        """The ``_id`` of an inserted document, or None."""
+        ...
+
+
+class MongoDeleteResultLike(Protocol):
+    """What dmutex reads from the result of ``delete_one``."""
+
+    @property
+    def deleted_count(self) -> int:
+        """How many documents were deleted."""
+        ...
+
+
+class MongoCollectionLike(Protocol):
+    """A sync MongoDB collection (``pymongo.collection.Collection``).
+
+    A duplicate-key error is any exception whose ``code`` attribute is 11000.
+    """
+
+    def create_index(self, keys: IndexKeys, /, **kwargs: object) -> object:
+        """Create an index (idempotent on the server)."""
+        ...
+
+    def update_one(
+        self, filter: Document, update: Document, /, *, upsert: bool = ...
+    ) -> MongoUpdateResultLike:
+        """Update (or with ``upsert``, insert) one document."""
+        ...
+
+    def delete_one(self, filter: Document, /) -> MongoDeleteResultLike:
+        """Delete one matching document."""
+        ...
+
+    def distinct(self, key: str, filter: Document, /) -> list[object]:
+        """The distinct values of ``key`` among matching documents."""
+        ...
+
+
+class MongoDatabaseLike(Protocol):
+    """A sync MongoDB database (``pymongo.database.Database``)."""
+
+    def get_collection(self, name: str, /) -> MongoCollectionLike:
+        """The named collection (no I/O)."""
+        ...
+
+
+class MongoClientLike(Protocol):
+    """A sync MongoDB client (``pymongo.MongoClient``, ``mongomock.MongoClient``)."""
+
+    def get_database(self, name: str, /) -> MongoDatabaseLike:
+        """The named database (no I/O)."""
+        ...
+
+
+class AsyncMongoCollectionLike(Protocol):
+    """An asyncio MongoDB collection (pymongo's ``AsyncCollection``, motor's)."""
+
+    def create_index(self, keys: IndexKeys, /, **kwargs: object) -> Awaitable[object]:
+        """Create an index (idempotent on the server)."""
+        ...
+
+    def update_one(
+        self, filter: Document, update: Document, /, *, upsert: bool = ...
+    ) -> Awaitable[MongoUpdateResultLike]:
+        """Update (or with ``upsert``, insert) one document."""
+        ...
+
+    def delete_one(self, filter: Document, /) -> Awaitable[MongoDeleteResultLike]:
+        """Delete one matching document."""
+        ...
+
+    def distinct(self, key: str, filter: Document, /) -> Awaitable[list[object]]:
+        """The distinct values of ``key`` among matching documents."""
+        ...
+
+
+class AsyncMongoDatabaseLike(Protocol):
+    """An asyncio MongoDB database (pymongo's ``AsyncDatabase``, motor's)."""
+
+    def get_collection(self, name: str, /) -> AsyncMongoCollectionLike:
+        """The named collection (no I/O)."""
+        ...
+
+
+class AsyncMongoClientLike(Protocol):
+    """An asyncio MongoDB client (``pymongo.AsyncMongoClient``, motor's)."""
+
+    def get_database(self, name: str, /) -> AsyncMongoDatabaseLike:
+        """The named database (no I/O)."""
+        ...

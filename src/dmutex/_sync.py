@@ -1,0 +1,214 @@
+"""The sync classes: DMutex, DSemaphore and their handles.
+
+Each method validates nothing and decides nothing itself: it asks the engine
+for the algorithm's steps and runs them with :func:`~dmutex._drive.run_sync`.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from types import TracebackType
+from typing import Generic, TypeAlias, TypeVar, cast
+
+from ._config import MutexConfig, SemaphoreConfig
+from ._core import Engine, Lease
+from ._drive import run_sync
+from ._effects import Steps
+from ._handle import HandleBase, SlotMixin
+from ._memory import InMemoryBackend
+from ._protocols import MongoClientLike, RedisCommandClient, RedisSetEvalClient
+
+__all__ = ["DMutex", "DMutexLock", "DSemaphore", "DSemaphorePermit", "SyncClient"]
+
+T = TypeVar("T")
+H = TypeVar("H", bound="_SyncHandle")
+Self = TypeVar("Self", bound="_SyncHandle")
+
+SyncClient: TypeAlias = InMemoryBackend | MongoClientLike | RedisCommandClient | RedisSetEvalClient
+"""Any client a sync class accepts."""
+
+
+class _SyncHandle(HandleBase[Callable[[Steps[bool]], bool]]):
+    __slots__ = ()
+
+    def release(self) -> bool:
+        """Release this permit; False if it had already expired or been released.
+
+        Never touches a permit that another holder took over.
+        """
+        return self._drive(self._engine.release(self._lease))
+
+    def extend(self, ttl: float | None = None) -> bool:
+        """Make this permit expire ``ttl`` seconds from now (default: the instance's).
+
+        Returns False, changing nothing, if the permit is no longer active.
+        Updates :attr:`expired_at` on success.
+        """
+        return self._drive(self._engine.extend(self._lease, ttl))
+
+    def __enter__(self: Self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # The result is dropped, as run() drops it: an expired lease needs no release.
+        self.release()
+
+
+class DMutexLock(_SyncHandle):
+    """A held mutex lock; ``with lock:`` releases it on exit."""
+
+    __slots__ = ()
+
+
+class DSemaphorePermit(SlotMixin[Callable[[Steps[bool]], bool]], _SyncHandle):
+    """A held semaphore permit; ``with permit:`` releases it on exit."""
+
+    __slots__ = ()
+
+
+class _SyncFace(Generic[H]):
+    _ASYNC = False
+    _engine: Engine
+    _gate: threading.Lock
+
+    def _attach(self, engine: Engine) -> None:
+        self._engine = engine
+        self._gate = threading.Lock()
+
+    def _drive(self, steps: Steps[T]) -> T:
+        return run_sync(steps, self._engine.clock, self._gate)
+
+    def _wrap(self, lease: Lease) -> H:
+        raise NotImplementedError
+
+    def _wrap_optional(self, lease: Lease | None) -> H | None:
+        return None if lease is None else self._wrap(lease)
+
+    def ready(self) -> None:
+        """Prepare the backend (MongoDB: create the TTL index), once per instance.
+
+        Every operation waits for this itself; calling it at startup surfaces a
+        failure early. Raises what the backend raised.
+        """
+        self._drive(self._engine.ready())
+
+    def acquire(self, key: str, ttl: float | None = None) -> H | None:
+        """Try once to take a permit for ``key``, valid for ``ttl`` seconds.
+
+        Returns a handle, or None when all permits are held by others. Every
+        other failure raises.
+        """
+        return self._wrap_optional(self._drive(self._engine.acquire(key, ttl)))
+
+    def acquire_with_retry(
+        self,
+        key: str,
+        *,
+        ttl: float | None = None,
+        timeout: float = 30.0,
+        retry_delay: float = 0.1,
+    ) -> H | None:
+        """Try to take a permit, every ``retry_delay`` seconds, for ``timeout`` seconds.
+
+        Returns a handle, or None when the timeout passed first. Never sleeps
+        past the deadline; measures time on a monotonic clock.
+        """
+        steps = self._engine.acquire_with_retry(key, ttl, timeout, retry_delay)
+        return self._wrap_optional(self._drive(steps))
+
+    def run(self, key: str, callback: Callable[[H], T], ttl: float | None = None) -> T | None:
+        """Run ``callback(handle)`` while holding a permit; release it afterwards.
+
+        Returns the callback's result, or None (without calling it) when all
+        permits are held. If the callback raises, the permit is released and
+        the exception propagates. Does not renew the lease: call
+        ``handle.extend()`` in long callbacks.
+        """
+        steps = self._engine.run(self._engine.acquire(key, ttl), callback, self._wrap)
+        return cast("T | None", self._drive(steps))
+
+    def run_with_retry(
+        self,
+        key: str,
+        callback: Callable[[H], T],
+        *,
+        ttl: float | None = None,
+        timeout: float = 30.0,
+        retry_delay: float = 0.1,
+    ) -> T | None:
+        """Like :meth:`run`, acquiring as :meth:`acquire_with_retry` does."""
+        acquisition = self._engine.acquire_with_retry(key, ttl, timeout, retry_delay)
+        steps = self._engine.run(acquisition, callback, self._wrap)
+        return cast("T | None", self._drive(steps))
+
+    def extend(self, key: str, token: str, ttl: float | None = None) -> bool:
+        """Extend the active permit of ``key`` holding ``token`` to now + ``ttl``.
+
+        Returns False, changing nothing, if no active permit holds ``token``.
+        """
+        return self._drive(self._engine.extend_token(key, token, ttl))
+
+
+class DSemaphore(_SyncFace[DSemaphorePermit], SemaphoreConfig[SyncClient]):
+    """A distributed semaphore: at most ``max_permits`` holders per key.
+
+    Each permit is a token-protected lease with a TTL, kept in MongoDB or Redis
+    (or an :class:`InMemoryBackend`). A holder that stops without releasing
+    loses its permit when the TTL runs out. All callers of one key must use the
+    same ``max_permits``.
+    """
+
+    def _wrap(self, lease: Lease) -> DSemaphorePermit:
+        return DSemaphorePermit(lease, self._engine, self._drive)
+
+    def release(self, key: str, token: str) -> bool:
+        """Release the active permit of ``key`` holding ``token``.
+
+        Returns False, changing nothing, if no active permit holds it.
+        """
+        return self._drive(self._engine.release_token(key, token))
+
+
+class DMutex(_SyncFace[DMutexLock], MutexConfig[SyncClient]):
+    """A distributed mutex: one holder per key at a time (a one-permit semaphore).
+
+    The lock is a token-protected lease with a TTL, kept in MongoDB or Redis
+    (or an :class:`InMemoryBackend`). A holder that stops without releasing
+    loses the lock when the TTL runs out; one that outlives its TTL must
+    ``extend()`` or it may find another holder in its place.
+    """
+
+    def _wrap(self, lease: Lease) -> DMutexLock:
+        return DMutexLock(lease, self._engine, self._drive)
+
+    def lock(self, key: str, ttl: float | None = None) -> bool:
+        """Deprecated: use :meth:`acquire`. Take the lock and remember its token.
+
+        Returns True if taken. :meth:`unlock` on this instance releases it.
+        """
+        warnings.warn(
+            "DMutex.lock() is deprecated; use acquire(), whose handle carries its token",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self._drive(self._engine.lock(key, ttl))
+
+    def unlock(self, key: str, token: str | None = None) -> bool:
+        """Deprecated: use the handle's ``release()``. Release by token.
+
+        Without ``token``, uses the token this instance remembered from
+        :meth:`lock`; with neither, returns False and touches nothing.
+        """
+        warnings.warn(
+            "DMutex.unlock() is deprecated; use the handle's release()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self._drive(self._engine.unlock(key, token))
