@@ -1,0 +1,167 @@
+"""One sync view over the four public classes, so each behaviour is tested once.
+
+``Face("async", ...)`` builds an AsyncDMutex/AsyncDSemaphore and runs every
+coroutine on a :class:`LoopThread`; ``Face("sync", ...)`` calls straight
+through. Tests then read the same for both faces. Async ``run`` callbacks hand
+the test's sync callback to a worker thread, so that it may itself use the
+face (the loop stays free to serve it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import warnings
+from collections.abc import Callable, Coroutine
+from datetime import datetime
+from typing import Any, Literal, TypeVar
+
+from dmutex import (
+    AsyncDMutex,
+    AsyncDMutexLock,
+    AsyncDSemaphore,
+    AsyncDSemaphorePermit,
+    DMutex,
+    DMutexLock,
+    DSemaphore,
+    DSemaphorePermit,
+)
+
+T = TypeVar("T")
+FaceName = Literal["sync", "async"]
+Kind = Literal["mutex", "semaphore"]
+RawHandle = DMutexLock | DSemaphorePermit | AsyncDMutexLock | AsyncDSemaphorePermit
+
+
+class LoopThread:
+    """An event loop running in a daemon thread, fed from any other thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+class Handle:
+    """A lock or permit of either face, with sync methods."""
+
+    def __init__(self, raw: RawHandle, face: Face) -> None:
+        self.raw = raw
+        self._face = face
+
+    @property
+    def key(self) -> str:
+        return self.raw.key
+
+    @property
+    def token(self) -> str:
+        return self.raw.token
+
+    @property
+    def expired_at(self) -> datetime:
+        return self.raw.expired_at
+
+    @property
+    def slot(self) -> int:
+        return self.raw.slot if isinstance(self.raw, (DSemaphorePermit, AsyncDSemaphorePermit)) else 0
+
+    def release(self) -> bool:
+        return self._face.wait(self.raw.release())
+
+    def extend(self, ttl: float | None = None) -> bool:
+        return self._face.wait(self.raw.extend(ttl))
+
+
+class Face:
+    """A DMutex/DSemaphore of either face behind one sync interface."""
+
+    def __init__(
+        self,
+        name: FaceName,
+        kind: Kind,
+        client: object,
+        *,
+        service_name: str = "svc",
+        max_permits: int = 1,
+        loop: LoopThread | None = None,
+        **options: Any,
+    ) -> None:
+        self.name = name
+        self.kind = kind
+        self.max_permits = max_permits if kind == "semaphore" else 1
+        if name == "async" and loop is None:
+            raise ValueError("an async face needs an event loop")
+        self._loop = loop
+        target: Any
+        if kind == "mutex":
+            cls: Any = AsyncDMutex if name == "async" else DMutex
+            target = cls(service_name, client, **options)
+        else:
+            cls = AsyncDSemaphore if name == "async" else DSemaphore
+            target = cls(service_name, client, max_permits=max_permits, **options)
+        self.target: DMutex | DSemaphore | AsyncDMutex | AsyncDSemaphore = target
+
+    def wait(self, value: Any) -> Any:
+        """The value itself (sync), or the result of awaiting it (async)."""
+        if self._loop is None:
+            return value
+        return self._loop.run(value)
+
+    def _handle(self, raw: RawHandle | None) -> Handle | None:
+        return None if raw is None else Handle(raw, self)
+
+    def _callback(self, fn: Callable[[Handle], T]) -> Callable[[Any], Any]:
+        if self._loop is None:
+            return lambda raw: fn(Handle(raw, self))
+
+        async def callback(raw: Any) -> T:
+            return await asyncio.to_thread(fn, Handle(raw, self))
+
+        return callback
+
+    def ready(self) -> None:
+        self.wait(self.target.ready())
+
+    def acquire(self, key: str, ttl: float | None = None) -> Handle | None:
+        return self._handle(self.wait(self.target.acquire(key, ttl)))
+
+    def acquire_with_retry(self, key: str, **options: Any) -> Handle | None:
+        return self._handle(self.wait(self.target.acquire_with_retry(key, **options)))
+
+    def run(self, key: str, fn: Callable[[Handle], T], ttl: float | None = None) -> T | None:
+        target: Any = self.target
+        result: T | None = self.wait(target.run(key, self._callback(fn), ttl))
+        return result
+
+    def run_with_retry(self, key: str, fn: Callable[[Handle], T], **options: Any) -> T | None:
+        target: Any = self.target
+        result: T | None = self.wait(target.run_with_retry(key, self._callback(fn), **options))
+        return result
+
+    def extend(self, key: str, token: str, ttl: float | None = None) -> bool:
+        result: bool = self.wait(self.target.extend(key, token, ttl))
+        return result
+
+    def release_token(self, key: str, token: str) -> bool:
+        """Release by key and token: DSemaphore.release, or DMutex.unlock(key, token)."""
+        target: Any = self.target
+        if isinstance(target, (DSemaphore, AsyncDSemaphore)):
+            result: bool = self.wait(target.release(key, token))
+            return result
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            result = self.wait(target.unlock(key, token))
+        return result
+
+
+def run_coroutine(coro: Coroutine[Any, Any, T]) -> T:
+    """Run one coroutine on a fresh loop (for face-specific async tests)."""
+    return asyncio.run(coro)

@@ -1,0 +1,305 @@
+"""The behaviours the TypeScript README documents, for every backend and face."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+import pytest
+
+from tests._support.faces import Handle
+from tests.contract.conftest import Env
+
+
+def held(handle: Handle | None) -> Handle:
+    assert handle is not None, "expected the permit to be granted"
+    return handle
+
+
+# --- acquire ------------------------------------------------------------------
+
+
+def test_default_ttl_is_300_seconds(env: Env) -> None:
+    clock = env.need_clock()
+    lock = held(env.make("mutex").acquire("job"))
+    assert lock.expired_at == clock.now() + timedelta(seconds=300)
+    assert lock.expired_at.utcoffset() == timedelta(0)
+
+
+def test_default_ttl_seconds_option(env: Env) -> None:
+    clock = env.need_clock()
+    lock = held(env.make("semaphore", max_permits=2, default_ttl_seconds=7.5).acquire("job"))
+    assert lock.expired_at == clock.now() + timedelta(seconds=7.5)
+
+
+def test_ttl_is_seconds_rounded_up_to_milliseconds(env: Env) -> None:
+    clock = env.need_clock()
+    lock = held(env.make("mutex").acquire("job", ttl=0.0001))
+    assert lock.expired_at == clock.now() + timedelta(milliseconds=1)
+
+
+def test_mutex_contention_returns_none(env: Env) -> None:
+    first, second = env.make("mutex"), env.make("mutex")
+    lock = held(first.acquire("job"))
+    assert second.acquire("job") is None
+    assert first.acquire("job") is None, "not reentrant: the same instance is refused too"
+    assert lock.release() is True
+    assert held(second.acquire("job")).key == "job"
+
+
+def test_keys_are_independent(env: Env) -> None:
+    mutex = env.make("mutex")
+    held(mutex.acquire("a"))
+    held(mutex.acquire("b"))
+
+
+def test_semaphore_admits_max_permits_then_none(env: Env) -> None:
+    sem = env.make("semaphore", max_permits=3)
+    permits = [held(sem.acquire("api")) for _ in range(3)]
+    assert sorted(p.slot for p in permits) == [0, 1, 2]
+    assert len({p.token for p in permits}) == 3
+    assert sem.acquire("api") is None
+    assert permits[1].release() is True
+    again = held(sem.acquire("api"))
+    assert again.slot == permits[1].slot
+    assert sem.acquire("api") is None
+
+
+def test_tokens_are_uuid4_strings(env: Env) -> None:
+    lock = held(env.make("mutex").acquire("job"))
+    assert uuid.UUID(lock.token).version == 4
+    assert str(uuid.UUID(lock.token)) == lock.token
+
+
+def test_mutex_and_semaphore_of_one_service_do_not_collide(env: Env) -> None:
+    held(env.make("mutex").acquire("job"))
+    held(env.make("semaphore", max_permits=1).acquire("job"))
+    held(env.make("mutex", service_name="other").acquire("job"))
+    held(env.make("mutex", key_prefix="custom:").acquire("job"))
+    assert env.make("mutex").acquire("job") is None
+
+
+# --- release ------------------------------------------------------------------
+
+
+def test_release_twice_returns_false_the_second_time(env: Env) -> None:
+    lock = held(env.make("mutex").acquire("job"))
+    assert lock.release() is True
+    assert lock.release() is False
+
+
+def test_release_by_key_and_token(env: Env) -> None:
+    sem = env.make("semaphore", max_permits=2)
+    permit = held(sem.acquire("api"))
+    other = env.make("semaphore", max_permits=2)
+    assert other.release_token("api", permit.token) is True
+    assert other.release_token("api", permit.token) is False
+
+
+def test_foreign_token_changes_nothing(env: Env) -> None:
+    for kind in ("mutex", "semaphore"):
+        face = env.make(kind, max_permits=2, service_name=f"foreign-{kind}")
+        lock = held(face.acquire("job"))
+        stranger = str(uuid.uuid4())
+        assert face.release_token("job", stranger) is False
+        assert face.extend("job", stranger, 60) is False
+        assert face.extend("other-key", lock.token, 60) is False
+        assert face.release_token("other-key", lock.token) is False
+        assert lock.release() is True
+
+
+def test_stale_token_refused_after_expiry_and_takeover(env: Env) -> None:
+    mutex = env.make("mutex")
+    old = held(mutex.acquire("job", ttl=60))
+    env.expire("job")
+    assert old.extend(60) is False, "an expired permit cannot be extended"
+    assert old.release() is False, "an expired permit cannot be released"
+    new = held(mutex.acquire("job", ttl=60))
+    assert old.release() is False
+    assert old.extend(60) is False
+    assert mutex.release_token("job", old.token) is False
+    assert mutex.extend("job", old.token, 60) is False
+    assert mutex.acquire("job") is None, "the new holder was not disturbed"
+    assert new.release() is True
+
+
+def test_expired_record_still_stored_is_not_active(env: Env) -> None:
+    sem = env.make("semaphore", max_permits=2)
+    first, second = held(sem.acquire("api")), held(sem.acquire("api"))
+    env.expire("api", first.slot)
+    assert first.release() is False
+    taken = held(sem.acquire("api"))
+    assert taken.slot == first.slot
+    assert second.release() is True
+
+
+# --- extend -------------------------------------------------------------------
+
+
+def test_extend_sets_now_plus_ttl(env: Env) -> None:
+    clock = env.need_clock()
+    mutex = env.make("mutex")
+    lock = held(mutex.acquire("job", ttl=10))
+    clock.advance(4)
+    assert lock.extend(10) is True
+    assert lock.expired_at == clock.now() + timedelta(seconds=10)
+    clock.advance(9)
+    assert mutex.extend("job", lock.token, 3) is True
+    clock.advance(2.999)
+    assert mutex.acquire("job") is None
+    clock.advance(0.001)
+    assert held(mutex.acquire("job")).key == "job"
+
+
+def test_extend_without_ttl_uses_the_default(env: Env) -> None:
+    clock = env.need_clock()
+    lock = held(env.make("mutex", default_ttl_seconds=20).acquire("job", ttl=1))
+    clock.advance(0.5)
+    assert lock.extend() is True
+    assert lock.expired_at == clock.now() + timedelta(seconds=20)
+
+
+def test_lease_expires_at_its_ttl(env: Env) -> None:
+    clock = env.need_clock()
+    mutex = env.make("mutex")
+    lock = held(mutex.acquire("job", ttl=2))
+    clock.advance(1.999)
+    assert mutex.acquire("job") is None
+    clock.advance(0.001)
+    assert lock.extend() is False
+    assert held(mutex.acquire("job")).key == "job"
+
+
+# --- run ----------------------------------------------------------------------
+
+
+def test_run_returns_the_callback_result_and_releases(env: Env) -> None:
+    mutex = env.make("mutex")
+    seen: list[str] = []
+
+    def work(lock: Handle) -> str:
+        seen.append(lock.token)
+        assert mutex.acquire("job") is None, "held while the callback runs"
+        return "done"
+
+    assert mutex.run("job", work, 60) == "done"
+    assert len(seen) == 1
+    held(mutex.acquire("job"))
+
+
+def test_run_reraises_after_releasing(env: Env) -> None:
+    sem = env.make("semaphore", max_permits=1)
+
+    class Boom(Exception):
+        pass
+
+    def work(permit: Handle) -> None:
+        raise Boom(permit.token)
+
+    with pytest.raises(Boom):
+        sem.run("job", work)
+    held(sem.acquire("job"))
+
+
+def test_run_on_contention_returns_none_without_calling(env: Env) -> None:
+    mutex = env.make("mutex")
+    held(mutex.acquire("job"))
+    called: list[Handle] = []
+    assert mutex.run("job", called.append) is None
+    assert called == []
+
+
+def test_run_does_not_renew(env: Env) -> None:
+    clock = env.need_clock()
+    mutex = env.make("mutex")
+
+    def slow(lock: Handle) -> bool:
+        clock.advance(5)
+        return lock.extend(5)
+
+    assert mutex.run("job", slow, ttl=1) is False
+
+
+def test_run_with_retry_waits_for_the_holder_to_expire(env: Env) -> None:
+    clock = env.need_clock()
+    mutex = env.make("mutex")
+    held(mutex.acquire("job", ttl=1))
+    result = mutex.run_with_retry("job", lambda lock: lock.key, timeout=5, retry_delay=0.3)
+    assert result == "job"
+    assert clock.monotonic() == pytest.approx(1.2)
+    held(mutex.acquire("job"))
+
+
+# --- acquire_with_retry ---------------------------------------------------------
+
+
+def test_retry_returns_none_at_the_deadline_without_sleeping_past_it(env: Env) -> None:
+    clock = env.need_clock()
+    mutex = env.make("mutex")
+    held(mutex.acquire("job"))
+    start = clock.monotonic()
+    assert mutex.acquire_with_retry("job", timeout=1.05, retry_delay=0.1) is None
+    assert clock.monotonic() - start == pytest.approx(1.05, abs=1e-9)
+    assert clock.monotonic() - start <= 1.05
+
+
+def test_retry_defaults_wait_30_seconds(env: Env) -> None:
+    clock = env.need_clock()
+    mutex = env.make("mutex")
+    held(mutex.acquire("job"))
+    assert mutex.acquire_with_retry("job") is None
+    assert clock.monotonic() == pytest.approx(30.0, abs=1e-9)
+
+
+def test_retry_timeout_zero_is_one_attempt(env: Env) -> None:
+    clock = env.need_clock()
+    mutex = env.make("mutex")
+    assert held(mutex.acquire_with_retry("job", timeout=0)).key == "job"
+    assert mutex.acquire_with_retry("job", timeout=0) is None
+    assert clock.monotonic() == 0
+
+
+def test_retry_gets_the_lock_when_it_expires(env: Env) -> None:
+    clock = env.need_clock()
+    mutex = env.make("mutex")
+    held(mutex.acquire("job", ttl=1))
+    lock = held(mutex.acquire_with_retry("job", ttl=9, timeout=5, retry_delay=0.3))
+    assert clock.monotonic() == pytest.approx(1.2)
+    assert lock.expired_at == clock.now() + timedelta(seconds=9)
+
+
+def test_semaphore_retry_gets_a_released_permit(env: Env) -> None:
+    sem = env.make("semaphore", max_permits=2)
+    first = held(sem.acquire("api", ttl=0.5))
+    held(sem.acquire("api", ttl=60))
+    if env.clock is None:
+        first.release()
+    third = held(sem.acquire_with_retry("api", timeout=5, retry_delay=0.2))
+    assert third.slot == first.slot
+
+
+# --- deprecated lock / unlock -----------------------------------------------------
+
+
+def test_deprecated_lock_and_unlock_work_and_warn(env: Env) -> None:
+    mutex, other = env.make("mutex"), env.make("mutex")
+    target = mutex.target
+    with pytest.warns(DeprecationWarning, match="lock"):
+        assert mutex.wait(target.lock("job", 60)) is True  # type: ignore[union-attr]  # mutex only
+    with pytest.warns(DeprecationWarning):
+        assert other.wait(other.target.lock("job")) is False  # type: ignore[union-attr]  # mutex only
+    with pytest.warns(DeprecationWarning):
+        assert other.wait(other.target.unlock("job")) is False, "other never locked it"  # type: ignore[union-attr]  # mutex only
+    assert other.acquire("job") is None
+    with pytest.warns(DeprecationWarning, match="unlock"):
+        assert mutex.wait(target.unlock("job")) is True  # type: ignore[union-attr]  # mutex only
+    with pytest.warns(DeprecationWarning):
+        assert mutex.wait(target.unlock("job")) is False, "the remembered token is spent"  # type: ignore[union-attr]  # mutex only
+
+
+def test_deprecated_unlock_with_explicit_token(env: Env) -> None:
+    mutex = env.make("mutex")
+    lock = held(mutex.acquire("job"))
+    assert mutex.release_token("job", str(uuid.uuid4())) is False
+    assert mutex.release_token("job", lock.token) is True
+    held(mutex.acquire("job"))
