@@ -11,7 +11,8 @@ from __future__ import annotations
 import inspect
 from typing import Literal
 
-from ._core import Engine
+from ._clock import SystemClock
+from ._core import Engine, ttl_to_ms
 from ._errors import AmbiguousClientError, BackendUnavailableError, UnsupportedClientError
 from ._memory import InMemoryBackend
 from ._store import Namespace, Store
@@ -134,6 +135,10 @@ def build_engine(
     service = check_str("service_name", service_name)
     permits = check_max_permits(max_permits)
     default_ttl = check_ttl("default_ttl_seconds", default_ttl_seconds)
+    # Servers expire leases on their own clock; dmutex computes expired_at
+    # with the system clock, or the InMemoryBackend's own.
+    clock = client.clock if isinstance(client, InMemoryBackend) else SystemClock()
+    ttl_to_ms(default_ttl, clock)
     chosen = check_backend(backend)
     database = check_str("db_name", db_name)
     prefix = check_str("collection_prefix", collection_prefix, allow_empty=True)

@@ -34,6 +34,20 @@ _ENTER = Gate(enter=True)
 _LEAVE = Gate(enter=False)
 
 
+def ttl_to_ms(seconds: float, clock: Clock, max_expiry_ms: int = MAX_EXPIRY_MS) -> int:
+    """``seconds`` in whole milliseconds, if an expiry that far ahead can be stored.
+
+    Rounds up, as the TypeScript library does for ``PX``, so a lease never
+    lasts less than asked.
+    """
+    millis = math.ceil(seconds * 1000)
+    if now_ms(clock) + millis > min(MAX_EXPIRY_MS, max_expiry_ms):
+        raise InvalidArgumentError(
+            f"ttl={seconds} puts the expiry past what the backend can store"
+        )
+    return millis
+
+
 @dataclass
 class Lease:
     """The state of one acquired permit, shared by its handle and the engine.
@@ -66,19 +80,9 @@ class Engine:
         return self._store.clock
 
     def ttl_ms(self, ttl: object | None) -> int:
-        """Validate ``ttl`` (None: the default) and return it in whole milliseconds.
-
-        Rounds up, as the TypeScript library does for ``PX``, so a lease never
-        lasts less than asked.
-        """
+        """Validate ``ttl`` (None: the default) and return it in whole milliseconds."""
         seconds = self.default_ttl if ttl is None else check_ttl("ttl", ttl)
-        millis = math.ceil(seconds * 1000)
-        limit = min(MAX_EXPIRY_MS, self._store.max_expiry_ms)
-        if now_ms(self.clock) + millis > limit:
-            raise InvalidArgumentError(
-                f"ttl={seconds} puts the expiry past what the backend can store"
-            )
-        return millis
+        return ttl_to_ms(seconds, self.clock, self._store.max_expiry_ms)
 
     def ready(self) -> Steps[None]:
         """Prepare the store once per instance; concurrent callers wait for it.

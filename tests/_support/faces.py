@@ -71,13 +71,17 @@ class Handle:
 
     @property
     def slot(self) -> int:
-        return self.raw.slot if isinstance(self.raw, (DSemaphorePermit, AsyncDSemaphorePermit)) else 0
+        return (
+            self.raw.slot if isinstance(self.raw, (DSemaphorePermit, AsyncDSemaphorePermit)) else 0
+        )
 
     def release(self) -> bool:
-        return self._face.wait(self.raw.release())
+        released: bool = self._face.wait(self.raw.release())
+        return released
 
     def extend(self, ttl: float | None = None) -> bool:
-        return self._face.wait(self.raw.extend(ttl))
+        extended: bool = self._face.wait(self.raw.extend(ttl))
+        return extended
 
 
 class Face:

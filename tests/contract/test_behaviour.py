@@ -286,14 +286,14 @@ def test_deprecated_lock_and_unlock_work_and_warn(env: Env) -> None:
     target = mutex.target
     with pytest.warns(DeprecationWarning, match="lock"):
         assert mutex.wait(target.lock("job", 60)) is True  # type: ignore[union-attr]  # mutex only
-    with pytest.warns(DeprecationWarning):
+    with pytest.warns(DeprecationWarning, match="lock"):
         assert other.wait(other.target.lock("job")) is False  # type: ignore[union-attr]  # mutex only
-    with pytest.warns(DeprecationWarning):
+    with pytest.warns(DeprecationWarning, match="unlock"):
         assert other.wait(other.target.unlock("job")) is False, "other never locked it"  # type: ignore[union-attr]  # mutex only
     assert other.acquire("job") is None
     with pytest.warns(DeprecationWarning, match="unlock"):
         assert mutex.wait(target.unlock("job")) is True  # type: ignore[union-attr]  # mutex only
-    with pytest.warns(DeprecationWarning):
+    with pytest.warns(DeprecationWarning, match="unlock"):
         assert mutex.wait(target.unlock("job")) is False, "the remembered token is spent"  # type: ignore[union-attr]  # mutex only
 
 

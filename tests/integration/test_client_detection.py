@@ -1,0 +1,167 @@
+"""Backend detection against real client objects (no server needed to build them)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import fakeredis
+import mongomock
+import pymongo
+import pytest
+import redis
+import redis.asyncio
+import valkey
+import valkey.asyncio
+
+from dmutex import (
+    AsyncDMutex,
+    AsyncDSemaphore,
+    BackendUnavailableError,
+    DMutex,
+    DSemaphore,
+    InMemoryBackend,
+    UnsupportedClientError,
+)
+from dmutex._backends import detect
+from dmutex._clock import SystemClock
+from dmutex._drive import run_async, run_sync
+from dmutex._effects import Steps, call
+
+SYNC: list[Any] = [DMutex, DSemaphore]
+ASYNC: list[Any] = [AsyncDMutex, AsyncDSemaphore]
+
+# name -> (factory, backend it must be detected as, is it an asyncio client)
+CLIENTS: dict[str, tuple[Callable[[], Any], str, bool]] = {
+    "pymongo.MongoClient": (lambda: pymongo.MongoClient(connect=False), "mongodb", False),
+    "pymongo.AsyncMongoClient": (
+        lambda: pymongo.AsyncMongoClient(connect=False),
+        "mongodb",
+        True,
+    ),
+    "mongomock.MongoClient": (mongomock.MongoClient, "mongodb", False),
+    "redis.Redis": (redis.Redis, "redis", False),
+    "redis.asyncio.Redis": (redis.asyncio.Redis, "redis", True),
+    "valkey.Valkey": (valkey.Valkey, "redis", False),
+    "valkey.asyncio.Valkey": (valkey.asyncio.Valkey, "redis", True),
+    "fakeredis.FakeRedis": (fakeredis.FakeRedis, "redis", False),
+    "fakeredis.FakeAsyncRedis": (fakeredis.FakeAsyncRedis, "redis", True),
+}
+
+
+@pytest.fixture(params=sorted(CLIENTS))
+def real_client(request: pytest.FixtureRequest) -> Iterator[tuple[Any, str, bool]]:
+    factory, backend, is_async = CLIENTS[request.param]
+    client = factory()
+    yield client, backend, is_async
+    closing = getattr(client, "aclose", None) if is_async else getattr(client, "close", None)
+    if closing is not None:
+        result = closing()
+        if asyncio.iscoroutine(result):
+            asyncio.run(result)
+
+
+def make(cls: Any, client: object, **options: Any) -> Any:
+    if cls in (DSemaphore, AsyncDSemaphore):
+        options["max_permits"] = 2
+    return cls("svc", client, **options)
+
+
+def test_detected_without_backend(real_client: tuple[Any, str, bool]) -> None:
+    client, backend, _ = real_client
+    assert detect(client, None) == backend
+
+
+def test_backend_override_accepted_and_checked(real_client: tuple[Any, str, bool]) -> None:
+    client, backend, _ = real_client
+    assert detect(client, backend) == backend  # type: ignore[arg-type]  # str from the table
+    other = "redis" if backend == "mongodb" else "mongodb"
+    with pytest.raises(UnsupportedClientError, match=f"backend='{other}'"):
+        detect(client, other)  # type: ignore[arg-type]  # str from the table
+
+
+def test_right_face_reaches_the_backend_seam(real_client: tuple[Any, str, bool]) -> None:
+    """Recognised for the face it belongs to; this release has no server backend yet."""
+    client, backend, is_async = real_client
+    for cls in ASYNC if is_async else SYNC:
+        with pytest.raises(BackendUnavailableError, match=backend):
+            make(cls, client)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [name for name, (_, backend, is_async) in CLIENTS.items() if is_async and backend == "redis"],
+)
+def test_asyncio_redis_client_refused_by_sync_classes(name: str) -> None:
+    """Its methods are coroutine functions, so this is caught before any call."""
+    client = CLIENTS[name][0]()
+    for cls in SYNC:
+        with pytest.raises(UnsupportedClientError, match="asyncio client"):
+            make(cls, client)
+
+
+def test_sync_driver_refuses_an_awaitable_reply_without_io() -> None:
+    """A client method that returns a coroutine is closed unawaited, then refused."""
+    client = redis.asyncio.Redis(port=1)  # nothing listens there; nothing may try
+
+    def steps() -> Steps[object]:
+        return (yield from call(client.execute_command, "PING"))
+
+    with pytest.raises(UnsupportedClientError, match="asyncio client"):
+        run_sync(steps(), SystemClock(), threading.Lock())
+
+
+def test_async_driver_refuses_a_plain_reply() -> None:
+    client = fakeredis.FakeRedis()
+
+    def steps() -> Steps[object]:
+        return (yield from call(client.execute_command, "PING"))
+
+    with pytest.raises(UnsupportedClientError, match="sync client"):
+        asyncio.run(run_async(steps(), SystemClock(), asyncio.Lock()))
+
+
+@pytest.mark.parametrize("cls", SYNC + ASYNC)
+def test_in_memory_backend_everywhere(cls: Any) -> None:
+    backend = InMemoryBackend()
+    for option in (None, "redis", "mongodb"):
+        assert isinstance(make(cls, backend, backend=option), cls)
+
+
+class AnswersEverything:
+    """Like pymongo's MongoClient: __getattr__ returns something for any name."""
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+class MongoThatAnswersEverything(AnswersEverything):
+    def get_database(self, name: str) -> object:
+        return self
+
+
+def test_getattr_does_not_fool_detection() -> None:
+    with pytest.raises(UnsupportedClientError):
+        detect(AnswersEverything(), None)
+    assert detect(MongoThatAnswersEverything(), None) == "mongodb"
+
+
+class SetEvalOnly:
+    def set(self, name: str, value: str, *, px: int, nx: bool) -> bool:
+        return True
+
+    def eval(self, script: str, numkeys: int, *keys_and_args: object) -> object:
+        return None
+
+
+class SetOnly:
+    def set(self, name: str, value: str, *, px: int, nx: bool) -> bool:
+        return True
+
+
+def test_set_and_eval_path_is_redis_shaped() -> None:
+    assert detect(SetEvalOnly(), None) == "redis"
+    with pytest.raises(UnsupportedClientError):
+        detect(SetOnly(), None)

@@ -1,0 +1,276 @@
+"""Spec section 4: every bad input raises the stated error before any I/O.
+
+Constructor rows use client doubles that record any call; operation rows use
+an InMemoryBackend whose stores record every operation asked of them. After
+each bad call, both records must be empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from dmutex import (
+    AmbiguousClientError,
+    AsyncDMutex,
+    AsyncDSemaphore,
+    DMutex,
+    DMutexError,
+    DSemaphore,
+    ManualClock,
+    UnsupportedClientError,
+)
+from tests._support.doubles import RecordingBackend, RecordingBoth, RecordingMongo, RecordingRedis
+
+CLASSES: list[Any] = [DMutex, DSemaphore, AsyncDMutex, AsyncDSemaphore]
+BAD_SECONDS: list[tuple[object, type[Exception]]] = [
+    (True, TypeError),
+    (False, TypeError),
+    ("5", TypeError),
+    (b"5", TypeError),
+    (0, ValueError),
+    (0.0, ValueError),
+    (-1, ValueError),
+    (math.nan, ValueError),
+    (math.inf, ValueError),
+    (-math.inf, ValueError),
+    (1e12, ValueError),  # expiry past the year 9999: no backend can store it
+]
+
+
+def make(cls: Any, client: object, **options: Any) -> Any:
+    if cls in (DSemaphore, AsyncDSemaphore):
+        options.setdefault("max_permits", 2)
+    return cls("svc", client, **options)
+
+
+def resolve(value: Any) -> Any:
+    """Run a coroutine to completion; return anything else as it is."""
+    if asyncio.iscoroutine(value):
+        return asyncio.run(value)
+    return value
+
+
+def check_error(error: type[Exception], call: Callable[[], object], calls: list[Any]) -> None:
+    with pytest.raises(error) as raised:
+        resolve(call())
+    assert isinstance(raised.value, DMutexError)
+    assert calls == [], f"a call reached the client: {calls}"
+
+
+# --- constructor rows -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize(("value", "error"), BAD_SECONDS)
+def test_default_ttl_seconds(cls: Any, value: object, error: type[Exception]) -> None:
+    client = RecordingRedis()
+    check_error(error, lambda: make(cls, client, default_ttl_seconds=value), client.calls)
+
+
+@pytest.mark.parametrize("cls", [DSemaphore, AsyncDSemaphore])
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        (0, ValueError),
+        (-3, ValueError),
+        (True, TypeError),
+        (2.0, TypeError),
+        ("2", TypeError),
+        (None, TypeError),
+    ],
+)
+def test_max_permits(cls: Any, value: object, error: type[Exception]) -> None:
+    client = RecordingRedis()
+    check_error(error, lambda: cls("svc", client, max_permits=value), client.calls)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize(("value", "error"), [("", ValueError), (None, TypeError), (7, TypeError)])
+def test_service_name(cls: Any, value: object, error: type[Exception]) -> None:
+    client = RecordingRedis()
+    options: dict[str, Any] = {"max_permits": 1} if cls in (DSemaphore, AsyncDSemaphore) else {}
+    check_error(error, lambda: cls(value, client, **options), client.calls)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"service_name": "a$b"},
+        {"service_name": "nul\x00"},
+        {"collection_prefix": "system."},
+        {"collection_name": ""},
+        {"collection_name": "x$y"},
+        {"db_name": ""},
+        {"db_name": "a.b"},
+        {"db_name": "a/b"},
+        {"db_name": "x" * 64},
+    ],
+)
+def test_invalid_mongodb_names(cls: Any, options: dict[str, Any]) -> None:
+    client = RecordingMongo()
+    options = dict(options)
+    service = options.pop("service_name", "svc")
+    extra: dict[str, Any] = {"max_permits": 1} if cls in (DSemaphore, AsyncDSemaphore) else {}
+    check_error(ValueError, lambda: cls(service, client, **options, **extra), client.calls)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("value", ["mysql", "Redis", "", 1, True])
+def test_backend_name(cls: Any, value: object) -> None:
+    client = RecordingRedis()
+    check_error(ValueError, lambda: make(cls, client, backend=value), client.calls)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("client", [object(), "redis://localhost", 42, None])
+def test_client_matching_no_contract(cls: Any, client: object) -> None:
+    with pytest.raises(UnsupportedClientError) as raised:
+        make(cls, client)
+    message = str(raised.value)
+    assert "get_database" in message
+    assert "execute_command" in message
+    assert "set(" in message
+    assert "eval(" in message
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_client_matching_both_contracts(cls: Any) -> None:
+    client = RecordingBoth()
+    check_error(AmbiguousClientError, lambda: make(cls, client), client.calls)
+    with pytest.raises(TypeError, match="backend="):
+        make(cls, client)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize(
+    ("client", "backend"), [(RecordingRedis(), "mongodb"), (RecordingMongo(), "redis")]
+)
+def test_backend_naming_an_unmet_contract(cls: Any, client: Any, backend: str) -> None:
+    client.calls.clear()
+    check_error(UnsupportedClientError, lambda: make(cls, client, backend=backend), client.calls)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("option", ["db_name", "collection_prefix", "key_prefix"])
+def test_option_types(cls: Any, option: str) -> None:
+    client = RecordingRedis()
+    check_error(TypeError, lambda: make(cls, client, **{option: 5}), client.calls)
+
+
+# --- operation rows ---------------------------------------------------------------
+
+
+BAD_KEYS: list[tuple[object, type[Exception]]] = [
+    ("", ValueError),
+    (None, TypeError),
+    (5, TypeError),
+    (b"key", TypeError),
+]
+
+
+def operations(target: Any, key: Any = "k", ttl: Any = None) -> dict[str, Callable[[], object]]:
+    """Every public operation that takes a key and a ttl, called with these."""
+    token = "00000000-0000-4000-8000-000000000000"
+    ops: dict[str, Callable[[], object]] = {
+        "acquire": lambda: target.acquire(key, ttl),
+        "acquire_with_retry": lambda: target.acquire_with_retry(key, ttl=ttl, timeout=0),
+        "run": lambda: target.run(key, print, ttl),
+        "run_with_retry": lambda: target.run_with_retry(key, print, ttl=ttl, timeout=0),
+        "extend": lambda: target.extend(key, token, ttl),
+    }
+    if isinstance(target, (DMutex, AsyncDMutex)):
+        ops["lock"] = lambda: target.lock(key, ttl)
+    return ops
+
+
+def recorded(cls: Any) -> tuple[Any, RecordingBackend]:
+    backend = RecordingBackend(clock=ManualClock())
+    return make(cls, backend), backend
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize(("key", "error"), BAD_KEYS)
+def test_key(cls: Any, key: Any, error: type[Exception]) -> None:
+    target, backend = recorded(cls)
+    calls = [*operations(target, key=key).values()]
+    if isinstance(target, (DSemaphore, AsyncDSemaphore)):
+        calls.append(lambda: target.release(key, "t"))
+    else:
+        calls.append(lambda: target.unlock(key, "t"))
+        calls.append(lambda: target.unlock(key))
+    for call in calls:
+        check_error(error, call, backend.calls)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize(("ttl", "error"), BAD_SECONDS)
+def test_ttl(cls: Any, ttl: object, error: type[Exception]) -> None:
+    target, backend = recorded(cls)
+    for call in operations(target, ttl=ttl).values():
+        check_error(error, call, backend.calls)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize(("ttl", "error"), BAD_SECONDS)
+def test_handle_extend_ttl(cls: Any, ttl: object, error: type[Exception]) -> None:
+    target, backend = recorded(cls)
+    handle = resolve(target.acquire("k"))
+    backend.calls.clear()
+    check_error(error, lambda: handle.extend(ttl), backend.calls)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"timeout": -0.001}, ValueError),
+        ({"timeout": math.nan}, ValueError),
+        ({"timeout": math.inf}, ValueError),
+        ({"timeout": True}, TypeError),
+        ({"timeout": "1"}, TypeError),
+        ({"retry_delay": 0}, ValueError),
+        ({"retry_delay": -1}, ValueError),
+        ({"retry_delay": math.nan}, ValueError),
+        ({"retry_delay": math.inf}, ValueError),
+        ({"retry_delay": None}, TypeError),
+    ],
+)
+def test_timeout_and_retry_delay(cls: Any, options: dict[str, Any], error: type[Exception]) -> None:
+    target, backend = recorded(cls)
+    check_error(error, lambda: target.acquire_with_retry("k", **options), backend.calls)
+    check_error(error, lambda: target.run_with_retry("k", print, **options), backend.calls)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize(("token", "error"), [("", ValueError), (None, TypeError), (7, TypeError)])
+def test_token(cls: Any, token: Any, error: type[Exception]) -> None:
+    target, backend = recorded(cls)
+    check_error(error, lambda: target.extend("k", token), backend.calls)
+    if isinstance(target, (DSemaphore, AsyncDSemaphore)):
+        check_error(error, lambda: target.release("k", token), backend.calls)
+    elif token is not None:  # unlock(key, None) means "the remembered token"
+        check_error(error, lambda: target.unlock("k", token), backend.calls)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("callback", [None, "print", 3])
+def test_callback_not_callable(cls: Any, callback: object) -> None:
+    target, backend = recorded(cls)
+    check_error(TypeError, lambda: target.run("k", callback), backend.calls)
+    check_error(TypeError, lambda: target.run_with_retry("k", callback), backend.calls)
+
+
+def test_a_recording_backend_does_record() -> None:
+    """The doubles above would notice a call: a good one is recorded."""
+    target, backend = recorded(DMutex)
+    target.acquire("k")
+    assert backend.count("acquire") == 1
