@@ -1,0 +1,74 @@
+"""An executable model of the contract's section 3, on a logical clock.
+
+Time is an integer count of milliseconds. A permit is active while
+``now < expires``. Nothing here knows about backends, faces or I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Permit:
+    token: str
+    expires: int
+
+
+@dataclass
+class Model:
+    """The permits of every key, and the time."""
+
+    max_permits: int
+    now: int = 0
+    permits: dict[str, dict[int, Permit]] = field(default_factory=dict)
+
+    def active(self, key: str) -> dict[int, Permit]:
+        """Slot -> permit, for the permits of ``key`` that are active now."""
+        slots = self.permits.get(key, {})
+        return {slot: p for slot, p in slots.items() if self.now < p.expires}
+
+    def is_full(self, key: str) -> bool:
+        return len(self.active(key)) == self.max_permits
+
+    def grant(self, key: str, slot: int, token: str, ttl: int) -> int:
+        """Record that ``token`` took ``slot``; the slot must be free. Returns the expiry."""
+        assert 0 <= slot < self.max_permits, f"slot {slot} out of range"
+        assert slot not in self.active(key), f"slot {slot} of {key!r} is taken"
+        self.permits.setdefault(key, {})[slot] = Permit(token, self.now + ttl)
+        return self.now + ttl
+
+    def _holding(self, key: str, token: str) -> int | None:
+        return next((s for s, p in self.active(key).items() if p.token == token), None)
+
+    def release(self, key: str, token: str) -> bool:
+        slot = self._holding(key, token)
+        if slot is None:
+            return False
+        del self.permits[key][slot]
+        return True
+
+    def extend(self, key: str, token: str, ttl: int) -> int | None:
+        """The new expiry, or None when no active permit holds ``token``."""
+        slot = self._holding(key, token)
+        if slot is None:
+            return None
+        self.permits[key][slot].expires = self.now + ttl
+        return self.now + ttl
+
+    def advance(self, ms: int) -> None:
+        self.now += ms
+
+    def expire(self, key: str, slot: int) -> None:
+        """The permit in ``slot`` (if any) expires now."""
+        permit = self.active(key).get(slot)
+        if permit is not None:
+            permit.expires = self.now
+
+    def storage(self, prefix: str) -> dict[str, str]:
+        """Active permits as the Redis layout names them: storage key -> token."""
+        return {
+            f"{prefix}permit:{slot}:{key}": permit.token
+            for key in self.permits
+            for slot, permit in self.active(key).items()
+        }

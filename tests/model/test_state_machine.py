@@ -1,0 +1,200 @@
+"""Random operation sequences against the model and the real classes side by side.
+
+Every observable result (granted or not, slot, token, expiry, release and
+extend answers, what storage holds) must match the model after every step.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from dmutex._store import EPOCH
+from tests._support.faces import Face, FaceName, Handle, Kind, LoopThread
+from tests.model.harness import Harness, MemoryHarness
+from tests.model.model import Model
+
+KEYS = ("a", "b")
+CALLERS = 3
+EXAMPLES = 200
+SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=30, deadline=None)
+
+
+class Boom(Exception):
+    """Raised by run() callbacks."""
+
+
+def machine_for(
+    make_harness: Callable[[], Harness],
+    ttls: tuple[float, ...],
+    face: FaceName,
+    kind: Kind,
+    max_permits: int,
+) -> type[RuleBasedStateMachine]:
+    """A state machine class for one harness, face, kind and permit count."""
+
+    class LeaseMachine(RuleBasedStateMachine):
+        handles = Bundle("handles")
+        created = 0
+
+        def __init__(self) -> None:
+            super().__init__()
+            type(self).created += 1
+            self.harness = make_harness()
+            self.loop = LoopThread() if face == "async" else None
+            client = self.harness.client(face == "async")
+            self.callers = [
+                Face(face, kind, client, max_permits=max_permits, loop=self.loop)
+                for _ in range(CALLERS)
+            ]
+            self.model = Model(self.callers[0].max_permits)
+            self.prefix = f"_d{kind}_svc:"
+            clock = self.harness.clock
+            self.start_ms = None if clock is None else round(clock.time() * 1000)
+            self.tokens: set[str] = set()
+
+        def teardown(self) -> None:
+            if self.loop is not None:
+                self.loop.close()
+            self.harness.close()
+
+        def check_expiry(self, handle: Handle, expires: int) -> None:
+            if self.start_ms is not None:
+                assert handle.expired_at == EPOCH + timedelta(milliseconds=self.start_ms + expires)
+
+        @rule(
+            target=handles,
+            caller=st.integers(0, CALLERS - 1),
+            key=st.sampled_from(KEYS),
+            ttl=st.sampled_from(ttls),
+        )
+        def acquire(self, caller: int, key: str, ttl: float) -> Any:
+            full = self.model.is_full(key)
+            handle = self.callers[caller].acquire(key, ttl)
+            if full:
+                assert handle is None, "granted a permit beyond max_permits"
+                return multiple()
+            assert handle is not None, "refused although a permit was free"
+            assert handle.key == key
+            assert handle.token not in self.tokens, "token reused"
+            self.tokens.add(handle.token)
+            expires = self.model.grant(key, handle.slot, handle.token, round(ttl * 1000))
+            self.check_expiry(handle, expires)
+            return handle
+
+        @rule(handle=handles)
+        def release(self, handle: Handle) -> None:
+            assert handle.release() == self.model.release(handle.key, handle.token)
+
+        @rule(handle=handles, ttl=st.sampled_from(ttls))
+        def extend(self, handle: Handle, ttl: float) -> None:
+            expected = self.model.extend(handle.key, handle.token, round(ttl * 1000))
+            assert handle.extend(ttl) == (expected is not None)
+            if expected is not None:
+                self.check_expiry(handle, expected)
+
+        @rule(caller=st.integers(0, CALLERS - 1), handle=handles, wrong_key=st.booleans())
+        def release_by_token(self, caller: int, handle: Handle, wrong_key: bool) -> None:
+            key = KEYS[1 - KEYS.index(handle.key)] if wrong_key else handle.key
+            expected = self.model.release(key, handle.token)
+            assert self.callers[caller].release_token(key, handle.token) == expected
+
+        @rule(caller=st.integers(0, CALLERS - 1), handle=handles, ttl=st.sampled_from(ttls))
+        def extend_by_token(self, caller: int, handle: Handle, ttl: float) -> None:
+            expected = self.model.extend(handle.key, handle.token, round(ttl * 1000))
+            assert self.callers[caller].extend(handle.key, handle.token, ttl) == (
+                expected is not None
+            )
+
+        @rule(caller=st.integers(0, CALLERS - 1), key=st.sampled_from(KEYS))
+        def foreign_token(self, caller: int, key: str) -> None:
+            stranger = str(uuid.uuid4())
+            assert self.callers[caller].release_token(key, stranger) is False
+            assert self.callers[caller].extend(key, stranger, ttls[-1]) is False
+
+        @precondition(lambda self: self.harness.clock is not None)
+        @rule(ms=st.integers(0, 40_000))
+        def advance(self, ms: int) -> None:
+            assert self.harness.clock is not None
+            self.harness.clock.advance(ms / 1000)
+            self.model.advance(ms)
+
+        @rule(handle=handles)
+        def force_expire(self, handle: Handle) -> None:
+            self.harness.force_expire(self.prefix, handle.key, handle.slot)
+            self.model.expire(handle.key, handle.slot)
+
+        @rule(
+            caller=st.integers(0, CALLERS - 1),
+            key=st.sampled_from(KEYS),
+            ttl=st.sampled_from(ttls),
+            raises=st.booleans(),
+        )
+        def run(self, caller: int, key: str, ttl: float, raises: bool) -> None:
+            full = self.model.is_full(key)
+            seen: list[str] = []
+
+            def callback(handle: Handle) -> str:
+                # While the callback runs, storage holds its permit in a free slot.
+                stored = self.harness.active(self.prefix)
+                assert stored.get(f"{self.prefix}permit:{handle.slot}:{key}") == handle.token
+                assert handle.slot not in self.model.active(key)
+                seen.append(handle.token)
+                if raises:
+                    raise Boom
+                return handle.token
+
+            if full:
+                assert self.callers[caller].run(key, callback, ttl) is None
+            elif raises:
+                with pytest.raises(Boom):
+                    self.callers[caller].run(key, callback, ttl)
+            else:
+                assert self.callers[caller].run(key, callback, ttl) == seen[0]
+            assert len(seen) == (0 if full else 1)
+            self.tokens.update(seen)
+
+        @invariant()
+        def storage_matches_the_model(self) -> None:
+            stored = self.harness.active(self.prefix)
+            assert stored == self.model.storage(self.prefix)
+
+        @invariant()
+        def never_more_than_max_permits_nor_a_shared_token(self) -> None:
+            stored = self.harness.active(self.prefix)
+            for key in KEYS:
+                tokens = [t for name, t in stored.items() if name.endswith(f":{key}")]
+                assert len(tokens) <= self.model.max_permits
+                assert len(set(tokens)) == len(tokens)
+
+    LeaseMachine.__name__ = f"LeaseMachine_{face}_{kind}_{max_permits}"
+    return LeaseMachine
+
+
+CONFIGS = [
+    (face, kind, permits)
+    for face in ("sync", "async")
+    for kind, permits in (("mutex", 1), ("semaphore", 1), ("semaphore", 3))
+]
+
+
+@pytest.mark.parametrize(("face", "kind", "max_permits"), CONFIGS)
+def test_in_memory_backend(face: FaceName, kind: Kind, max_permits: int) -> None:
+    machine = machine_for(MemoryHarness, MemoryHarness.ttls, face, kind, max_permits)
+    run_state_machine_as_test(machine, settings=SETTINGS)
+    assert machine.created >= EXAMPLES  # type: ignore[attr-defined]  # set on the class above
