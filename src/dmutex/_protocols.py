@@ -119,8 +119,8 @@ class MongoCollectionLike(Protocol):
     A duplicate-key error is any exception whose ``code`` attribute is 11000.
     """
 
-    def create_index(self, keys: IndexKeys, /, **kwargs: object) -> object:
-        """Create an index (idempotent on the server)."""
+    def create_index(self, keys: IndexKeys, /, *, expireAfterSeconds: int) -> object:  # noqa: N803 - the driver's name
+        """Create a TTL index (idempotent on the server)."""
         ...
 
     def update_one(
@@ -157,8 +157,14 @@ class MongoClientLike(Protocol):
 class AsyncMongoCollectionLike(Protocol):
     """An asyncio MongoDB collection (pymongo's ``AsyncCollection``, motor's)."""
 
-    def create_index(self, keys: IndexKeys, /, **kwargs: object) -> Awaitable[object]:
-        """Create an index (idempotent on the server)."""
+    def create_index(
+        self,
+        keys: IndexKeys,
+        /,
+        *,
+        expireAfterSeconds: int,  # noqa: N803 - the driver's name
+    ) -> Awaitable[object]:
+        """Create a TTL index (idempotent on the server)."""
         ...
 
     def update_one(

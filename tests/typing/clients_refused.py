@@ -1,0 +1,43 @@
+"""Static check: a client of the wrong face is refused by the type checker.
+
+Each line below must fail ``mypy --strict`` with ``arg-type``. The targeted
+``type: ignore`` keeps the file clean while it does; mypy.ini turns on
+``warn_unused_ignores``, so the day a line stops failing, CI's mypy run fails.
+``test_typing.py`` also strips the ignores and checks that mypy reports every
+marked line.
+
+Not listed, because the client packages' own types cannot support it: the
+sync ``redis.Redis``, ``valkey.Valkey`` and ``fakeredis.FakeRedis`` handed to
+an async class. Their ``execute_command`` is unannotated (returns ``Any``), so
+it matches the async contract too; dmutex refuses them at run time instead,
+on the first call.
+"""
+
+from __future__ import annotations
+
+import fakeredis
+import mongomock
+import pymongo
+import redis.asyncio
+import valkey.asyncio
+
+from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore
+
+
+def asyncio_clients_to_sync_classes() -> None:
+    DMutex("svc", pymongo.AsyncMongoClient(connect=False))  # type: ignore[arg-type]  # negative
+    DMutex("svc", redis.asyncio.Redis())  # type: ignore[arg-type]  # negative
+    DMutex("svc", valkey.asyncio.Valkey())  # type: ignore[arg-type]  # negative
+    DMutex("svc", fakeredis.FakeAsyncRedis())  # type: ignore[arg-type]  # negative
+    DSemaphore("svc", redis.asyncio.Redis(), max_permits=2)  # type: ignore[arg-type]  # negative
+
+
+def sync_clients_to_async_classes() -> None:
+    AsyncDMutex("svc", pymongo.MongoClient(connect=False))  # type: ignore[arg-type]  # negative
+    AsyncDMutex("svc", mongomock.MongoClient())  # type: ignore[arg-type]  # negative
+    AsyncDSemaphore("svc", pymongo.MongoClient(), max_permits=2)  # type: ignore[arg-type]  # negative
+
+
+def not_clients() -> None:
+    DMutex("svc", "redis://localhost:6379")  # type: ignore[arg-type]  # negative
+    AsyncDMutex("svc", object())  # type: ignore[arg-type]  # negative

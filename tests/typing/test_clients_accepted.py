@@ -1,0 +1,68 @@
+"""Static check: each real client is accepted by the constructor it belongs to.
+
+mypy --strict checks this file (it runs in CI). The functions also run under
+pytest, which builds each client without a server and shows that the
+constructor's runtime detection agrees with the type checker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import fakeredis
+import mongomock
+import pymongo
+import pytest
+import redis
+import redis.asyncio
+import valkey
+import valkey.asyncio
+
+from dmutex import (
+    AsyncDMutex,
+    AsyncDSemaphore,
+    BackendUnavailableError,
+    DMutex,
+    DSemaphore,
+    InMemoryBackend,
+)
+
+
+def recognised(make: Callable[[], object]) -> None:
+    """The constructor got past detection to the backend seam (no server backend yet)."""
+    with pytest.raises(BackendUnavailableError):
+        make()
+
+
+def test_sync_clients_are_accepted_by_sync_classes() -> None:
+    recognised(lambda: DMutex("svc", pymongo.MongoClient(connect=False)))
+    recognised(lambda: DMutex("svc", mongomock.MongoClient()))
+    recognised(lambda: DMutex("svc", redis.Redis()))
+    recognised(lambda: DMutex("svc", valkey.Valkey()))
+    recognised(lambda: DMutex("svc", fakeredis.FakeRedis()))
+    recognised(lambda: DSemaphore("svc", pymongo.MongoClient(connect=False), max_permits=3))
+    recognised(lambda: DSemaphore("svc", mongomock.MongoClient(), max_permits=3))
+    recognised(lambda: DSemaphore("svc", redis.Redis(), max_permits=3))
+    recognised(lambda: DSemaphore("svc", valkey.Valkey(), max_permits=3))
+    recognised(lambda: DSemaphore("svc", fakeredis.FakeRedis(), max_permits=3))
+
+
+def test_asyncio_clients_are_accepted_by_async_classes() -> None:
+    recognised(lambda: AsyncDMutex("svc", pymongo.AsyncMongoClient(connect=False)))
+    recognised(lambda: AsyncDMutex("svc", redis.asyncio.Redis()))
+    recognised(lambda: AsyncDMutex("svc", valkey.asyncio.Valkey()))
+    recognised(lambda: AsyncDMutex("svc", fakeredis.FakeAsyncRedis()))
+    recognised(
+        lambda: AsyncDSemaphore("svc", pymongo.AsyncMongoClient(connect=False), max_permits=3)
+    )
+    recognised(lambda: AsyncDSemaphore("svc", redis.asyncio.Redis(), max_permits=3))
+    recognised(lambda: AsyncDSemaphore("svc", valkey.asyncio.Valkey(), max_permits=3))
+    recognised(lambda: AsyncDSemaphore("svc", fakeredis.FakeAsyncRedis(), max_permits=3))
+
+
+def test_in_memory_backend_is_accepted_everywhere() -> None:
+    backend = InMemoryBackend()
+    DMutex("svc", backend)
+    DSemaphore("svc", backend, max_permits=2)
+    AsyncDMutex("svc", backend)
+    AsyncDSemaphore("svc", backend, max_permits=2)
