@@ -119,7 +119,7 @@ class MongoCollectionLike(Protocol):
     A duplicate-key error is any exception whose ``code`` attribute is 11000.
     """
 
-    def create_index(self, keys: IndexKeys, /, *, expireAfterSeconds: int) -> object:  # noqa: N803 - the driver's name
+    def create_index(self, keys: IndexKeys, /, *, expireAfterSeconds: int) -> object:
         """Create a TTL index (idempotent on the server)."""
         ...
 
@@ -162,7 +162,7 @@ class AsyncMongoCollectionLike(Protocol):
         keys: IndexKeys,
         /,
         *,
-        expireAfterSeconds: int,  # noqa: N803 - the driver's name
+        expireAfterSeconds: int,
     ) -> Awaitable[object]:
         """Create a TTL index (idempotent on the server)."""
         ...
