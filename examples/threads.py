@@ -22,10 +22,11 @@ THREADS, INCREMENTS = 8, 200
 
 
 def hammer(increment: Callable[[], None]) -> None:
-    workers = [
-        threading.Thread(target=lambda: [increment() for _ in range(INCREMENTS)])
-        for _ in range(THREADS)
-    ]
+    def repeat() -> None:
+        for _ in range(INCREMENTS):
+            increment()
+
+    workers = [threading.Thread(target=repeat) for _ in range(THREADS)]
     for worker in workers:
         worker.start()
     for worker in workers:

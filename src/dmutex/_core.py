@@ -42,9 +42,7 @@ def ttl_to_ms(seconds: float, clock: Clock, max_expiry_ms: int = MAX_EXPIRY_MS) 
     """
     millis = math.ceil(seconds * 1000)
     if now_ms(clock) + millis > min(MAX_EXPIRY_MS, max_expiry_ms):
-        raise InvalidArgumentError(
-            f"ttl={seconds} puts the expiry past what the backend can store"
-        )
+        raise InvalidArgumentError(f"ttl={seconds} puts the expiry past what the backend can store")
     return millis
 
 
