@@ -6,7 +6,6 @@ and run the same engine steps with :func:`~dmutex._drive.run_async`.
 
 from __future__ import annotations
 
-import asyncio
 import warnings
 from collections.abc import Awaitable, Callable
 from types import TracebackType
@@ -82,14 +81,9 @@ class AsyncDSemaphorePermit(SlotMixin[_AsyncDrive], _AsyncHandle):
 class _AsyncFace(Generic[H]):
     _ASYNC = True
     _engine: Engine
-    _gate: asyncio.Lock
-
-    def _attach(self, engine: Engine) -> None:
-        self._engine = engine
-        self._gate = asyncio.Lock()
 
     async def _drive(self, steps: Steps[T]) -> T:
-        return await run_async(steps, self._engine.clock, self._gate)
+        return await run_async(steps, self._engine.clock, self._engine.task_gate)
 
     def _wrap(self, lease: Lease) -> H:
         raise NotImplementedError

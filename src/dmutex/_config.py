@@ -18,9 +18,7 @@ ClientT = TypeVar("ClientT")
 
 class _Configured(Generic[ClientT]):
     _ASYNC: ClassVar[bool]
-
-    def _attach(self, engine: Engine) -> None:
-        raise NotImplementedError  # supplied by the sync or the async face
+    _engine: Engine
 
 
 class SemaphoreConfig(_Configured[ClientT]):
@@ -52,20 +50,18 @@ class SemaphoreConfig(_Configured[ClientT]):
         Raises ``TypeError``/``ValueError`` for bad arguments and for a client
         that meets no contract, before touching the client.
         """
-        self._attach(
-            build_engine(
-                service_name=service_name,
-                client=client,
-                kind="semaphore",
-                max_permits=max_permits,
-                default_ttl_seconds=default_ttl_seconds,
-                backend=backend,
-                db_name=db_name,
-                collection_name=collection_name,
-                collection_prefix=collection_prefix,
-                key_prefix=key_prefix,
-                asynchronous=self._ASYNC,
-            )
+        self._engine = build_engine(
+            service_name=service_name,
+            client=client,
+            kind="semaphore",
+            max_permits=max_permits,
+            default_ttl_seconds=default_ttl_seconds,
+            backend=backend,
+            db_name=db_name,
+            collection_name=collection_name,
+            collection_prefix=collection_prefix,
+            key_prefix=key_prefix,
+            asynchronous=self._ASYNC,
         )
 
 
@@ -89,18 +85,16 @@ class MutexConfig(_Configured[ClientT]):
         The options mean what they mean for a semaphore; the defaults name
         ``_dmutex_`` instead of ``_dsemaphore_``.
         """
-        self._attach(
-            build_engine(
-                service_name=service_name,
-                client=client,
-                kind="mutex",
-                max_permits=1,
-                default_ttl_seconds=default_ttl_seconds,
-                backend=backend,
-                db_name=db_name,
-                collection_name=collection_name,
-                collection_prefix=collection_prefix,
-                key_prefix=key_prefix,
-                asynchronous=self._ASYNC,
-            )
+        self._engine = build_engine(
+            service_name=service_name,
+            client=client,
+            kind="mutex",
+            max_permits=1,
+            default_ttl_seconds=default_ttl_seconds,
+            backend=backend,
+            db_name=db_name,
+            collection_name=collection_name,
+            collection_prefix=collection_prefix,
+            key_prefix=key_prefix,
+            asynchronous=self._ASYNC,
         )

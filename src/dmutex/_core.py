@@ -8,6 +8,7 @@ face repeats any of the logic here.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import uuid
@@ -68,6 +69,9 @@ class Engine:
         self.max_permits = max_permits
         self.default_ttl = default_ttl
         self._ready = False
+        # The ready gate, one per face; only the face's own driver uses its gate.
+        self.thread_gate = threading.Lock()
+        self.task_gate = asyncio.Lock()
         # Deprecated lock()/unlock(): the token of the last lock() per key.
         self._remembered: dict[str, str] = {}
         self._remembered_lock = threading.Lock()

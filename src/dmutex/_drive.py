@@ -1,9 +1,9 @@
 """Drivers: carry out the effects of ``Steps`` in the sync or the asyncio way.
 
-These two functions are the only place where sync and async differ: a sync
-driver calls and sleeps, an async driver calls, awaits and sleeps without
-blocking the loop. Both feed results (or exceptions) back into the same
-algorithm.
+One loop (``_drive``) feeds results or exceptions back into the algorithm.
+What differs between the faces is only how an effect is performed: the sync
+driver calls and sleeps, the async driver calls, awaits and sleeps without
+blocking the loop.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TypeVar, cast
 
 from ._clock import Clock
@@ -19,24 +19,6 @@ from ._effects import Call, Effect, Gate, Steps
 from ._errors import UnsupportedClientError
 
 T = TypeVar("T")
-
-
-class _Resume:
-    """What goes back into the algorithm next: a result or an exception."""
-
-    __slots__ = ("error", "value")
-
-    def __init__(self) -> None:
-        self.value: object = None
-        self.error: BaseException | None = None
-
-    def step(self, steps: Steps[T]) -> Effect:
-        """Advance ``steps`` to its next effect; StopIteration carries the result."""
-        value, error = self.value, self.error
-        self.value, self.error = None, None
-        if error is not None:
-            return steps.throw(error)
-        return steps.send(value)
 
 
 def _mismatch(effect: Call, result: object) -> UnsupportedClientError:
@@ -63,51 +45,69 @@ def _mismatch(effect: Call, result: object) -> UnsupportedClientError:
     )
 
 
-def run_sync(steps: Steps[T], clock: Clock, gate: threading.Lock) -> T:
-    """Run ``steps`` to completion in the calling thread."""
-    resume = _Resume()
+async def _drive(steps: Steps[T], perform: Callable[[Effect], Awaitable[object]]) -> T:
+    """The one driver loop: perform each effect, send back its result or exception.
+
+    The sync face runs this coroutine with a ``perform`` that never suspends,
+    so it completes on its first ``send`` with no event loop involved.
+    """
+    value: object = None
+    error: BaseException | None = None
     while True:
         try:
-            effect = resume.step(steps)
+            effect = steps.send(value) if error is None else steps.throw(error)
         except StopIteration as done:
             return cast(T, done.value)
+        value, error = None, None
         try:
-            if isinstance(effect, Call):
-                result = effect.fn(*effect.args, **effect.kwargs)
-                if inspect.isawaitable(result):
-                    if isinstance(result, Coroutine):
-                        result.close()  # never started, so no I/O happened
-                    raise _mismatch(effect, result)
-                resume.value = result
-            elif isinstance(effect, Gate) and effect.enter:
-                gate.acquire()
-            elif isinstance(effect, Gate):
-                gate.release()
-            else:
-                clock.sleep(effect.seconds)
-        except BaseException as error:  # noqa: BLE001 - handed to the algorithm
-            resume.error = error
+            value = await perform(effect)
+        except BaseException as exc:  # noqa: BLE001 - handed to the algorithm
+            error = exc
+
+
+def run_sync(steps: Steps[T], clock: Clock, gate: threading.Lock) -> T:
+    """Run ``steps`` to completion in the calling thread."""
+
+    async def perform(effect: Effect) -> object:
+        if isinstance(effect, Call):
+            result = effect.fn(*effect.args, **effect.kwargs)
+            if inspect.isawaitable(result):
+                if isinstance(result, Coroutine):
+                    result.close()  # never started, so no I/O happened
+                raise _mismatch(effect, result)
+            return result
+        if isinstance(effect, Gate) and effect.enter:
+            gate.acquire()
+        elif isinstance(effect, Gate):
+            gate.release()
+        else:
+            clock.sleep(effect.seconds)
+        return None
+
+    loop = _drive(steps, perform)
+    try:
+        loop.send(None)
+    except StopIteration as done:
+        return cast(T, done.value)
+    loop.close()
+    raise RuntimeError("dmutex: a sync step suspended")  # perform() never awaits
 
 
 async def run_async(steps: Steps[T], clock: Clock, gate: asyncio.Lock) -> T:
     """Run ``steps`` to completion in the running event loop."""
-    resume = _Resume()
-    while True:
-        try:
-            effect = resume.step(steps)
-        except StopIteration as done:
-            return cast(T, done.value)
-        try:
-            if isinstance(effect, Call):
-                result = effect.fn(*effect.args, **effect.kwargs)
-                if not inspect.isawaitable(result):
-                    raise _mismatch(effect, result)
-                resume.value = await result
-            elif isinstance(effect, Gate) and effect.enter:
-                await gate.acquire()
-            elif isinstance(effect, Gate):
-                gate.release()
-            else:
-                await clock.sleep_async(effect.seconds)
-        except BaseException as error:  # noqa: BLE001 - handed to the algorithm
-            resume.error = error
+
+    async def perform(effect: Effect) -> object:
+        if isinstance(effect, Call):
+            result = effect.fn(*effect.args, **effect.kwargs)
+            if not inspect.isawaitable(result):
+                raise _mismatch(effect, result)
+            return await result
+        if isinstance(effect, Gate) and effect.enter:
+            await gate.acquire()
+        elif isinstance(effect, Gate):
+            gate.release()
+        else:
+            await clock.sleep_async(effect.seconds)
+        return None
+
+    return await _drive(steps, perform)

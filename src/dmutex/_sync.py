@@ -6,7 +6,6 @@ for the algorithm's steps and runs them with :func:`~dmutex._drive.run_sync`.
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Callable
 from types import TracebackType
@@ -76,14 +75,9 @@ class DSemaphorePermit(SlotMixin[Callable[[Steps[bool]], bool]], _SyncHandle):
 class _SyncFace(Generic[H]):
     _ASYNC = False
     _engine: Engine
-    _gate: threading.Lock
-
-    def _attach(self, engine: Engine) -> None:
-        self._engine = engine
-        self._gate = threading.Lock()
 
     def _drive(self, steps: Steps[T]) -> T:
-        return run_sync(steps, self._engine.clock, self._gate)
+        return run_sync(steps, self._engine.clock, self._engine.thread_gate)
 
     def _wrap(self, lease: Lease) -> H:
         raise NotImplementedError
