@@ -39,6 +39,7 @@ BAD_SECONDS: list[tuple[object, type[Exception]]] = [
     (math.inf, ValueError),
     (-math.inf, ValueError),
     (1e12, ValueError),  # expiry past the year 9999: no backend can store it
+    (1e306, ValueError),  # so large that seconds * 1000 overflows a float
 ]
 
 

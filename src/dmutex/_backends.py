@@ -167,6 +167,6 @@ def build_engine(
         asynchronous=asynchronous,
     )
     store = _open_store(client, found, namespace)
-    engine = Engine(store, max_permits=permits, default_ttl=default_ttl)
+    engine = Engine(store, default_ttl=default_ttl)
     engine.ttl_ms(None)  # a default TTL past what the store holds fails here
     return engine

@@ -41,10 +41,11 @@ def ttl_to_ms(seconds: float, clock: Clock, max_expiry_ms: int = MAX_EXPIRY_MS) 
     Rounds up, as the TypeScript library does for ``PX``, so a lease never
     lasts less than asked.
     """
-    millis = math.ceil(seconds * 1000)
-    if now_ms(clock) + millis > min(MAX_EXPIRY_MS, max_expiry_ms):
+    limit = min(MAX_EXPIRY_MS, max_expiry_ms)
+    # Compare before multiplying: seconds * 1000 overflows to inf near 1e305.
+    if seconds > limit / 1000 or now_ms(clock) + math.ceil(seconds * 1000) > limit:
         raise InvalidArgumentError(f"ttl={seconds} puts the expiry past what the backend can store")
-    return millis
+    return math.ceil(seconds * 1000)
 
 
 @dataclass
@@ -64,9 +65,8 @@ class Lease:
 class Engine:
     """One DMutex/DSemaphore instance's algorithms over one store."""
 
-    def __init__(self, store: Store, *, max_permits: int, default_ttl: float) -> None:
+    def __init__(self, store: Store, *, default_ttl: float) -> None:
         self._store = store
-        self.max_permits = max_permits
         self.default_ttl = default_ttl
         self._ready = False
         # The ready gate, one per face; only the face's own driver uses its gate.

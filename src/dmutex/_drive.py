@@ -61,6 +61,8 @@ async def _drive(steps: Steps[T], perform: Callable[[Effect], Awaitable[object]]
         value, error = None, None
         try:
             value = await perform(effect)
+        except GeneratorExit:
+            raise  # this coroutine is being closed: nothing may run any more
         except BaseException as exc:  # noqa: BLE001 - handed to the algorithm
             error = exc
 

@@ -78,7 +78,7 @@ def check_backend(value: object) -> BackendName | None:
     if value is None:
         return None
     for name in _BACKENDS:
-        if value == name and isinstance(value, str):
+        if isinstance(value, str) and value == name:
             return name
     raise InvalidArgumentError(f"backend must be 'mongodb', 'redis' or None, not {value!r}")
 

@@ -1,0 +1,124 @@
+"""The algorithms step by step, with no driver and no client: effects out, replies in."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pytest
+
+from dmutex import ManualClock
+from dmutex._clock import Clock
+from dmutex._core import Engine, Lease
+from dmutex._effects import Call, Effect, Gate, Sleep, Steps, call
+from dmutex._store import MAX_EXPIRY_MS, Grant
+
+
+def server(*args: object) -> object:
+    """Stands for a client method; the test answers in its place."""
+    raise AssertionError("never called: the test sends the reply")
+
+
+class ScriptedStore:
+    """A store that asks the 'server' one question per operation."""
+
+    max_expiry_ms = MAX_EXPIRY_MS
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    def ready(self) -> Steps[None]:
+        yield from call(server, "READY")
+
+    def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Grant | None]:
+        reply = yield from call(server, "ACQUIRE", key, ttl_ms)
+        return None if reply is None else Grant(slot=int(str(reply)), expires_ms=1000 + ttl_ms)
+
+    def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
+        return bool((yield from call(server, "RELEASE", key, slot)))
+
+    def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
+        reply = yield from call(server, "EXTEND", key, slot, ttl_ms)
+        return None if reply is None else int(str(reply))
+
+
+def question(effect: Effect) -> tuple[object, ...]:
+    assert isinstance(effect, Call), effect
+    assert effect.fn is server
+    return effect.args
+
+
+def engine() -> Engine:
+    return Engine(ScriptedStore(ManualClock()), default_ttl=300)
+
+
+def test_acquire_asks_ready_once_then_acquires() -> None:
+    subject = engine()
+    steps = subject.acquire("k", 1.5)
+    assert next(steps) == Gate(enter=True)
+    assert question(steps.send(None)) == ("READY",)
+    assert steps.send("ok") == Gate(enter=False)
+    assert question(steps.send(None)) == ("ACQUIRE", "k", 1500)
+    with pytest.raises(StopIteration) as done:
+        steps.send(2)
+    lease = done.value.value
+    assert isinstance(lease, Lease)
+    assert (lease.key, lease.slot, lease.expires_ms) == ("k", 2, 2500)
+    again = subject.acquire("k", None)
+    assert question(next(again)) == ("ACQUIRE", "k", 300_000), "ready is not asked twice"
+
+
+def test_run_releases_when_the_callback_raises() -> None:
+    subject = engine()
+    steps = subject.run(subject.acquire("k", 10), print, lambda lease: lease.token)
+    effect = next(steps)
+    while not (isinstance(effect, Call) and effect.role == "callback"):
+        effect = steps.send(None if isinstance(effect, Gate) else 0)
+    assert effect.fn is print
+    release = steps.throw(ValueError("callback failed"))
+    assert question(release) == ("RELEASE", "k", 0)
+    with pytest.raises(ValueError, match="callback failed"):
+        steps.send(True)
+
+
+def test_retry_sleeps_up_to_the_deadline_then_stops() -> None:
+    clock = ManualClock()
+    subject = Engine(ScriptedStore(clock), default_ttl=300)
+    steps = subject.acquire_with_retry("k", None, timeout=0.25, retry_delay=0.1)
+    seen: list[float] = []
+    effect = next(steps)
+    while True:  # every question gets None: the key stays held
+        if isinstance(effect, Sleep):
+            seen.append(effect.seconds)
+            clock.advance(effect.seconds)
+        try:
+            effect = steps.send(None)
+        except StopIteration as done:
+            result = done.value
+            break
+    assert result is None
+    assert seen == [0.1, 0.1, pytest.approx(0.05)]
+
+
+def test_a_failing_ready_leaves_the_gate_and_is_asked_again() -> None:
+    subject = engine()
+    steps = subject.ready()
+    assert next(steps) == Gate(enter=True)
+    assert question(steps.send(None)) == ("READY",)
+    assert steps.throw(PermissionError("no privilege")) == Gate(enter=False)
+    with pytest.raises(PermissionError):
+        steps.send(None)
+    again = subject.ready()
+    assert next(again) == Gate(enter=True)
+
+
+def test_manual_clock() -> None:
+    clock = ManualClock(datetime(2030, 5, 1, tzinfo=timezone.utc))
+    assert clock.now() == datetime(2030, 5, 1, tzinfo=timezone.utc)
+    assert clock.monotonic() == 0
+    clock.advance(0.001)
+    clock.sleep(2)
+    assert clock.monotonic() == pytest.approx(2.001)
+    with pytest.raises(ValueError, match="advance"):
+        clock.advance(-1)
+    with pytest.raises(ValueError, match="timezone-aware"):
+        ManualClock(datetime(2030, 5, 1))
