@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+import dmutex
 from dmutex import BackendUnavailableError, InMemoryBackend
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
@@ -39,3 +40,9 @@ def test_example_runs(block: str) -> None:
         closing = getattr(namespace["client"], "close", None)
         if server and closing is not None and not inspect.iscoroutinefunction(closing):
             closing()
+
+
+def test_every_public_name_is_in_the_api_reference() -> None:
+    reference = README[README.index("## API reference") :]
+    missing = [name for name in dmutex.__all__ if f"`{name}" not in reference]
+    assert missing == []
