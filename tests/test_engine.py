@@ -190,3 +190,28 @@ def test_threads_never_share_a_mutex() -> None:
         thread.join()
     assert overlaps == []
     assert len(done) == 800
+
+
+def test_tasks_never_exceed_the_semaphore_and_do_reach_it() -> None:
+    backend = InMemoryBackend()
+    gauge = [0, 0]  # now, peak
+    finished: list[int] = []
+
+    async def work(permit: Any) -> None:
+        gauge[0] += 1
+        gauge[1] = max(gauge[1], gauge[0])
+        await asyncio.sleep(0.001)
+        gauge[0] -= 1
+        finished.append(permit.slot)
+
+    async def main() -> None:
+        sem = AsyncDSemaphore("svc", backend, max_permits=3)
+        await asyncio.gather(
+            *(sem.run_with_retry("k", work, timeout=30, retry_delay=0.0005) for _ in range(20))
+        )
+
+    asyncio.run(main())
+    assert gauge[1] == 3
+    assert len(finished) == 20
+    assert set(finished) == {0, 1, 2}
+    assert backend.snapshot() == {}
