@@ -154,6 +154,18 @@ class Face:
         result: bool = self.wait(self.target.extend(key, token, ttl))
         return result
 
+    def lock(self, key: str, ttl: float | None = None) -> bool:
+        """The deprecated DMutex.lock (it warns)."""
+        assert isinstance(self.target, (DMutex, AsyncDMutex)), "lock() is a mutex method"
+        result: bool = self.wait(self.target.lock(key, ttl))
+        return result
+
+    def unlock(self, key: str, token: str | None = None) -> bool:
+        """The deprecated DMutex.unlock (it warns)."""
+        assert isinstance(self.target, (DMutex, AsyncDMutex)), "unlock() is a mutex method"
+        result: bool = self.wait(self.target.unlock(key, token))
+        return result
+
     def release_token(self, key: str, token: str) -> bool:
         """Release by key and token: DSemaphore.release, or DMutex.unlock(key, token)."""
         target: Any = self.target

@@ -283,18 +283,17 @@ def test_semaphore_retry_gets_a_released_permit(env: Env) -> None:
 
 def test_deprecated_lock_and_unlock_work_and_warn(env: Env) -> None:
     mutex, other = env.make("mutex"), env.make("mutex")
-    target = mutex.target
     with pytest.warns(DeprecationWarning, match="lock"):
-        assert mutex.wait(target.lock("job", 60)) is True  # type: ignore[union-attr]  # mutex only
+        assert mutex.lock("job", 60) is True
     with pytest.warns(DeprecationWarning, match="lock"):
-        assert other.wait(other.target.lock("job")) is False  # type: ignore[union-attr]  # mutex only
+        assert other.lock("job") is False
     with pytest.warns(DeprecationWarning, match="unlock"):
-        assert other.wait(other.target.unlock("job")) is False, "other never locked it"  # type: ignore[union-attr]  # mutex only
+        assert other.unlock("job") is False, "other never locked it"
     assert other.acquire("job") is None
     with pytest.warns(DeprecationWarning, match="unlock"):
-        assert mutex.wait(target.unlock("job")) is True  # type: ignore[union-attr]  # mutex only
+        assert mutex.unlock("job") is True
     with pytest.warns(DeprecationWarning, match="unlock"):
-        assert mutex.wait(target.unlock("job")) is False, "the remembered token is spent"  # type: ignore[union-attr]  # mutex only
+        assert mutex.unlock("job") is False, "the remembered token is spent"
 
 
 def test_deprecated_unlock_with_explicit_token(env: Env) -> None:

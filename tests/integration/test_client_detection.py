@@ -19,6 +19,7 @@ import valkey.asyncio
 from dmutex import (
     AsyncDMutex,
     AsyncDSemaphore,
+    BackendName,
     BackendUnavailableError,
     DMutex,
     DSemaphore,
@@ -34,7 +35,7 @@ SYNC: list[Any] = [DMutex, DSemaphore]
 ASYNC: list[Any] = [AsyncDMutex, AsyncDSemaphore]
 
 # name -> (factory, backend it must be detected as, is it an asyncio client)
-CLIENTS: dict[str, tuple[Callable[[], Any], str, bool]] = {
+CLIENTS: dict[str, tuple[Callable[[], Any], BackendName, bool]] = {
     "pymongo.MongoClient": (lambda: pymongo.MongoClient(connect=False), "mongodb", False),
     "pymongo.AsyncMongoClient": (
         lambda: pymongo.AsyncMongoClient(connect=False),
@@ -52,7 +53,7 @@ CLIENTS: dict[str, tuple[Callable[[], Any], str, bool]] = {
 
 
 @pytest.fixture(params=sorted(CLIENTS))
-def real_client(request: pytest.FixtureRequest) -> Iterator[tuple[Any, str, bool]]:
+def real_client(request: pytest.FixtureRequest) -> Iterator[tuple[Any, BackendName, bool]]:
     factory, backend, is_async = CLIENTS[request.param]
     client = factory()
     yield client, backend, is_async
@@ -69,20 +70,20 @@ def make(cls: Any, client: object, **options: Any) -> Any:
     return cls("svc", client, **options)
 
 
-def test_detected_without_backend(real_client: tuple[Any, str, bool]) -> None:
+def test_detected_without_backend(real_client: tuple[Any, BackendName, bool]) -> None:
     client, backend, _ = real_client
     assert detect(client, None) == backend
 
 
-def test_backend_override_accepted_and_checked(real_client: tuple[Any, str, bool]) -> None:
+def test_backend_override_accepted_and_checked(real_client: tuple[Any, BackendName, bool]) -> None:
     client, backend, _ = real_client
-    assert detect(client, backend) == backend  # type: ignore[arg-type]  # str from the table
-    other = "redis" if backend == "mongodb" else "mongodb"
+    assert detect(client, backend) == backend
+    other: BackendName = "redis" if backend == "mongodb" else "mongodb"
     with pytest.raises(UnsupportedClientError, match=f"backend='{other}'"):
-        detect(client, other)  # type: ignore[arg-type]  # str from the table
+        detect(client, other)
 
 
-def test_right_face_reaches_the_backend_seam(real_client: tuple[Any, str, bool]) -> None:
+def test_right_face_reaches_the_backend_seam(real_client: tuple[Any, BackendName, bool]) -> None:
     """Recognised for the face it belongs to; this release has no server backend yet."""
     client, backend, is_async = real_client
     for cls in ASYNC if is_async else SYNC:
