@@ -14,7 +14,10 @@ def test_snapshot_names_records_as_the_redis_layout_does() -> None:
     first, second = sem.acquire("invoice:7", ttl=10), sem.acquire("invoice:7", ttl=20)
     lock = DMutex("billing", backend).acquire("nightly", ttl=30)
     custom = DMutex("billing", backend, key_prefix="app:").acquire("nightly")
-    assert first and second and lock and custom
+    assert first is not None
+    assert second is not None
+    assert lock is not None
+    assert custom is not None
     assert backend.snapshot() == {
         "_dsemaphore_billing:permit:0:invoice:7": (
             first.token,
