@@ -275,3 +275,12 @@ def test_a_recording_backend_does_record() -> None:
     target, backend = recorded(DMutex)
     target.acquire("k")
     assert backend.count("acquire") == 1
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_mongodb_names_are_not_judged_for_other_backends(cls: Any) -> None:
+    """Options of the other backend are ignored, as the README says."""
+    backend = RecordingBackend()
+    made = make(cls, backend, db_name="", collection_name="a$b", collection_prefix="system.")
+    assert isinstance(made, cls)
+    assert backend.calls == []

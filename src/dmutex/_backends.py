@@ -140,13 +140,14 @@ def build_engine(
     clock = client.clock if isinstance(client, InMemoryBackend) else SystemClock()
     ttl_to_ms(default_ttl, clock)
     chosen = check_backend(backend)
-    database = check_str("db_name", db_name)
+    # MongoDB names are only checked for value once the client is a MongoDB one.
+    database = check_str("db_name", db_name, allow_empty=True)
     prefix = check_str("collection_prefix", collection_prefix, allow_empty=True)
     if collection_name is None:
         collection = prefix + service
         origin = f"collection_prefix {prefix!r} + service_name {service!r}"
     else:
-        collection = check_str("collection_name", collection_name)
+        collection = check_str("collection_name", collection_name, allow_empty=True)
         origin = "collection_name"
     if key_prefix is None:
         keys = f"{_KEY_PREFIX[kind]}{service}:"
