@@ -98,8 +98,6 @@ class Face:
         loop: LoopThread | None = None,
         **options: Any,
     ) -> None:
-        self.name = name
-        self.kind = kind
         self.max_permits = max_permits if kind == "semaphore" else 1
         if name == "async" and loop is None:
             raise ValueError("an async face needs an event loop")
@@ -130,9 +128,6 @@ class Face:
             return await asyncio.to_thread(fn, Handle(raw, self))
 
         return callback
-
-    def ready(self) -> None:
-        self.wait(self.target.ready())
 
     def acquire(self, key: str, ttl: float | None = None) -> Handle | None:
         return self._handle(self.wait(self.target.acquire(key, ttl)))
@@ -176,8 +171,3 @@ class Face:
             warnings.simplefilter("ignore", DeprecationWarning)
             result = self.wait(target.unlock(key, token))
         return result
-
-
-def run_coroutine(coro: Coroutine[Any, Any, T]) -> T:
-    """Run one coroutine on a fresh loop (for face-specific async tests)."""
-    return asyncio.run(coro)

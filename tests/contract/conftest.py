@@ -7,7 +7,7 @@ case here; the tests in this folder do not change.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -25,12 +25,9 @@ class Env:
     clock: ManualClock | None
     expire_fn: Callable[[str, int | None], None]
     loop: LoopThread | None = None
-    made: list[Face] = field(default_factory=list)
 
     def make(self, kind: Kind, **options: Any) -> Face:
-        face = Face(self.face, kind, self.client, loop=self.loop, **options)
-        self.made.append(face)
-        return face
+        return Face(self.face, kind, self.client, loop=self.loop, **options)
 
     def expire(self, key: str, slot: int | None = None) -> None:
         """Make the permits of ``key`` expire now, leaving their records in place."""

@@ -62,7 +62,7 @@ def test_asyncio_clients_are_accepted_by_async_classes() -> None:
 
 def test_in_memory_backend_is_accepted_everywhere() -> None:
     backend = InMemoryBackend()
-    DMutex("svc", backend)
-    DSemaphore("svc", backend, max_permits=2)
-    AsyncDMutex("svc", backend)
-    AsyncDSemaphore("svc", backend, max_permits=2)
+    assert isinstance(DMutex("svc", backend), DMutex)
+    assert isinstance(DSemaphore("svc", backend, max_permits=2), DSemaphore)
+    assert isinstance(AsyncDMutex("svc", backend), AsyncDMutex)
+    assert isinstance(AsyncDSemaphore("svc", backend, max_permits=2), AsyncDSemaphore)
