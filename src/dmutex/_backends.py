@@ -15,6 +15,7 @@ from ._clock import SystemClock
 from ._core import Engine, ttl_to_ms
 from ._errors import AmbiguousClientError, BackendUnavailableError, UnsupportedClientError
 from ._memory import InMemoryBackend
+from ._redis import RedisStore
 from ._store import Namespace, Store
 from ._validate import (
     BackendName,
@@ -108,6 +109,8 @@ def _check_face(client: object, kind: Kind, asynchronous: bool) -> None:
 def _open_store(client: object, kind: Kind, namespace: Namespace) -> Store:
     if isinstance(client, InMemoryBackend):
         return client._bind(namespace)
+    if kind == "redis":
+        return RedisStore(client, namespace)
     raise BackendUnavailableError(
         f"this release of dmutex recognises {type(client).__qualname__} as a "
         f"{kind} client but has no {kind} backend yet; use InMemoryBackend"
