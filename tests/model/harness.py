@@ -7,9 +7,15 @@ machine does not change.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+import redis
+
 from dmutex import InMemoryBackend, ManualClock
+from tests._support.redis_clients import SERVER_VARIANTS, Made, close_made
+
+Runner = Callable[[Awaitable[object]], object]
 
 
 class Harness(Protocol):
@@ -31,8 +37,8 @@ class Harness(Protocol):
         """Active permits under ``prefix``: storage key -> token."""
         ...
 
-    def close(self) -> None:
-        """Release whatever the harness holds."""
+    def close(self, run: Runner | None) -> None:
+        """Release whatever the harness holds; ``run`` awaits on the async face's loop."""
         ...
 
 
@@ -58,5 +64,41 @@ class MemoryHarness:
             if name.startswith(prefix)
         }
 
-    def close(self) -> None:
+    def close(self, run: Runner | None) -> None:
         pass
+
+
+class RedisHarness:
+    """A real Redis server, in real time, through one client package.
+
+    Leases are long enough (30 s and more) that none runs out during an
+    example; expiry is forced by giving the slot key an expiry in the past,
+    which makes the server delete it.
+    """
+
+    clock: ManualClock | None = None
+    ttls: tuple[float, ...] = (30.0, 61.5, 90.001)
+
+    def __init__(self, url: str, variant: str = "redis-py") -> None:
+        self._url = url
+        self._variant = variant
+        self._made: list[Made] = []
+        self._server = redis.Redis.from_url(url, decode_responses=True)
+        self._server.flushdb()
+
+    def client(self, asynchronous: bool) -> object:
+        made = SERVER_VARIANTS[self._variant][asynchronous](self._url)
+        self._made.append(made)
+        return made.client
+
+    def force_expire(self, prefix: str, key: str, slot: int) -> None:
+        self._server.pexpireat(f"{prefix}permit:{slot}:{key}", 1)
+
+    def active(self, prefix: str) -> dict[str, str]:
+        found = {name: self._server.get(name) for name in self._server.keys(f"{prefix}*")}
+        return {name: token for name, token in found.items() if token is not None}
+
+    def close(self, run: Runner | None) -> None:
+        for made in self._made:
+            close_made(made, run)
+        self._server.close()

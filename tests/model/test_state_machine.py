@@ -7,7 +7,7 @@ extend answers, what storage holds) must match the model after every step.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -26,7 +26,7 @@ from hypothesis.stateful import (
 
 from dmutex._store import EPOCH
 from tests._support.faces import Face, FaceName, Handle, Kind, LoopThread
-from tests.model.harness import Harness, MemoryHarness
+from tests.model.harness import Harness, MemoryHarness, RedisHarness
 from tests.model.model import Model
 
 KEYS = ("a", "b")
@@ -77,9 +77,19 @@ def machine_for(
             self.tokens: set[str] = set()
 
         def teardown(self) -> None:
-            if self.loop is not None:
-                self.loop.close()
-            self.harness.close()
+            loop = self.loop
+            if loop is None:
+                self.harness.close(None)
+                return
+
+            def run(awaitable: Awaitable[object]) -> object:
+                async def wait() -> object:
+                    return await awaitable
+
+                return loop.run(wait())
+
+            self.harness.close(run)
+            loop.close()
 
         def check_expiry(self, handle: Handle, expires: int) -> None:
             if self.start_ms is not None:
@@ -204,5 +214,15 @@ CONFIGS = [
 @pytest.mark.parametrize(("face", "kind", "max_permits"), CONFIGS)
 def test_in_memory_backend(face: FaceName, kind: Kind, max_permits: int) -> None:
     machine = machine_for(MemoryHarness, MemoryHarness.ttls, face, kind, max_permits)
+    run_state_machine_as_test(machine, settings=SETTINGS)
+    assert machine.created >= EXAMPLES
+
+
+@pytest.mark.parametrize(("face", "kind", "max_permits"), CONFIGS)
+def test_redis(redis_url: str, face: FaceName, kind: Kind, max_permits: int) -> None:
+    """The same machine against a real Redis server (each version found), via redis-py."""
+    machine = machine_for(
+        lambda: RedisHarness(redis_url), RedisHarness.ttls, face, kind, max_permits
+    )
     run_state_machine_as_test(machine, settings=SETTINGS)
     assert machine.created >= EXAMPLES
