@@ -1,0 +1,350 @@
+"""Several OS processes hammering one lock key on a real Redis server.
+
+Each worker is a separate process started with ``spawn``; it builds its own
+client and its own dmutex instance, waits on a barrier so that all of them
+start together, runs its cycles and reports a :class:`Report` (or the
+traceback of what it raised) through a queue. The parent bounds everything:
+a worker that has not reported by the deadline is terminated and the test
+fails.
+
+Each cycle first tries one plain ``acquire()``; when that is refused the
+worker counts it and falls back to ``acquire_with_retry()``. The refusal
+count shows that the processes really contended for the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import multiprocessing.queues
+import multiprocessing.synchronize
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+import pytest
+import redis
+import redis.asyncio
+
+from dmutex import AsyncDMutex, DMutex, DSemaphore
+from tests._support.redis_servers import Server
+
+LOCK_KEY = "orders"
+COUNTER = "test:counter"
+GAUGE = "test:gauge"
+SCRATCH = "test:scratch"
+MUTEX_SERVICE = "procs"
+SEMAPHORE_SERVICE = "procs"
+MUTEX_SLOT_KEY = f"_dmutex_{MUTEX_SERVICE}:permit:0:{LOCK_KEY}"
+
+TTL = 10.0  # far longer than any test: no lease may expire while held
+RETRY_TIMEOUT = 30.0
+RETRY_DELAY = 0.001
+BARRIER_TIMEOUT = 60.0  # spawning and importing on a busy 2-core machine
+DEADLINE = 120.0  # for a whole group of workers, start to finish
+
+PROCESSES = 4
+CYCLES = 500
+SEM_PROCESSES = 6
+SEM_PERMITS = 3
+
+
+@dataclass(frozen=True)
+class Report:
+    """What one worker saw."""
+
+    worker: int
+    cycles: int  # cycles completed: acquired, worked, released
+    refused: int  # plain acquire() attempts that returned None
+    peak: int = 0  # highest INCR reply of the gauge (semaphore test)
+    slots: tuple[int, ...] = ()  # every slot a permit reported (semaphore test)
+    foreign: int = 0  # times the slot key did not hold this worker's token
+    failed_releases: int = 0  # release() that returned False
+
+
+Outcome: TypeAlias = "tuple[int, Report | str]"
+Reports: TypeAlias = "multiprocessing.queues.Queue[Outcome]"
+Barrier: TypeAlias = multiprocessing.synchronize.Barrier
+
+
+@dataclass
+class Tally:
+    """A worker's running counts, turned into a Report at the end."""
+
+    worker: int
+    cycles: int = 0
+    refused: int = 0
+    peak: int = 0
+    slots: set[int] = field(default_factory=set)
+    foreign: int = 0
+    failed_releases: int = 0
+
+    def report(self) -> Report:
+        return Report(
+            self.worker,
+            self.cycles,
+            self.refused,
+            self.peak,
+            tuple(sorted(self.slots)),
+            self.foreign,
+            self.failed_releases,
+        )
+
+
+def _as_str(value: object) -> str | None:
+    return value.decode() if isinstance(value, bytes) else None if value is None else str(value)
+
+
+def _report_errors(
+    body: Callable[[Tally], None], worker: int, reports: Reports, barrier: Barrier
+) -> None:
+    """Run ``body``; send its report, or its traceback, to the parent."""
+    tally = Tally(worker)
+    try:
+        body(tally)
+    except BaseException:
+        # Release the others from the barrier if we failed before it.
+        barrier.abort()
+        reports.put((worker, traceback.format_exc()))
+        raise
+    reports.put((worker, tally.report()))
+
+
+# --- workers (module level: spawn imports this module to find them) ---------------------
+
+
+def mutex_counter_worker(
+    worker: int, reports: Reports, barrier: Barrier, url: str, cycles: int
+) -> None:
+    """``cycles`` times: lock, GET the counter, SET it to one more, unlock."""
+
+    def body(tally: Tally) -> None:
+        client = redis.Redis.from_url(url)
+        try:
+            mutex = DMutex(MUTEX_SERVICE, client)
+            client.ping()
+            barrier.wait(BARRIER_TIMEOUT)
+            for _ in range(cycles):
+                lock = mutex.acquire(LOCK_KEY, ttl=TTL)
+                if lock is None:
+                    tally.refused += 1
+                    lock = mutex.acquire_with_retry(
+                        LOCK_KEY, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=RETRY_DELAY
+                    )
+                assert lock is not None, "acquire_with_retry timed out"
+                if _as_str(client.get(MUTEX_SLOT_KEY)) != lock.token:
+                    tally.foreign += 1
+                value = client.get(COUNTER)
+                client.set(COUNTER, int(value or 0) + 1)
+                if not lock.release():
+                    tally.failed_releases += 1
+                tally.cycles += 1
+        finally:
+            client.close()
+
+    _report_errors(body, worker, reports, barrier)
+
+
+def semaphore_gauge_worker(
+    worker: int, reports: Reports, barrier: Barrier, url: str, cycles: int, permits: int
+) -> None:
+    """``cycles`` times: take a permit, INCR the gauge, work, DECR it, release."""
+
+    def body(tally: Tally) -> None:
+        client = redis.Redis.from_url(url)
+        try:
+            sem = DSemaphore(SEMAPHORE_SERVICE, client, max_permits=permits)
+            client.ping()
+            barrier.wait(BARRIER_TIMEOUT)
+            for _ in range(cycles):
+                permit = sem.acquire(LOCK_KEY, ttl=TTL)
+                if permit is None:
+                    tally.refused += 1
+                    permit = sem.acquire_with_retry(
+                        LOCK_KEY, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=RETRY_DELAY
+                    )
+                assert permit is not None, "acquire_with_retry timed out"
+                tally.slots.add(permit.slot)
+                now = int(client.incr(GAUGE))
+                tally.peak = max(tally.peak, now)
+                slot_key = f"_dsemaphore_{SEMAPHORE_SERVICE}:permit:{permit.slot}:{LOCK_KEY}"
+                if _as_str(client.get(slot_key)) != permit.token:
+                    tally.foreign += 1
+                client.get(SCRATCH)  # a little work while holding the permit
+                client.decr(GAUGE)
+                if not permit.release():
+                    tally.failed_releases += 1
+                tally.cycles += 1
+        finally:
+            client.close()
+
+    _report_errors(body, worker, reports, barrier)
+
+
+def async_mutex_counter_worker(
+    worker: int, reports: Reports, barrier: Barrier, url: str, cycles: int
+) -> None:
+    """The counter worker with the asyncio face, in its own event loop."""
+
+    async def main(tally: Tally) -> None:
+        client = redis.asyncio.Redis.from_url(url)
+        try:
+            mutex = AsyncDMutex(MUTEX_SERVICE, client)
+            await client.ping()
+            # Blocking here is fine: nothing else runs on this loop yet.
+            barrier.wait(BARRIER_TIMEOUT)
+            for _ in range(cycles):
+                lock = await mutex.acquire(LOCK_KEY, ttl=TTL)
+                if lock is None:
+                    tally.refused += 1
+                    lock = await mutex.acquire_with_retry(
+                        LOCK_KEY, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=RETRY_DELAY
+                    )
+                assert lock is not None, "acquire_with_retry timed out"
+                if _as_str(await client.get(MUTEX_SLOT_KEY)) != lock.token:
+                    tally.foreign += 1
+                value = await client.get(COUNTER)
+                await client.set(COUNTER, int(value or 0) + 1)
+                if not await lock.release():
+                    tally.failed_releases += 1
+                tally.cycles += 1
+        finally:
+            await client.aclose()
+
+    _report_errors(lambda tally: asyncio.run(main(tally)), worker, reports, barrier)
+
+
+# --- the parent side --------------------------------------------------------------------
+
+
+def run_workers(target: Callable[..., None], count: int, *args: object) -> list[Report]:
+    """Start ``count`` processes of ``target`` together; return their reports.
+
+    Fails the test if a worker raised, died without reporting, or has not
+    finished by ``DEADLINE``; terminates any worker still running.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    reports: Reports = ctx.Queue()
+    barrier = ctx.Barrier(count)
+    processes = [
+        ctx.Process(target=target, args=(i, reports, barrier, *args), daemon=True)
+        for i in range(count)
+    ]
+    outcomes: dict[int, Report | str] = {}
+    deadline = time.monotonic() + DEADLINE
+    problem = ""
+    try:
+        for process in processes:
+            process.start()
+        while len(outcomes) < count and not problem:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                problem = f"workers still running after {DEADLINE} s"
+                break
+            try:
+                worker, outcome = reports.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                dead = [
+                    i
+                    for i, p in enumerate(processes)
+                    if i not in outcomes and p.exitcode is not None
+                ]
+                if dead:
+                    # Give a report already in the pipe a moment to arrive.
+                    try:
+                        worker, outcome = reports.get(timeout=2.0)
+                    except queue.Empty:
+                        problem = f"workers {dead} exited without a report"
+                        break
+                else:
+                    continue
+            outcomes[worker] = outcome
+        for process in processes:
+            process.join(max(0.1, deadline - time.monotonic()))
+    finally:
+        stragglers = [i for i, p in enumerate(processes) if p.is_alive()]
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+        for process in processes:
+            if not process.is_alive():
+                process.close()
+        reports.close()
+        reports.join_thread()
+    errors = {i: o for i, o in outcomes.items() if isinstance(o, str)}
+    if errors:
+        pytest.fail("\n".join(f"worker {i} raised:\n{tb}" for i, tb in sorted(errors.items())))
+    if problem:
+        pytest.fail(problem)
+    if stragglers:
+        pytest.fail(f"workers {stragglers} reported but did not exit")
+    return [o for _, o in sorted(outcomes.items()) if isinstance(o, Report)]
+
+
+def _print_figures(name: str, server: Server, started: float, reports: list[Report]) -> None:
+    elapsed = time.monotonic() - started
+    refused = [r.refused for r in reports]
+    peak = max(r.peak for r in reports)
+    # Shown with -s; the brief asks for these figures, no assertion uses them.
+    print(f"\n{name} on {server.label}: {elapsed:.2f} s, refused per worker {refused}", end="")
+    print(f", peak gauge {peak}" if peak else "")
+
+
+# --- the tests --------------------------------------------------------------------------
+
+
+def _check_counter(reports: list[Report], client: redis.Redis, processes: int) -> None:
+    assert len(reports) == processes
+    assert [r.cycles for r in reports] == [CYCLES] * processes
+    assert sum(r.foreign for r in reports) == 0, "a holder found another token in the lock key"
+    assert sum(r.failed_releases for r in reports) == 0
+    # Read-modify-write with GET and SET loses updates unless the lock excludes.
+    assert int(client.get(COUNTER) or 0) == processes * CYCLES
+    assert sum(r.refused for r in reports) > 0, "the workers never contended"
+    assert client.exists(MUTEX_SLOT_KEY) == 0, "the lock key outlived its last release"
+
+
+def test_mutex_serializes_read_modify_write_across_processes(
+    redis_server: Server, redis_url: str
+) -> None:
+    started = time.monotonic()
+    reports = run_workers(mutex_counter_worker, PROCESSES, redis_url, CYCLES)
+    _print_figures("mutex counter", redis_server, started, reports)
+    with redis.Redis.from_url(redis_url) as client:
+        _check_counter(reports, client, PROCESSES)
+
+
+def test_async_mutex_serializes_read_modify_write_across_processes(
+    redis_server: Server, redis_url: str
+) -> None:
+    started = time.monotonic()
+    reports = run_workers(async_mutex_counter_worker, PROCESSES, redis_url, CYCLES)
+    _print_figures("async mutex counter", redis_server, started, reports)
+    with redis.Redis.from_url(redis_url) as client:
+        _check_counter(reports, client, PROCESSES)
+
+
+def test_semaphore_bounds_concurrency_across_processes(
+    redis_server: Server, redis_url: str
+) -> None:
+    started = time.monotonic()
+    reports = run_workers(semaphore_gauge_worker, SEM_PROCESSES, redis_url, CYCLES, SEM_PERMITS)
+    _print_figures("semaphore gauge", redis_server, started, reports)
+    assert len(reports) == SEM_PROCESSES
+    assert [r.cycles for r in reports] == [CYCLES] * SEM_PROCESSES
+    assert sum(r.foreign for r in reports) == 0, "a holder found another token in its slot key"
+    assert sum(r.failed_releases for r in reports) == 0
+    peak = max(r.peak for r in reports)
+    assert peak <= SEM_PERMITS, f"{peak} holders at once with {SEM_PERMITS} permits"
+    assert peak == SEM_PERMITS, "the permits were never all in use at once"
+    slots = {s for r in reports for s in r.slots}
+    assert slots <= set(range(SEM_PERMITS))
+    assert sum(r.refused for r in reports) > 0, "the workers never contended"
+    with redis.Redis.from_url(redis_url) as client:
+        assert int(client.get(GAUGE) or 0) == 0
+        leftovers = client.keys(f"_dsemaphore_{SEMAPHORE_SERVICE}:*")
+        assert leftovers == [], "slot keys outlived their last release"
