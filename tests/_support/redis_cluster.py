@@ -1,0 +1,206 @@
+"""A local three-master Redis Cluster (no replicas) started from a ``redis-server``.
+
+Three processes on free 127.0.0.1 ports, persistence off, in one temporary
+directory. The 16384 hash slots are split in three ranges with ``CLUSTER
+ADDSLOTS`` (``ADDSLOTSRANGE`` is Redis 7.0+ only), the nodes are introduced
+with ``CLUSTER MEET``, and :meth:`LocalCluster.start` returns once every node
+reports ``cluster_state:ok`` and knows three masters. :meth:`LocalCluster.stop`
+stops every process by its pid and removes the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from tests._support.redis_servers import _library_env
+
+START_TIMEOUT = 30.0
+HASH_SLOTS = 16384
+BUS_PORT_OFFSET = 10000  # Redis 6.2 has no cluster-port option: the bus is port + 10000.
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_cluster_port(taken: set[int]) -> int:
+    """A free 127.0.0.1 port whose cluster bus port (port + 10000) is free too."""
+    for _ in range(200):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        bus = port + BUS_PORT_OFFSET
+        if (
+            bus < 65536
+            and not {port, bus} & taken
+            and not {p + BUS_PORT_OFFSET for p in taken} & {port}
+            and _bindable(bus)
+        ):
+            return port
+    raise RuntimeError("found no free port pair (port, port + 10000) on 127.0.0.1")
+
+
+def slot_ranges(nodes: int) -> list[range]:
+    """The hash slots split into ``nodes`` contiguous ranges."""
+    size, rest = divmod(HASH_SLOTS, nodes)
+    ranges, start = [], 0
+    for i in range(nodes):
+        end = start + size + (1 if i < rest else 0)
+        ranges.append(range(start, end))
+        start = end
+    return ranges
+
+
+class LocalCluster:
+    """Three masters started from ``path``; ``start()`` gives their ``(host, port)``."""
+
+    host = "127.0.0.1"
+
+    def __init__(self, path: Path | str, nodes: int = 3) -> None:
+        self.path = Path(path)
+        self.nodes = nodes
+        self.ports: list[int] = []
+        self.version = ""
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> list[tuple[str, int]]:
+        """Start the nodes, build the cluster, wait until it serves every slot."""
+        try:
+            self._spawn()
+            self._assign_slots()
+            self._meet()
+            self._wait_until_ok()
+        except BaseException:
+            self.stop()
+            raise
+        return [(self.host, port) for port in self.ports]
+
+    def stop(self) -> None:
+        """Stop every process by its pid and remove the directory."""
+        for proc in self._procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        self._procs = []
+        self.ports = []
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs]
+
+    # --- steps --------------------------------------------------------------------
+
+    def _client(self, port: int) -> redis.Redis:
+        return redis.Redis(host=self.host, port=port, socket_timeout=5, decode_responses=True)
+
+    def _spawn(self) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="dmutex-redis-cluster-")
+        taken: set[int] = set()
+        for _ in range(self.nodes):
+            port = free_cluster_port(taken)
+            taken.add(port)
+            self.ports.append(port)
+            args = [
+                str(self.path),
+                "--port", str(port),
+                "--bind", self.host,
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", f"nodes-{port}.conf",
+                "--save", "",
+                "--appendonly", "no",
+                "--daemonize", "no",
+                "--dir", self._dir.name,
+            ]  # fmt: skip
+            self._procs.append(
+                subprocess.Popen(
+                    args,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    env=_library_env(),
+                )
+            )
+        for proc, port in zip(self._procs, self.ports, strict=True):
+            self.version = self._wait_until_up(proc, port)
+
+    def _wait_until_up(self, proc: subprocess.Popen[bytes], port: int) -> str:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.path} on port {port} exited with {proc.returncode}")
+            try:
+                with self._client(port) as r:
+                    return str(r.info("server")["redis_version"])
+            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def _assign_slots(self) -> None:
+        for port, slots in zip(self.ports, slot_ranges(self.nodes), strict=True):
+            with self._client(port) as r:
+                r.execute_command("CLUSTER", "ADDSLOTS", *slots)
+
+    def _meet(self) -> None:
+        with self._client(self.ports[0]) as r:
+            for port in self.ports[1:]:
+                r.execute_command("CLUSTER", "MEET", self.host, port)
+
+    def _node_ok(self, port: int) -> bool:
+        with self._client(port) as r:
+            info = str(r.execute_command("CLUSTER", "INFO"))
+            nodes = str(r.execute_command("CLUSTER", "NODES"))
+        fields = dict(
+            line.split(":", 1) for line in info.splitlines() if ":" in line and line.strip()
+        )
+        masters = [
+            line
+            for line in nodes.splitlines()
+            if line.strip() and "master" in line.split()[2].split(",")
+        ]
+        settled = all(
+            not {"handshake", "fail", "fail?", "noaddr"} & set(line.split()[2].split(","))
+            for line in masters
+        )
+        return (
+            fields.get("cluster_state", "").strip() == "ok"
+            and fields.get("cluster_slots_ok", "").strip() == str(HASH_SLOTS)
+            and len(masters) == self.nodes
+            and settled
+        )
+
+    def _wait_until_ok(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            for proc, port in zip(self._procs, self.ports, strict=True):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"cluster node on port {port} exited with {proc.returncode}")
+            if all(self._node_ok(port) for port in self.ports):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"Redis Cluster on ports {self.ports} not ok after {START_TIMEOUT:.0f} s"
+                )
+            time.sleep(0.1)
