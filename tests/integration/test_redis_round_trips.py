@@ -1,0 +1,395 @@
+"""Spec section 7 on real servers: every Redis operation is ONE request.
+
+Each operation is counted two independent ways:
+
+- on the client side, by a wrapper client that records what dmutex calls
+  (``execute_command`` for the redis-py path; ``set`` and ``eval`` for the
+  ioredis-shaped path) before handing it to a real redis-py client;
+- on the server side, by the ``calls`` deltas of ``INFO commandstats``. Lua's
+  ``redis.call`` is counted there too, so a script's own GET/SET/DEL/PEXPIRE
+  show up beside its EVALSHA; the requests the client sent are the
+  EVALSHA/EVAL calls, or, when no script ran, the plain SETs. The INFO
+  command that reads the stats counts itself, and is ignored.
+
+Scripts are cached on the server once per test (see ``rig``), so EVALSHA is
+answered; ``test_after_script_flush_*`` checks the NOSCRIPT fallback.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal, Protocol, TypeVar
+
+import pytest
+import redis
+import redis.asyncio
+
+from dmutex import DSemaphore, RedisArg, RedisReply
+from tests._support.faces import Face, FaceName, Handle, Kind, LoopThread
+
+T = TypeVar("T")
+
+SCRIPT_REQUESTS = ("evalsha", "eval")
+# What the release/extend scripts may run inside their one request.
+COMPARE_INSIDE = {"get", "del", "pexpire"}
+
+# (kind, max_permits): one permit goes by SET NX, more by one script.
+SHAPES = [("mutex", 1), ("semaphore", 1), ("semaphore", 3), ("semaphore", 64)]
+SHAPE_IDS = ["mutex", "semaphore-1", "semaphore-3", "semaphore-64"]
+
+
+# --- the counting clients -------------------------------------------------------------
+
+
+class Recorder(Protocol):
+    calls: list[tuple[object, ...]]
+
+
+class CountingCommands:
+    """A sync client with only ``execute_command``: records, then asks redis-py."""
+
+    def __init__(self, inner: redis.Redis) -> None:
+        # redis-py leaves execute_command unannotated; this is its sync signature.
+        self._send: Callable[..., RedisReply] = inner.execute_command
+        self.calls: list[tuple[object, ...]] = []
+
+    def execute_command(self, *args: RedisArg) -> RedisReply:
+        self.calls.append(args)
+        return self._send(*args)
+
+
+class AsyncCountingCommands:
+    """The asyncio twin of :class:`CountingCommands`."""
+
+    def __init__(self, inner: redis.asyncio.Redis) -> None:
+        # redis-py leaves execute_command unannotated; this is its asyncio signature.
+        self._send: Callable[..., Awaitable[object]] = inner.execute_command
+        self.calls: list[tuple[object, ...]] = []
+
+    async def execute_command(self, *args: RedisArg) -> object:
+        self.calls.append(args)
+        return await self._send(*args)
+
+
+class CountingSetEval:
+    """A sync client with only ``set`` and ``eval`` (the ioredis shape)."""
+
+    def __init__(self, inner: redis.Redis) -> None:
+        self.inner = inner
+        self.calls: list[tuple[object, ...]] = []
+
+    def set(self, name: str, value: str, *, px: int, nx: bool) -> bool | str | bytes | None:
+        self.calls.append(("SET", name, value, px, nx))
+        reply: bool | str | bytes | None = self.inner.set(name, value, px=px, nx=nx)
+        return reply
+
+    def eval(self, script: str, numkeys: int, *keys_and_args: RedisArg) -> object:
+        self.calls.append(("EVAL", numkeys, *keys_and_args))
+        return self.inner.eval(script, numkeys, *keys_and_args)
+
+
+class AsyncCountingSetEval:
+    """The asyncio twin of :class:`CountingSetEval`."""
+
+    def __init__(self, inner: redis.asyncio.Redis) -> None:
+        self.inner = inner
+        self.calls: list[tuple[object, ...]] = []
+
+    async def set(self, name: str, value: str, *, px: int, nx: bool) -> bool | str | bytes | None:
+        self.calls.append(("SET", name, value, px, nx))
+        reply: bool | str | bytes | None = await self.inner.set(name, value, px=px, nx=nx)
+        return reply
+
+    async def eval(self, script: str, numkeys: int, *keys_and_args: RedisArg) -> object:
+        self.calls.append(("EVAL", numkeys, *keys_and_args))
+        return await self.inner.eval(script, numkeys, *keys_and_args)
+
+
+# --- measuring ----------------------------------------------------------------------
+
+
+def command_calls(admin: redis.Redis) -> Counter[str]:
+    """``calls`` per command from ``INFO commandstats``, keyed ``set``, ``evalsha``..."""
+    info: dict[str, dict[str, int]] = admin.info("commandstats")
+    return Counter({name.removeprefix("cmdstat_"): int(s["calls"]) for name, s in info.items()})
+
+
+@dataclass
+class Seen:
+    """What one operation sent: as the client recorded it, and as the server counted it."""
+
+    requests: list[str]  # command names the wrapper was asked to send, in order
+    server: dict[str, int]  # commandstats deltas, INFO left out
+
+    @property
+    def server_requests(self) -> int:
+        """Requests from the client: the script calls, or the plain commands if none."""
+        scripts = sum(self.server.get(name, 0) for name in SCRIPT_REQUESTS)
+        return scripts if scripts else sum(self.server.values())
+
+
+class Rig:
+    """One face over one server: counting clients, instances, and a meter."""
+
+    def __init__(self, face: FaceName, url: str) -> None:
+        self.face = face
+        self.url = url
+        self.loop = LoopThread() if face == "async" else None
+        self.admin = redis.Redis.from_url(url)
+        self._sync: list[redis.Redis] = []
+        self._async: list[redis.asyncio.Redis] = []
+
+    def close(self) -> None:
+        for client in self._sync:
+            client.close()
+        if self.loop is not None:
+            for aclient in self._async:
+                self.loop.run(aclient.aclose())
+            self.loop.close()
+        self.admin.close()
+
+    def _sync_inner(self) -> redis.Redis:
+        inner = redis.Redis.from_url(self.url)
+        self._sync.append(inner)
+        inner.ping()  # connect now: the handshake is not an operation's request
+        return inner
+
+    def _async_inner(self) -> redis.asyncio.Redis:
+        assert self.loop is not None
+        inner = redis.asyncio.Redis.from_url(self.url)
+        self._async.append(inner)
+
+        async def connect() -> None:
+            await inner.ping()  # the handshake is not an operation's request
+
+        self.loop.run(connect())
+        return inner
+
+    def commands(self) -> CountingCommands | AsyncCountingCommands:
+        if self.face == "async":
+            return AsyncCountingCommands(self._async_inner())
+        return CountingCommands(self._sync_inner())
+
+    def set_eval(self) -> CountingSetEval | AsyncCountingSetEval:
+        if self.face == "async":
+            return AsyncCountingSetEval(self._async_inner())
+        return CountingSetEval(self._sync_inner())
+
+    def make(self, kind: str, client: object, max_permits: int = 1) -> Face:
+        chosen: Kind = "mutex" if kind == "mutex" else "semaphore"
+        return Face(self.face, chosen, client, max_permits=max_permits, loop=self.loop)
+
+    def measure(self, client: Recorder, action: Callable[[], T]) -> tuple[T, Seen]:
+        client.calls.clear()
+        before = command_calls(self.admin)
+        result = action()
+        after = command_calls(self.admin)
+        after.subtract(before)
+        server = {name: n for name, n in after.items() if n and name != "info"}
+        return result, Seen([str(call[0]).upper() for call in client.calls], server)
+
+
+def warm_scripts(admin: redis.Redis) -> None:
+    """Have the server cache dmutex's three scripts, through the public API."""
+    sem = DSemaphore("warm-up", admin, max_permits=2)
+    permit = sem.acquire("scripts")
+    assert permit is not None
+    assert permit.extend(5) is True
+    assert permit.release() is True
+
+
+@pytest.fixture(params=["sync", "async"])
+def rig(request: pytest.FixtureRequest, redis_url: str) -> Iterator[Rig]:
+    made = Rig(request.param, redis_url)
+    try:
+        warm_scripts(made.admin)
+        yield made
+    finally:
+        made.close()
+
+
+def held(handle: Handle | None) -> Handle:
+    assert handle is not None, "expected the permit to be granted"
+    return handle
+
+
+def acquire_path(permits: int) -> Literal["SET", "EVALSHA"]:
+    return "SET" if permits == 1 else "EVALSHA"
+
+
+# --- execute_command path -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "permits"), SHAPES, ids=SHAPE_IDS)
+def test_acquire_is_one_request_free_and_full(rig: Rig, kind: str, permits: int) -> None:
+    client = rig.commands()
+    lock = rig.make(kind, client, permits)
+    for slot in range(permits):
+        handle, seen = rig.measure(client, lambda: lock.acquire("k"))
+        assert held(handle).slot == slot
+        assert seen.requests == [acquire_path(permits)]
+        assert seen.server_requests == 1
+        if permits == 1:
+            assert seen.server == {"set": 1}
+        else:
+            # One EVALSHA tried the held slots and took the next, all inside the script.
+            assert seen.server == {"evalsha": 1, "set": slot + 1}
+
+    refused, seen = rig.measure(client, lambda: lock.acquire("k"))
+    assert refused is None, "all permits are held"
+    assert seen.requests == [acquire_path(permits)]
+    assert seen.server_requests == 1
+    expected = {"set": 1} if permits == 1 else {"evalsha": 1, "set": permits}
+    assert seen.server == expected, f"every one of {permits} slots tried in one request"
+
+
+@pytest.mark.parametrize(("kind", "permits"), SHAPES, ids=SHAPE_IDS)
+def test_release_and_extend_by_handle_are_one_request(rig: Rig, kind: str, permits: int) -> None:
+    client = rig.commands()
+    lock = rig.make(kind, client, permits)
+    handles = [held(lock.acquire("k")) for _ in range(permits)]
+    for handle in handles:
+        extended, seen = rig.measure(client, partial(handle.extend, 60))
+        assert extended is True
+        assert seen.requests == ["EVALSHA"]
+        assert seen.server == {"evalsha": 1, "get": 1, "pexpire": 1}, "only its own slot key"
+
+        released, seen = rig.measure(client, handle.release)
+        assert released is True
+        assert seen.requests == ["EVALSHA"]
+        assert seen.server == {"evalsha": 1, "get": 1, "del": 1}
+
+        # Gone now: the answer is False, still in one request.
+        for action in (handle.release, partial(handle.extend, 60)):
+            done, seen = rig.measure(client, action)
+            assert done is False
+            assert seen.requests == ["EVALSHA"]
+            assert seen.server == {"evalsha": 1, "get": 1}
+    assert rig.admin.keys("*") == []
+
+
+@pytest.mark.parametrize("permits", [1, 3, 64])
+def test_release_and_extend_by_token_are_one_request(rig: Rig, permits: int) -> None:
+    client = rig.commands()
+    sem = rig.make("semaphore", client, permits)
+    handles = [held(sem.acquire("k")) for _ in range(permits)]
+    last = handles[-1]
+    assert last.slot == permits - 1
+
+    def check(seen: Seen, inside: str | None) -> None:
+        assert seen.requests == ["EVALSHA"]
+        assert seen.server_requests == 1
+        assert seen.server.get("get", 0) <= permits
+        assert set(seen.server) <= {"evalsha", *COMPARE_INSIDE}
+        if inside is not None:
+            assert seen.server[inside] == 1
+
+    extended, seen = rig.measure(client, lambda: sem.extend("k", last.token, 60))
+    assert extended is True
+    check(seen, "pexpire")
+    assert seen.server["get"] == permits, "the token sat in the last slot"
+
+    stranger = str(uuid.uuid4())
+    for action in (
+        lambda: sem.release_token("k", stranger),
+        lambda: sem.extend("k", stranger, 60),
+        lambda: sem.release_token("nobody", stranger),
+        lambda: sem.extend("nobody", stranger, 60),
+    ):
+        done, seen = rig.measure(client, action)
+        assert done is False, "no permit holds that token"
+        check(seen, None)
+        assert seen.server["get"] == permits, "every slot looked at, in one request"
+
+    released, seen = rig.measure(client, lambda: sem.release_token("k", last.token))
+    assert released is True
+    check(seen, "del")
+    assert rig.admin.exists(f"_dsemaphore_svc:permit:{permits - 1}:k") == 0
+    assert len(rig.admin.keys("_dsemaphore_svc:permit:*:k")) == permits - 1
+
+
+@pytest.mark.parametrize(("kind", "permits"), SHAPES, ids=SHAPE_IDS)
+def test_ready_sends_nothing(rig: Rig, kind: str, permits: int) -> None:
+    client = rig.commands()
+    lock = rig.make(kind, client, permits)
+    for round_ in range(2):  # before any operation, and after one
+        result, seen = rig.measure(client, lambda: lock.wait(lock.target.ready()))
+        assert result is None
+        assert seen.requests == []
+        assert seen.server == {}
+        held(lock.acquire(f"k{round_}"))
+
+
+def test_after_script_flush_each_script_costs_two_requests_once(rig: Rig) -> None:
+    client = rig.commands()
+    sem = rig.make("semaphore", client, 3)
+    lock = held(rig.make("mutex", client).acquire("m"))  # SET: no script involved
+    assert rig.admin.script_flush() is True
+
+    def twice(action: Callable[[], T]) -> list[T]:
+        """Run ``action`` twice: NOSCRIPT then EVAL the first time, EVALSHA after."""
+        results = []
+        for requests in (["EVALSHA", "EVAL"], ["EVALSHA"]):
+            result, seen = rig.measure(client, action)
+            results.append(result)
+            assert seen.requests == requests
+            assert seen.server_requests == len(requests)
+            assert seen.server.get("evalsha") == 1, "NOSCRIPT is one request too"
+            assert seen.server.get("eval", 0) == len(requests) - 1
+            # The EVAL after NOSCRIPT sends the same keys and arguments.
+            assert all(call[2:] == client.calls[0][2:] for call in client.calls)
+        return results
+
+    first, second = twice(lambda: held(sem.acquire("k")))  # the acquire script
+    assert (first.slot, second.slot) == (0, 1)
+    assert twice(lambda: sem.extend("k", first.token, 60)) == [True, True]  # extend script
+    assert twice(lock.release) == [True, False]  # release script, by a mutex's handle
+    assert rig.admin.script_flush() is True
+    assert twice(lambda: sem.release_token("k", first.token)) == [True, False]
+    assert twice(lambda: second.extend(60)) == [True, True]
+
+
+# --- set + eval path ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "permits"), SHAPES, ids=SHAPE_IDS)
+def test_set_eval_path_is_one_call_per_operation(rig: Rig, kind: str, permits: int) -> None:
+    client = rig.set_eval()
+    lock = rig.make(kind, client, permits)
+    call = "SET" if permits == 1 else "EVAL"
+    _, seen = rig.measure(client, lambda: lock.wait(lock.target.ready()))
+    assert (seen.requests, seen.server) == ([], {})
+
+    handles = []
+    for slot in range(permits):
+        handle, seen = rig.measure(client, lambda: lock.acquire("k"))
+        handles.append(held(handle))
+        assert handles[-1].slot == slot
+        assert seen.requests == [call]
+        assert seen.server == ({"set": 1} if permits == 1 else {"eval": 1, "set": slot + 1})
+    refused, seen = rig.measure(client, lambda: lock.acquire("k"))
+    assert refused is None
+    assert seen.requests == [call]
+    assert seen.server_requests == 1
+
+    last = handles[-1]
+    checks: list[tuple[Callable[[], object], object]] = [(lambda: last.extend(60), True)]
+    if kind == "semaphore":
+        stranger = str(uuid.uuid4())
+        checks += [
+            (lambda: lock.extend("k", last.token, 60), True),
+            (lambda: lock.extend("k", stranger, 60), False),
+            (lambda: lock.release_token("k", stranger), False),
+            (lambda: lock.release_token("k", last.token), True),
+        ]
+    checks += [(last.release, kind == "mutex"), (lambda: last.extend(60), False)]
+    for action, expected in checks:
+        result, seen = rig.measure(client, action)
+        assert result is expected
+        assert seen.requests == ["EVAL"]
+        assert seen.server_requests == 1
+        assert set(seen.server) <= {"eval", *COMPARE_INSIDE}
