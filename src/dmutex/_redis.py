@@ -23,8 +23,8 @@ Limits:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -97,16 +97,21 @@ def _is_noscript(error: BaseException) -> bool:
     )
 
 
-def _as_int(reply: object) -> int:
-    """An integer script reply, however the client decoded it."""
+def _as_int(reply: object, low: int, high: int) -> int:
+    """An integer script reply in ``low..high``, however the client decoded it.
+
+    Anything else is a client or server that does not speak this protocol; it
+    raises rather than pass for contention or success.
+    """
+    value: int | None = None
     if isinstance(reply, int) and not isinstance(reply, bool):
-        return reply
-    if isinstance(reply, (bytes, str)):
-        try:
-            return int(reply)
-        except ValueError:
-            pass
-    raise DMutexError(f"unexpected reply from Redis: {reply!r}")
+        value = reply
+    elif isinstance(reply, (bytes, str)):
+        with contextlib.suppress(ValueError):
+            value = int(reply)
+    if value is None or not low <= value <= high:
+        raise DMutexError(f"unexpected reply from Redis: {reply!r}")
+    return value
 
 
 def _set_succeeded(reply: object) -> bool:
@@ -149,12 +154,14 @@ def hash_slot(key: str) -> int:
 
 
 def is_cluster_client(client: object) -> bool:
-    """Whether ``client`` routes commands by hash slot (it defines ``keyslot``)."""
-    try:
-        inspect.getattr_static(client, "keyslot")
-    except AttributeError:
-        return False
-    return True
+    """Whether ``client`` routes commands by hash slot: it has a ``keyslot`` method.
+
+    Looked up dynamically, so a wrapper that forwards attributes to a cluster
+    client counts as one. Erring towards "cluster" only costs requests (one
+    key per request); erring the other way would send scripts the cluster
+    refuses.
+    """
+    return callable(getattr(client, "keyslot", None))
 
 
 def _method(client: object, name: str) -> Callable[..., object] | None:
@@ -205,12 +212,11 @@ class RedisStore:
         first = hash_slot(keys[0])
         return all(hash_slot(k) == first for k in keys[1:])
 
-    def _run(self, script: _Script, keys: Sequence[str], *args: object) -> Steps[int]:
+    def _run(self, script: _Script, keys: Sequence[str], *args: object) -> Steps[object]:
         """Run ``script`` on ``keys`` in one request (two the first time on a fresh server)."""
         if self._execute is None:
             assert self._eval is not None  # detection: no execute_command means set + eval
-            reply = yield from call(self._eval, script.text, len(keys), *keys, *args)
-            return _as_int(reply)
+            return (yield from call(self._eval, script.text, len(keys), *keys, *args))
         try:
             reply = yield from call(self._execute, "EVALSHA", script.sha, len(keys), *keys, *args)
         except Exception as error:
@@ -218,7 +224,7 @@ class RedisStore:
                 raise
             # EVAL caches the script, so the next EVALSHA on this server succeeds.
             reply = yield from call(self._execute, "EVAL", script.text, len(keys), *keys, *args)
-        return _as_int(reply)
+        return reply
 
     def _set_nx(self, key: str, token: str, ttl_ms: int) -> Steps[bool]:
         if self._execute is None:
@@ -245,7 +251,8 @@ class RedisStore:
             taken = yield from self._set_nx(keys[0], token, ttl_ms)
             return Grant(0, expires) if taken else None
         if self._one_request(keys):
-            slot = yield from self._run(ACQUIRE, keys, token, ttl_ms)
+            reply = yield from self._run(ACQUIRE, keys, token, ttl_ms)
+            slot = _as_int(reply, -1, len(keys) - 1)
             return Grant(slot, expires) if slot >= 0 else None
         for slot, name in enumerate(keys):
             taken = yield from self._set_nx(name, token, ttl_ms)
@@ -258,8 +265,8 @@ class RedisStore:
         keys = self._keys(key) if slot is None else [f"{self._prefix}permit:{slot}:{key}"]
         groups = [keys] if self._one_request(keys) else [[k] for k in keys]
         for group in groups:
-            done = yield from self._run(script, group, *args)
-            if done:
+            reply = yield from self._run(script, group, *args)
+            if _as_int(reply, 0, 1):
                 return True
         return False
 

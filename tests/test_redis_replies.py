@@ -1,0 +1,65 @@
+"""How the Redis store reads replies, with no server: every shape a client may give."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dmutex import DMutex, DMutexError, DSemaphore, RedisArg, RedisReply
+
+
+class Scripted:
+    """A Redis-shaped client that answers each command with the next canned reply."""
+
+    def __init__(self, *replies: object) -> None:
+        # Replies a real client would never give are the point of these tests.
+        self.replies: list[Any] = list(replies)
+        self.commands: list[tuple[RedisArg, ...]] = []
+
+    def execute_command(self, *args: RedisArg) -> RedisReply:
+        self.commands.append(args)
+        reply: RedisReply = self.replies.pop(0)
+        return reply
+
+
+@pytest.mark.parametrize("reply", [True, "OK", b"OK"])
+def test_set_ok_in_any_decoding_grants(reply: object) -> None:
+    assert DMutex("svc", Scripted(reply)).acquire("k") is not None
+
+
+@pytest.mark.parametrize("reply", [None, False])
+def test_set_nil_is_contention(reply: object) -> None:
+    assert DMutex("svc", Scripted(reply)).acquire("k") is None
+
+
+@pytest.mark.parametrize(("reply", "slot"), [(2, 2), (b"1", 1), ("0", 0)])
+def test_script_slot_in_any_decoding(reply: object, slot: int) -> None:
+    permit = DSemaphore("svc", Scripted(reply), max_permits=3).acquire("k")
+    assert permit is not None
+    assert permit.slot == slot
+
+
+@pytest.mark.parametrize("reply", [-1, b"-1", "-1"])
+def test_script_minus_one_is_contention(reply: object) -> None:
+    assert DSemaphore("svc", Scripted(reply), max_permits=3).acquire("k") is None
+
+
+@pytest.mark.parametrize("reply", [-2, 3, 7, "x", b"", 1.0, True, ["1"]])
+def test_impossible_acquire_reply_raises_not_contention(reply: object) -> None:
+    with pytest.raises(DMutexError, match="unexpected reply"):
+        DSemaphore("svc", Scripted(reply), max_permits=3).acquire("k")
+
+
+@pytest.mark.parametrize("reply", [2, -1, "yes", None])
+def test_impossible_release_or_extend_reply_raises(reply: object) -> None:
+    sem = DSemaphore("svc", Scripted(reply, reply), max_permits=3)
+    with pytest.raises(DMutexError, match="unexpected reply"):
+        sem.release("k", "token")
+    with pytest.raises(DMutexError, match="unexpected reply"):
+        sem.extend("k", "token", 5)
+
+
+@pytest.mark.parametrize(("reply", "expected"), [(1, True), (b"0", False), ("1", True)])
+def test_release_reply_in_any_decoding(reply: object, expected: bool) -> None:
+    assert DSemaphore("svc", Scripted(reply), max_permits=3).release("k", "t") is expected
