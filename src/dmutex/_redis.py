@@ -29,41 +29,89 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ._clock import Clock, SystemClock
-from ._effects import Steps, call
+from ._effects import Call, Steps
 from ._errors import DMutexError
 from ._store import MAX_EXPIRY_MS, Grant, Namespace, now_ms
 
-# KEYS: the slot keys to try, in slot order. ARGV: token, ttl in ms.
-# Returns the index of the key taken, or -1 when every one is held.
+# Every script works in one of two modes. On a cluster, KEYS are the slot keys
+# to look at (all in one hash slot). On a single server there are no KEYS: the
+# script builds the slot key names itself from the prefix and lock key in
+# ARGV, so a request stays a few bytes long whatever max_permits is, and it
+# keeps a hint key, f"{prefix}hint:{key}", saying which slot to try first.
+# The hint only orders the search: a slot is taken by SET NX on its own key,
+# the TypeScript layout's record, so a wrong, missing or foreign hint costs
+# time, never correctness. It expires with the leases that wrote it.
+
+# ARGV: token, ttl ms [, prefix, lock key, slot count]. Returns the slot
+# taken, or -1 when every slot is held.
 _ACQUIRE = """\
-for i = 1, #KEYS do
-  if redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[2], 'NX') then
-    return i - 1
+local token, ttl = ARGV[1], ARGV[2]
+if #KEYS > 0 then
+  for i = 1, #KEYS do
+    if redis.call('SET', KEYS[i], token, 'PX', ttl, 'NX') then return i - 1 end
+  end
+  return -1
+end
+local prefix, key, n = ARGV[3], ARGV[4], tonumber(ARGV[5])
+local hint = prefix .. 'hint:' .. key
+local start = tonumber(redis.call('GET', hint)) or 0
+if start ~= math.floor(start) or start < 0 or start >= n then start = 0 end
+for j = 0, n - 1 do
+  local i = (start + j) % n
+  if redis.call('SET', prefix .. 'permit:' .. i .. ':' .. key, token, 'PX', ttl, 'NX') then
+    redis.call('SET', hint, (i + 1) % n, 'PX', ttl)
+    return i
   end
 end
 return -1
 """
 
-# KEYS: the slot keys that may hold the token. ARGV: token.
-# Deletes the one that holds it; returns 1 if there was one, else 0.
+# ARGV: token [, prefix, lock key, first slot, last slot]. Deletes the slot
+# key holding the token and returns 1, or returns 0. On a single server the
+# freed slot becomes the hint, for as long as the lease had left.
 _RELEASE = """\
-for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i]) == ARGV[1] then
-    redis.call('DEL', KEYS[i])
+local token = ARGV[1]
+if #KEYS > 0 then
+  for i = 1, #KEYS do
+    if redis.call('GET', KEYS[i]) == token then
+      redis.call('DEL', KEYS[i])
+      return 1
+    end
+  end
+  return 0
+end
+local prefix, key = ARGV[2], ARGV[3]
+for i = tonumber(ARGV[4]), tonumber(ARGV[5]) do
+  local name = prefix .. 'permit:' .. i .. ':' .. key
+  if redis.call('GET', name) == token then
+    local left = redis.call('PTTL', name)
+    redis.call('DEL', name)
+    if left > 0 then redis.call('SET', prefix .. 'hint:' .. key, i, 'PX', left) end
     return 1
   end
 end
 return 0
 """
 
-# KEYS: the slot keys that may hold the token. ARGV: token, ttl in ms.
-# Sets the expiry of the one that holds it to now + ttl; returns 1 or 0.
+# ARGV: token, ttl ms [, prefix, lock key, first slot, last slot]. Sets the
+# expiry of the slot key holding the token to now + ttl and returns 1, or 0.
 _EXTEND = """\
-for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i]) == ARGV[1] then
-    redis.call('PEXPIRE', KEYS[i], ARGV[2])
-    return 1
+local token, ttl = ARGV[1], ARGV[2]
+local function extend(name)
+  if redis.call('GET', name) == token then
+    redis.call('PEXPIRE', name, ttl)
+    return true
   end
+  return false
+end
+if #KEYS > 0 then
+  for i = 1, #KEYS do
+    if extend(KEYS[i]) then return 1 end
+  end
+  return 0
+end
+for i = tonumber(ARGV[5]), tonumber(ARGV[6]) do
+  if extend(ARGV[3] .. 'permit:' .. i .. ':' .. ARGV[4]) then return 1 end
 end
 return 0
 """
@@ -139,18 +187,30 @@ def _crc16_table() -> list[int]:
 _CRC16 = _crc16_table()
 
 
-def hash_slot(key: str) -> int:
-    """The Redis Cluster hash slot of ``key`` (CRC16/XMODEM mod 16384, hash tags honoured)."""
+def _hashed_part(key: str) -> bytes:
+    """The part of ``key`` Redis Cluster hashes: the first non-empty ``{tag}``, or all."""
     data = key.encode()
     start = data.find(b"{")
     if start != -1:
         end = data.find(b"}", start + 1)
         if end > start + 1:
-            data = data[start + 1 : end]
+            return data[start + 1 : end]
+    return data
+
+
+def hash_slot(key: str) -> int:
+    """The Redis Cluster hash slot of ``key`` (CRC16/XMODEM mod 16384, hash tags honoured)."""
     crc = 0
-    for byte in data:
+    for byte in _hashed_part(key):
         crc = ((crc << 8) & 0xFFFF) ^ _CRC16[((crc >> 8) ^ byte) & 0xFF]
     return crc % 16384
+
+
+def same_hash_slot(keys: Sequence[str]) -> bool:
+    """Whether a cluster keeps all of ``keys`` in one hash slot (so one script may touch them)."""
+    part, slot = _hashed_part(keys[0]), hash_slot(keys[0])
+    # Stops at the first key that differs: untagged slot keys cost two CRCs.
+    return all(_hashed_part(k) == part or hash_slot(k) == slot for k in keys[1:])
 
 
 def is_cluster_client(client: object) -> bool:
@@ -190,7 +250,7 @@ class RedisStore:
     def __init__(self, client: object, namespace: Namespace) -> None:
         self._prefix = namespace.key_prefix
         self._permits = namespace.max_permits
-        self._cluster = is_cluster_client(client)
+        self._standalone = not is_cluster_client(client)
         # The client's shape was checked by detection; pick its path once.
         self._execute = _method(client, "execute_command")
         self._eval = _method(client, "eval")
@@ -201,37 +261,28 @@ class RedisStore:
     def clock(self) -> Clock:
         return self._clock
 
-    def _keys(self, key: str) -> list[str]:
-        prefix = self._prefix
-        return [f"{prefix}permit:{slot}:{key}" for slot in range(self._permits)]
+    def _name(self, slot: int, key: str) -> str:
+        return f"{self._prefix}permit:{slot}:{key}"
 
-    def _one_request(self, keys: Sequence[str]) -> bool:
-        """Whether one script may touch all of ``keys``: always, but on a cluster."""
-        if not self._cluster or len(keys) == 1:
-            return True
-        first = hash_slot(keys[0])
-        return all(hash_slot(k) == first for k in keys[1:])
-
-    def _run(self, script: _Script, keys: Sequence[str], *args: object) -> Steps[object]:
-        """Run ``script`` on ``keys`` in one request (two the first time on a fresh server)."""
+    def _run(self, script: _Script, keys: Sequence[str], args: tuple[object, ...]) -> Steps[object]:
+        """Run ``script`` in one request (two the first time on a fresh server)."""
         if self._execute is None:
             assert self._eval is not None  # detection: no execute_command means set + eval
-            return (yield from call(self._eval, script.text, len(keys), *keys, *args))
+            return (yield Call(self._eval, (script.text, len(keys), *keys, *args)))
         try:
-            reply = yield from call(self._execute, "EVALSHA", script.sha, len(keys), *keys, *args)
+            return (yield Call(self._execute, ("EVALSHA", script.sha, len(keys), *keys, *args)))
         except Exception as error:
             if not _is_noscript(error):
                 raise
-            # EVAL caches the script, so the next EVALSHA on this server succeeds.
-            reply = yield from call(self._execute, "EVAL", script.text, len(keys), *keys, *args)
-        return reply
+        # EVAL caches the script, so the next EVALSHA on this server succeeds.
+        return (yield Call(self._execute, ("EVAL", script.text, len(keys), *keys, *args)))
 
-    def _set_nx(self, key: str, token: str, ttl_ms: int) -> Steps[bool]:
+    def _set_nx(self, name: str, token: str, ttl_ms: int) -> Steps[bool]:
         if self._execute is None:
             assert self._set is not None  # detection: no execute_command means set + eval
-            reply = yield from call(self._set, key, token, px=ttl_ms, nx=True)
+            reply = yield Call(self._set, (name, token), {"px": ttl_ms, "nx": True})
         else:
-            reply = yield from call(self._execute, "SET", key, token, "PX", ttl_ms, "NX")
+            reply = yield Call(self._execute, ("SET", name, token, "PX", ttl_ms, "NX"))
         return _set_succeeded(reply)
 
     def ready(self) -> Steps[None]:
@@ -239,43 +290,59 @@ class RedisStore:
         yield from ()
 
     def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Grant | None]:
-        """Take the lowest free slot of ``key``.
+        """Take a free slot of ``key``, or return None when all are held.
 
-        One request: ``SET NX`` for a single permit, else one script that tries
-        every slot. On a cluster with the slot keys in different hash slots,
-        one ``SET NX`` per slot until one succeeds (at most ``max_permits``).
+        One request: ``SET NX`` for a single permit, else one script that
+        tries the slots, starting from the hint on a single server and from
+        slot 0 on a cluster. On a cluster with the slot keys in different hash
+        slots, one ``SET NX`` per slot until one succeeds (at most
+        ``max_permits``).
         """
         expires = now_ms(self._clock) + ttl_ms
-        keys = self._keys(key)
-        if len(keys) == 1:
-            taken = yield from self._set_nx(keys[0], token, ttl_ms)
+        permits = self._permits
+        if permits == 1:
+            taken = yield from self._set_nx(self._name(0, key), token, ttl_ms)
             return Grant(0, expires) if taken else None
-        if self._one_request(keys):
-            reply = yield from self._run(ACQUIRE, keys, token, ttl_ms)
-            slot = _as_int(reply, -1, len(keys) - 1)
-            return Grant(slot, expires) if slot >= 0 else None
-        for slot, name in enumerate(keys):
-            taken = yield from self._set_nx(name, token, ttl_ms)
-            if taken:
-                return Grant(slot, expires)
-        return None
+        if self._standalone:
+            args = (token, ttl_ms, self._prefix, key, permits)
+            reply = yield from self._run(ACQUIRE, (), args)
+        else:
+            names = [self._name(slot, key) for slot in range(permits)]
+            if not same_hash_slot(names):
+                for slot, name in enumerate(names):
+                    if (yield from self._set_nx(name, token, ttl_ms)):
+                        return Grant(slot, expires)
+                return None
+            reply = yield from self._run(ACQUIRE, names, (token, ttl_ms))
+        slot = _as_int(reply, -1, permits - 1)
+        return Grant(slot, expires) if slot >= 0 else None
 
-    def _each(self, script: _Script, key: str, slot: int | None, *args: object) -> Steps[bool]:
-        """Run a compare-token script on the slot key(s) that may hold the token."""
-        keys = self._keys(key) if slot is None else [f"{self._prefix}permit:{slot}:{key}"]
-        groups = [keys] if self._one_request(keys) else [[k] for k in keys]
+    def _holder(
+        self, script: _Script, key: str, slot: int | None, head: tuple[object, ...]
+    ) -> Steps[bool]:
+        """Run a compare-token script on the slot(s) that may hold the token.
+
+        ``head`` is the script's leading arguments (the token, and the TTL for
+        extend). Returns whether a slot held it.
+        """
+        permits = self._permits
+        first, last = (0, permits - 1) if slot is None else (slot, slot)
+        if self._standalone and permits > 1:
+            args = (*head, self._prefix, key, first, last)
+            return _as_int((yield from self._run(script, (), args)), 0, 1) == 1
+        names = [self._name(number, key) for number in range(first, last + 1)]
+        groups = [names] if same_hash_slot(names) else [[name] for name in names]
         for group in groups:
-            reply = yield from self._run(script, group, *args)
-            if _as_int(reply, 0, 1):
+            if _as_int((yield from self._run(script, group, head)), 0, 1):
                 return True
         return False
 
     def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
         """Delete the slot key that holds ``token``, in one atomic script."""
-        return (yield from self._each(RELEASE, key, slot, token))
+        return (yield from self._holder(RELEASE, key, slot, (token,)))
 
     def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
         """Set the expiry of the slot key that holds ``token`` to now + ttl."""
         expires = now_ms(self._clock) + ttl_ms
-        done = yield from self._each(EXTEND, key, slot, token, ttl_ms)
+        done = yield from self._holder(EXTEND, key, slot, (token, ttl_ms))
         return expires if done else None

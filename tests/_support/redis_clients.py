@@ -24,8 +24,8 @@ class SetEvalRedis:
     def __init__(self, inner: redis.Redis) -> None:
         self._inner = inner
 
-    def set(self, name: str, value: str, /, *, px: int, nx: bool) -> bool | None:
-        result: bool | None = self._inner.set(name, value, px=px, nx=nx)
+    def set(self, name: str, value: str, /, *, px: int, nx: bool) -> bool | str | bytes | None:
+        result: bool | str | bytes | None = self._inner.set(name, value, px=px, nx=nx)
         return result
 
     def eval(self, script: str, numkeys: int, /, *keys_and_args: str | int) -> object:
@@ -41,8 +41,10 @@ class AsyncSetEvalRedis:
     def __init__(self, inner: redis.asyncio.Redis) -> None:
         self._inner = inner
 
-    async def set(self, name: str, value: str, /, *, px: int, nx: bool) -> bool | None:
-        result: bool | None = await self._inner.set(name, value, px=px, nx=nx)
+    async def set(
+        self, name: str, value: str, /, *, px: int, nx: bool
+    ) -> bool | str | bytes | None:
+        result: bool | str | bytes | None = await self._inner.set(name, value, px=px, nx=nx)
         return result
 
     async def eval(self, script: str, numkeys: int, /, *keys_and_args: str | int) -> object:

@@ -284,7 +284,7 @@ class Container:
             self.label = f"redis-{self.tag}"
 
     def start(self) -> Server:
-        from testcontainers.redis import RedisContainer  # noqa: PLC0415 - optional
+        from testcontainers.redis import RedisContainer
 
         container = RedisContainer(f"redis:{self.tag}")
         container.start()

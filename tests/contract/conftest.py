@@ -54,7 +54,9 @@ class Env:
             return self.clock.now()
         return datetime.now(timezone.utc)
 
-    def assert_expiry(self, before: datetime, after: datetime, expired_at: datetime, ttl: float) -> None:
+    def assert_expiry(
+        self, before: datetime, after: datetime, expired_at: datetime, ttl: float
+    ) -> None:
         """``expired_at`` is ``now + ttl`` for some now read between ``before`` and ``after``.
 
         Exact on a ManualClock; on real time, within the millisecond that
@@ -127,9 +129,7 @@ def _cases() -> dict[str, Case]:
     newest, others = labels[-1], labels[:-1]
     for face in faces:
         for variant in SERVER_VARIANTS:
-            cases[f"{variant}-{face}@{newest or 'no-server'}"] = _server_case(
-                newest, variant, face
-            )
+            cases[f"{variant}-{face}@{newest or 'no-server'}"] = _server_case(newest, variant, face)
         for label in others:
             cases[f"redis-py-{face}@{label}"] = _server_case(label, "redis-py", face)
     return cases

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
 
-from dmutex import DMutex, DSemaphore
+from dmutex import DMutex, DSemaphore, RedisArg, RedisReply
 from dmutex._redis import ACQUIRE
 
 
@@ -18,12 +18,13 @@ class Recording:
     """A redis-py client that records the arguments of every command."""
 
     def __init__(self, inner: redis.Redis) -> None:
-        self.inner = inner
-        self.commands: list[tuple[object, ...]] = []
+        # redis-py leaves execute_command unannotated; this is its sync signature.
+        self._send: Callable[..., RedisReply] = inner.execute_command
+        self.commands: list[tuple[RedisArg, ...]] = []
 
-    def execute_command(self, *args: object) -> object:
+    def execute_command(self, *args: RedisArg) -> RedisReply:
         self.commands.append(args)
-        return self.inner.execute_command(*args)
+        return self._send(*args)
 
 
 @pytest.fixture
@@ -40,7 +41,8 @@ def recording(redis_url: str) -> Iterator[Recording]:
 
 
 def stored(server: redis.Redis) -> dict[str, str]:
-    return {name: server.get(name) for name in server.keys("*")}
+    """Every key and its value (the client decodes replies to str)."""
+    return {str(name): str(server.get(name)) for name in server.keys("*")}
 
 
 def test_semaphore_and_mutex_leave_exactly_the_typescript_keys(
@@ -57,6 +59,8 @@ def test_semaphore_and_mutex_leave_exactly_the_typescript_keys(
         "_dsemaphore_orders:permit:1:api": tokens[1],
         "_dsemaphore_orders:permit:2:api": tokens[2],
         "_dmutex_orders:permit:0:job": lock.token,
+        # Beside them, not in their place: where the next acquire starts looking.
+        "_dsemaphore_orders:hint:api": "0",
     }
     for name in server.keys("*"):
         assert 59_000 < server.pttl(name) <= 60_000
@@ -74,13 +78,8 @@ def test_ttl_is_sent_as_px_milliseconds_rounded_up(recording: Recording) -> None
     name, sha, numkeys, *rest = recording.commands[-1]
     # EVALSHA, or EVAL with the script's text where the server had not cached it yet.
     assert (name, sha) in {("EVALSHA", ACQUIRE.sha), ("EVAL", ACQUIRE.text)}
-    assert numkeys == 2
-    assert rest == [
-        "_dsemaphore_svc:permit:0:api",
-        "_dsemaphore_svc:permit:1:api",
-        permit.token,
-        1,
-    ]
+    # On a single server the script builds the slot key names from the prefix.
+    assert (numkeys, rest) == (0, [permit.token, 1, "_dsemaphore_svc:", "api", 2])
 
 
 def test_key_prefix_replaces_the_default(server: redis.Redis) -> None:
@@ -128,3 +127,34 @@ def test_the_server_expires_the_lease(server: redis.Redis) -> None:
         assert old.release() is False
         assert old.extend() is False
         assert server.get("_dmutex_svc:permit:0:job") == new.token
+
+
+@pytest.mark.parametrize("hint", ["abc", "-1", "1.5", "3", "999", "", "1e3"])
+def test_a_bad_hint_only_changes_where_the_search_starts(server: redis.Redis, hint: str) -> None:
+    """The hint key is advice: garbage or out-of-range values start the search at slot 0."""
+    with redis.Redis.from_url(_url(server)) as client:
+        sem = DSemaphore("svc", client, max_permits=3)
+        server.set("_dsemaphore_svc:hint:api", hint)
+        permits = [sem.acquire("api") for _ in range(4)]
+        assert permits[3] is None
+        assert sorted(p.slot for p in permits[:3] if p is not None) == [0, 1, 2]
+        assert sorted(server.keys("_dsemaphore_svc:permit:*")) == [
+            f"_dsemaphore_svc:permit:{i}:api" for i in range(3)
+        ]
+
+
+def test_the_search_wraps_past_held_slots_to_a_free_one(server: redis.Redis) -> None:
+    """A hint at a held slot (say, written by a holder that a TypeScript service outlived)."""
+    with redis.Redis.from_url(_url(server)) as client:
+        sem = DSemaphore("svc", client, max_permits=4)
+        for slot in (1, 2, 3):
+            server.set(f"_dsemaphore_svc:permit:{slot}:api", f"ts-{slot}", px=60_000)
+        server.set("_dsemaphore_svc:hint:api", "2")
+        permit = sem.acquire("api")
+        assert permit is not None
+        assert permit.slot == 0
+        assert sem.acquire("api") is None
+        assert server.get("_dsemaphore_svc:hint:api") == "1"
+        assert permit.release() is True
+        assert server.get("_dsemaphore_svc:hint:api") == "0", "the freed slot is tried first"
+        assert 0 < server.pttl("_dsemaphore_svc:hint:api") <= 300_000

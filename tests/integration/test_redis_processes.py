@@ -346,5 +346,5 @@ def test_semaphore_bounds_concurrency_across_processes(
     assert sum(r.refused for r in reports) > 0, "the workers never contended"
     with redis.Redis.from_url(redis_url) as client:
         assert int(client.get(GAUGE) or 0) == 0
-        leftovers = client.keys(f"_dsemaphore_{SEMAPHORE_SERVICE}:*")
+        leftovers = client.keys(f"_dsemaphore_{SEMAPHORE_SERVICE}:permit:*")
         assert leftovers == [], "slot keys outlived their last release"

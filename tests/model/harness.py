@@ -95,8 +95,10 @@ class RedisHarness:
         self._server.pexpireat(f"{prefix}permit:{slot}:{key}", 1)
 
     def active(self, prefix: str) -> dict[str, str]:
-        found = {name: self._server.get(name) for name in self._server.keys(f"{prefix}*")}
-        return {name: token for name, token in found.items() if token is not None}
+        # The client decodes replies to str; a key may expire between KEYS and GET.
+        names = self._server.keys(f"{prefix}permit:*")
+        found = {str(name): self._server.get(name) for name in names}
+        return {name: str(token) for name, token in found.items() if token is not None}
 
     def close(self, run: Runner | None) -> None:
         for made in self._made:
