@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import threading
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -48,7 +48,20 @@ def ttl_to_ms(seconds: float, clock: Clock, max_expiry_ms: int = MAX_EXPIRY_MS) 
     return math.ceil(seconds * 1000)
 
 
-@dataclass
+def new_token() -> str:
+    """A random UUID4 string, as ``str(uuid.uuid4())`` gives, in half the time.
+
+    It runs once per acquire: the version and variant bits are set on 16
+    random bytes, which is all ``uuid4`` does.
+    """
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40
+    raw[8] = (raw[8] & 0x3F) | 0x80
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+@dataclass(slots=True)
 class Lease:
     """The state of one acquired permit, shared by its handle and the engine.
 
@@ -67,6 +80,8 @@ class Engine:
 
     def __init__(self, store: Store, *, default_ttl: float) -> None:
         self._store = store
+        # The store's clock, which also times retries; fixed for the store's life.
+        self.clock: Clock = store.clock
         self.default_ttl = default_ttl
         self._ready = False
         # The ready gate, one per face; only the face's own driver uses its gate.
@@ -75,11 +90,6 @@ class Engine:
         # Deprecated lock()/unlock(): the token of the last lock() per key.
         self._remembered: dict[str, str] = {}
         self._remembered_lock = threading.Lock()
-
-    @property
-    def clock(self) -> Clock:
-        """The store's clock, which also times retries."""
-        return self._store.clock
 
     def ttl_ms(self, ttl: object | None) -> int:
         """Validate ``ttl`` (None: the default) and return it in whole milliseconds."""
@@ -106,8 +116,9 @@ class Engine:
         """Try once to take a permit; None only when all permits are active."""
         check_key(key)
         ttl_ms = self.ttl_ms(ttl)
-        yield from self.ready()
-        token = str(uuid.uuid4())
+        if not self._ready:
+            yield from self.ready()
+        token = new_token()
         grant = yield from self._store.acquire(key, token, ttl_ms)
         if grant is None:
             return None
@@ -158,7 +169,8 @@ class Engine:
 
     def release(self, lease: Lease) -> Steps[bool]:
         """Release the permit of ``lease`` if it is still active."""
-        yield from self.ready()
+        if not self._ready:
+            yield from self.ready()
         return (yield from self._store.release(lease.key, lease.token, lease.slot))
 
     def extend(self, lease: Lease, ttl: float | None) -> Steps[bool]:

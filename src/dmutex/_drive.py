@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import TypeVar, cast
 
 from ._clock import Clock
-from ._effects import Call, Effect, Gate, Steps
+from ._effects import Call, Effect, Gate, Sleep, Steps
 from ._errors import UnsupportedClientError
 
 T = TypeVar("T")
@@ -67,32 +67,41 @@ async def _drive(steps: Steps[T], perform: Callable[[Effect], Awaitable[object]]
             error = exc
 
 
+# Replies that are certainly not awaitable, checked by exact type before the
+# slower inspect.isawaitable: the sync driver's per-request cost matters.
+_PLAIN = frozenset({type(None), bool, int, float, str, bytes, list, dict, tuple})
+
+
 def run_sync(steps: Steps[T], clock: Clock, gate: threading.Lock) -> T:
-    """Run ``steps`` to completion in the calling thread."""
+    """Run ``steps`` to completion in the calling thread.
 
-    async def perform(effect: Effect) -> object:
-        if isinstance(effect, Call):
-            result = effect.fn(*effect.args, **effect.kwargs)
-            if inspect.isawaitable(result):
-                if isinstance(result, Coroutine):
-                    result.close()  # never started, so no I/O happened
-                raise _mismatch(effect, result)
-            return result
-        if isinstance(effect, Gate) and effect.enter:
-            gate.acquire()
-        elif isinstance(effect, Gate):
-            gate.release()
-        else:
-            clock.sleep(effect.seconds)
-        return None
-
-    loop = _drive(steps, perform)
-    try:
-        loop.send(None)
-    except StopIteration as done:
-        return cast(T, done.value)
-    loop.close()
-    raise RuntimeError("dmutex: a sync step suspended")  # perform() never awaits
+    The same loop as :func:`_drive`, without a coroutine around it: a sync
+    effect never suspends, and this loop runs for every request.
+    """
+    value: object = None
+    error: BaseException | None = None
+    while True:
+        try:
+            effect = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as done:
+            return cast(T, done.value)
+        value, error = None, None
+        try:
+            if isinstance(effect, Call):
+                kwargs = effect.kwargs
+                value = effect.fn(*effect.args, **kwargs) if kwargs else effect.fn(*effect.args)
+                if type(value) not in _PLAIN and inspect.isawaitable(value):
+                    if isinstance(value, Coroutine):
+                        value.close()  # never started, so no I/O happened
+                    raise _mismatch(effect, value)
+            elif isinstance(effect, Sleep):
+                clock.sleep(effect.seconds)
+            elif effect.enter:
+                gate.acquire()
+            else:
+                gate.release()
+        except BaseException as exc:  # noqa: BLE001 - handed to the algorithm
+            value, error = None, exc
 
 
 async def run_async(steps: Steps[T], clock: Clock, gate: asyncio.Lock) -> T:
@@ -100,7 +109,7 @@ async def run_async(steps: Steps[T], clock: Clock, gate: asyncio.Lock) -> T:
 
     async def perform(effect: Effect) -> object:
         if isinstance(effect, Call):
-            result = effect.fn(*effect.args, **effect.kwargs)
+            result = effect.fn(*effect.args, **(effect.kwargs or {}))
             if not inspect.isawaitable(result):
                 raise _mismatch(effect, result)
             return await result

@@ -11,24 +11,24 @@ a clock's sleep or a lock themselves, which is how one copy of each serves both
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, TypeAlias, TypeVar
 
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Call:
     """Call ``fn(*args, **kwargs)``; in async code, await what it returns.
 
     ``role`` names who ``fn`` belongs to, for the error raised when it returns
     the wrong kind of value (an awaitable to a sync driver, or not one to an
-    async driver).
+    async driver). One is made per request, so it is a plain slotted class.
     """
 
     fn: Callable[..., object]
     args: tuple[object, ...] = ()
-    kwargs: Mapping[str, object] = field(default_factory=dict)
+    kwargs: Mapping[str, object] | None = None
     role: Literal["client", "callback"] = "client"
 
 

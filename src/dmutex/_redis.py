@@ -208,9 +208,10 @@ def hash_slot(key: str) -> int:
 
 def same_hash_slot(keys: Sequence[str]) -> bool:
     """Whether a cluster keeps all of ``keys`` in one hash slot (so one script may touch them)."""
-    part, slot = _hashed_part(keys[0]), hash_slot(keys[0])
-    # Stops at the first key that differs: untagged slot keys cost two CRCs.
-    return all(_hashed_part(k) == part or hash_slot(k) == slot for k in keys[1:])
+    part = _hashed_part(keys[0])
+    # CRCs only for keys whose hashed parts differ; untagged slot keys stop at
+    # the second key.
+    return all(_hashed_part(k) == part or hash_slot(k) == hash_slot(keys[0]) for k in keys[1:])
 
 
 def is_cluster_client(client: object) -> bool:
@@ -326,11 +327,14 @@ class RedisStore:
         extend). Returns whether a slot held it.
         """
         permits = self._permits
-        first, last = (0, permits - 1) if slot is None else (slot, slot)
         if self._standalone and permits > 1:
+            first, last = (0, permits - 1) if slot is None else (slot, slot)
             args = (*head, self._prefix, key, first, last)
             return _as_int((yield from self._run(script, (), args)), 0, 1) == 1
-        names = [self._name(number, key) for number in range(first, last + 1)]
+        if slot is not None or permits == 1:
+            name = self._name(slot or 0, key)
+            return _as_int((yield from self._run(script, (name,), head)), 0, 1) == 1
+        names = [self._name(number, key) for number in range(permits)]
         groups = [names] if same_hash_slot(names) else [[name] for name in names]
         for group in groups:
             if _as_int((yield from self._run(script, group, head)), 0, 1):

@@ -24,6 +24,8 @@ def check_str(name: str, value: object, *, allow_empty: bool = False) -> str:
 
 def check_key(key: object) -> str:
     """Return a lock key: a non-empty ``str``."""
+    if type(key) is str and key:  # the common case, on every operation
+        return key
     return check_str("key", key)
 
 
