@@ -83,6 +83,13 @@ class Engine:
         # The store's clock, which also times retries; fixed for the store's life.
         self.clock: Clock = store.clock
         self.default_ttl = default_ttl
+        # The default in ms, checked once, when no process could live to see it
+        # pass the latest storable expiry (a century of margin); else None, and
+        # it is checked on every use like any other TTL.
+        default_ms = ttl_to_ms(default_ttl, self.clock, store.max_expiry_ms)
+        margin = 100 * 365 * 86_400_000
+        fits = now_ms(self.clock) + default_ms + margin <= store.max_expiry_ms
+        self._default_ms: int | None = default_ms if fits else None
         self._ready = False
         # The ready gate, one per face; only the face's own driver uses its gate.
         self.thread_gate = threading.Lock()
@@ -93,6 +100,8 @@ class Engine:
 
     def ttl_ms(self, ttl: object | None) -> int:
         """Validate ``ttl`` (None: the default) and return it in whole milliseconds."""
+        if ttl is None and self._default_ms is not None:
+            return self._default_ms
         seconds = self.default_ttl if ttl is None else check_ttl("ttl", ttl)
         return ttl_to_ms(seconds, self.clock, self._store.max_expiry_ms)
 

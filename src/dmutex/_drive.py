@@ -75,33 +75,35 @@ _PLAIN = frozenset({type(None), bool, int, float, str, bytes, list, dict, tuple}
 def run_sync(steps: Steps[T], clock: Clock, gate: threading.Lock) -> T:
     """Run ``steps`` to completion in the calling thread.
 
-    The same loop as :func:`_drive`, without a coroutine around it: a sync
-    effect never suspends, and this loop runs for every request.
+    The same protocol as :func:`_drive`, without a coroutine around it: a sync
+    effect never suspends, and this loop runs for every request, so it is
+    kept flat.
     """
-    value: object = None
-    error: BaseException | None = None
-    while True:
-        try:
-            effect = steps.send(value) if error is None else steps.throw(error)
-        except StopIteration as done:
-            return cast(T, done.value)
-        value, error = None, None
-        try:
-            if isinstance(effect, Call):
-                kwargs = effect.kwargs
-                value = effect.fn(*effect.args, **kwargs) if kwargs else effect.fn(*effect.args)
-                if type(value) not in _PLAIN and inspect.isawaitable(value):
-                    if isinstance(value, Coroutine):
-                        value.close()  # never started, so no I/O happened
-                    raise _mismatch(effect, value)
-            elif isinstance(effect, Sleep):
-                clock.sleep(effect.seconds)
-            elif effect.enter:
-                gate.acquire()
+    send, throw = steps.send, steps.throw
+    try:
+        effect = send(None)
+        while True:
+            try:
+                if isinstance(effect, Call):
+                    kwargs = effect.kwargs
+                    value = effect.fn(*effect.args, **kwargs) if kwargs else effect.fn(*effect.args)
+                    if type(value) not in _PLAIN and inspect.isawaitable(value):
+                        if isinstance(value, Coroutine):
+                            value.close()  # never started, so no I/O happened
+                        raise _mismatch(effect, value)
+                elif isinstance(effect, Sleep):
+                    value = None
+                    clock.sleep(effect.seconds)
+                else:
+                    value = None
+                    gate.acquire() if effect.enter else gate.release()
+            except BaseException as exc:  # noqa: BLE001 - handed to the algorithm
+                effect = throw(exc)
             else:
-                gate.release()
-        except BaseException as exc:  # noqa: BLE001 - handed to the algorithm
-            value, error = None, exc
+                effect = send(value)
+    except StopIteration as done:
+        result: T = done.value
+        return result
 
 
 async def run_async(steps: Steps[T], clock: Clock, gate: asyncio.Lock) -> T:

@@ -35,7 +35,7 @@ MAX_EXPIRY_MS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Grant:
     """A permit the store handed out: its slot and when it expires."""
 

@@ -99,7 +99,8 @@ class _SyncFace(Generic[H]):
         Returns a handle, or None when all permits are held by others. Every
         other failure raises.
         """
-        return self._wrap_optional(self._drive(self._engine.acquire(key, ttl)))
+        lease = self._drive(self._engine.acquire(key, ttl))
+        return None if lease is None else self._wrap(lease)
 
     def acquire_with_retry(
         self,
