@@ -30,6 +30,7 @@ from ._validate import (
 )
 
 H = TypeVar("H")
+T = TypeVar("T")
 
 _ENTER = Gate(enter=True)
 _LEAVE = Gate(enter=False)
@@ -178,9 +179,13 @@ class Engine:
 
     def release(self, lease: Lease) -> Steps[bool]:
         """Release the permit of ``lease`` if it is still active."""
-        if not self._ready:
-            yield from self.ready()
-        return (yield from self._store.release(lease.key, lease.token, lease.slot))
+        steps = self._store.release(lease.key, lease.token, lease.slot)
+        # Once ready, the store's own steps, with no frame of ours around them.
+        return steps if self._ready else self._after_ready(steps)
+
+    def _after_ready(self, steps: Steps[T]) -> Steps[T]:
+        yield from self.ready()
+        return (yield from steps)
 
     def extend(self, lease: Lease, ttl: float | None) -> Steps[bool]:
         """Set the expiry of ``lease`` to now + ttl if it is still active."""
