@@ -9,12 +9,14 @@ attribute) is judged by what it really defines.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Literal
 
-from ._clock import SystemClock
+from ._clock import Clock, SystemClock
 from ._core import Engine, ttl_to_ms
-from ._errors import AmbiguousClientError, BackendUnavailableError, UnsupportedClientError
+from ._errors import AmbiguousClientError, UnsupportedClientError
 from ._memory import InMemoryBackend
+from ._mongo import MongoStore
 from ._redis import RedisStore
 from ._store import Namespace, Store
 from ._validate import (
@@ -106,15 +108,17 @@ def _check_face(client: object, kind: Kind, asynchronous: bool) -> None:
         )
 
 
+# The clock MongoDB leases are timed by (Redis times them on the server). Tests
+# swap in a ManualClock here to move time under mongomock.
+_mongo_clock: Callable[[], Clock] = SystemClock
+
+
 def _open_store(client: object, kind: Kind, namespace: Namespace) -> Store:
     if isinstance(client, InMemoryBackend):
         return client._bind(namespace)
     if kind == "redis":
         return RedisStore(client, namespace)
-    raise BackendUnavailableError(
-        f"this release of dmutex recognises {type(client).__qualname__} as a "
-        f"{kind} client but has no {kind} backend yet; use InMemoryBackend"
-    )
+    return MongoStore(client, namespace, _mongo_clock())
 
 
 def build_engine(

@@ -1,0 +1,169 @@
+"""The MongoDB store: leases as documents, taken by one upsert each.
+
+Layout (shared with the TypeScript dmutex): database ``db_name``, collection
+``collection_name``; slot ``i`` of lock ``key`` is the document
+``{_id: f"permit:{i}:{key}", value: token, expiredAt: <date>}``; ``ready()``
+creates the TTL index ``{expiredAt: 1}`` with ``expireAfterSeconds=0``.
+
+Guarantees: a slot is taken by an upsert whose filter matches the slot's
+document only if it has expired (or matches nothing, so the upsert inserts
+it). While the document is active the filter matches nothing and the insert
+collides with the existing ``_id``: duplicate key (code 11000), which is the
+one error that means "held". Release and extend match on ``value`` (the
+token) and on ``expiredAt`` being in the future, so a holder whose lease
+expired can neither remove nor prolong the record of whoever took it over.
+
+Limits:
+
+- Time is this process's clock: "expired" means ``expiredAt <= now`` as the
+  client reads ``now``. Clients whose clocks disagree by more than a lease's
+  margin can take over each other's leases early. The server's TTL monitor
+  only removes expired documents, some time later (every 60 s by default);
+  correctness never depends on it.
+- Writes use the write concern the collection has from the client you pass:
+  with ``w=1`` a lease acknowledged by a primary that fails before
+  replicating it can vanish in a failover. Use ``w="majority"`` (in the URI or
+  the client options) for leases that survive one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+from collections.abc import Callable
+
+from ._clock import Clock
+from ._effects import Call, Steps
+from ._errors import DMutexError, UnsupportedClientError
+from ._store import MAX_EXPIRY_MS, Grant, Namespace, expiry_datetime, now_ms
+
+DUPLICATE_KEY = 11000
+
+
+def is_duplicate_key(error: BaseException) -> bool:
+    """Whether ``error`` is a duplicate-key error: any exception whose ``code`` is 11000."""
+    return getattr(error, "code", None) == DUPLICATE_KEY
+
+
+def _count(result: object, name: str) -> int:
+    """``result.<name>``, which must be an int: matched or deleted documents."""
+    value = getattr(result, name, None)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DMutexError(f"unexpected result from MongoDB: {name}={value!r}")
+    return value
+
+
+class MongoStore:
+    """One collection of lease documents; a ``Store``.
+
+    Requests per operation (spec section 7): a mutex acquire is one upsert;
+    a semaphore acquire is one upsert when the slot it tries first is free,
+    two (upsert, then ``distinct`` of the active slots) when all are held,
+    else three, plus one per race lost to another caller. Release and extend
+    are one request each; ``ready()`` one, once per instance.
+    """
+
+    max_expiry_ms = MAX_EXPIRY_MS
+
+    def __init__(self, client: object, namespace: Namespace, clock: Clock) -> None:
+        get_database: Callable[[str], object] = getattr(client, "get_database")  # noqa: B009 - checked by detection
+        database = get_database(namespace.db_name)
+        get_collection: Callable[[str], object] = getattr(database, "get_collection")  # noqa: B009
+        self._collection = get_collection(namespace.collection_name)
+        self._update = _method(self._collection, "update_one")
+        self._delete = _method(self._collection, "delete_one")
+        self._distinct = _method(self._collection, "distinct")
+        self._create_index = _method(self._collection, "create_index")
+        self._permits = namespace.max_permits
+        self._clock = clock
+        if not namespace.asynchronous and inspect.iscoroutinefunction(self._update):
+            raise UnsupportedClientError(
+                f"{type(self._collection).__qualname__}.update_one is a coroutine function: "
+                "this is an asyncio client, use AsyncDMutex / AsyncDSemaphore"
+            )
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    @staticmethod
+    def _id(slot: int, key: str) -> str:
+        return f"permit:{slot}:{key}"
+
+    def _ids(self, key: str) -> list[str]:
+        return [f"permit:{slot}:{key}" for slot in range(self._permits)]
+
+    def ready(self) -> Steps[None]:
+        """Create the TTL index; an existing identical index is no error."""
+        yield Call(self._create_index, ([("expiredAt", 1)],), {"expireAfterSeconds": 0})
+
+    def _take(self, slot: int, key: str, token: str, now: int, expires: int) -> Steps[bool]:
+        """Upsert slot ``slot`` if free or expired; False on duplicate key (held)."""
+        selector = {"_id": self._id(slot, key), "expiredAt": {"$lte": expiry_datetime(now)}}
+        update = {"$set": {"value": token, "expiredAt": expiry_datetime(expires)}}
+        try:
+            yield Call(self._update, (selector, update), {"upsert": True})
+        except Exception as error:
+            if is_duplicate_key(error):
+                return False
+            raise
+        return True
+
+    def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Grant | None]:
+        """Take a free or expired slot; None when every slot is active.
+
+        A mutex tries its one slot. A semaphore tries a random slot first
+        (so concurrent callers spread out), then asks which slots are active
+        and tries the others in random order.
+        """
+        now = now_ms(self._clock)
+        expires = now + ttl_ms
+        permits = self._permits
+        first = 0 if permits == 1 else random.randrange(permits)
+        if (yield from self._take(first, key, token, now, expires)):
+            return Grant(first, expires)
+        if permits == 1:
+            return None
+        active = yield Call(
+            self._distinct,
+            ("_id", {"_id": {"$in": self._ids(key)}, "expiredAt": {"$gt": expiry_datetime(now)}}),
+        )
+        if not isinstance(active, list):
+            raise DMutexError(f"unexpected result from MongoDB distinct: {active!r}")
+        held = set(active)
+        free = [slot for slot in range(permits) if self._id(slot, key) not in held]
+        free = [slot for slot in free if slot != first]
+        random.shuffle(free)
+        for slot in free:
+            # Each failure here is a race lost: someone took it since distinct.
+            if (yield from self._take(slot, key, token, now, expires)):
+                return Grant(slot, expires)
+        return None
+
+    def _selector(self, key: str, token: str, slot: int | None) -> dict[str, object]:
+        """The active document of ``key`` that holds ``token``, in slot ``slot`` if known."""
+        now = expiry_datetime(now_ms(self._clock))
+        ids: object = self._id(slot, key) if slot is not None else {"$in": self._ids(key)}
+        return {"_id": ids, "value": token, "expiredAt": {"$gt": now}}
+
+    def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
+        """Delete the active document holding ``token``: one ``delete_one``."""
+        result = yield Call(self._delete, (self._selector(key, token, slot),))
+        return _count(result, "deleted_count") == 1
+
+    def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
+        """Set ``expiredAt`` of the active document holding ``token``: one ``update_one``."""
+        selector = self._selector(key, token, slot)
+        expires = now_ms(self._clock) + ttl_ms
+        update = {"$set": {"expiredAt": expiry_datetime(expires)}}
+        result = yield Call(self._update, (selector, update), {"upsert": False})
+        return expires if _count(result, "matched_count") == 1 else None
+
+
+def _method(target: object, name: str) -> Callable[..., object]:
+    method: object = getattr(target, name, None)
+    if not callable(method):
+        raise DMutexError(
+            f"{type(target).__qualname__} has no {name}(): not a MongoDB collection dmutex can use"
+        )
+    return method
