@@ -18,7 +18,6 @@ from ._clock import Clock, ManualClock, SystemClock
 from ._errors import (
     AmbiguousClientError,
     ArgumentTypeError,
-    BackendUnavailableError,
     DMutexError,
     InvalidArgumentError,
     UnsupportedClientError,
@@ -59,7 +58,6 @@ __all__ = [
     "AsyncRedisCommandClient",
     "AsyncRedisSetEvalClient",
     "BackendName",
-    "BackendUnavailableError",
     "Clock",
     "DMutex",
     "DMutexError",

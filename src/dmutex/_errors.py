@@ -9,7 +9,6 @@ from __future__ import annotations
 __all__ = [
     "AmbiguousClientError",
     "ArgumentTypeError",
-    "BackendUnavailableError",
     "DMutexError",
     "InvalidArgumentError",
     "UnsupportedClientError",
@@ -44,7 +43,3 @@ class UnsupportedClientError(DMutexError, TypeError):
 
 class AmbiguousClientError(UnsupportedClientError):
     """The client matches both contracts; pass ``backend=`` to choose one."""
-
-
-class BackendUnavailableError(DMutexError, NotImplementedError):
-    """The client was recognised, but this release has no backend for it yet."""

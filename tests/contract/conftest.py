@@ -10,16 +10,21 @@ version found (see ``tests/_support/redis_servers.py``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
+from functools import partial
 from typing import Any
 
+import mongomock
 import pytest
 import redis
 
+import dmutex._backends
 from dmutex import InMemoryBackend, ManualClock
 from tests._support.faces import Face, FaceName, Kind, LoopThread
+from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
 from tests._support.redis_clients import SERVER_VARIANTS, Made, close_made, fake_pair
 from tests._support.redis_servers import Pool, discovered
 from tests.conftest import server_or_skip
@@ -95,6 +100,30 @@ def _redis_env(face: FaceName, made: Made, inspector: redis.Redis) -> Env:
     return env
 
 
+def _mongomock(face: FaceName) -> Env:
+    """mongomock (an in-memory imitation of pymongo, not a server) on a ManualClock."""
+    clock = ManualClock()
+    client: mongomock.MongoClient[dict[str, object]] = mongomock.MongoClient()
+
+    def expire(key: str, slot: int | None) -> None:
+        # Set expiredAt to now: the record stays, as on a server before its TTL
+        # monitor runs, so the next acquire takes it over.
+        pattern = f"^permit:{'[0-9]+' if slot is None else slot}:{re.escape(key)}$"
+        now = clock.now()
+        for name in client.get_database("dmutex").list_collection_names():
+            client.get_database("dmutex").get_collection(name).update_many(
+                {"_id": {"$regex": pattern}, "expiredAt": {"$gt": now}},
+                {"$set": {"expiredAt": now}},
+            )
+
+    made = AsyncMongomockClient(client) if face == "async" else client
+    return Env(face, made, clock, expire)
+
+
+def _mongomock_case(face: FaceName, pool: Pool) -> Env:
+    return _mongomock(face)
+
+
 Case = Callable[[Pool], Env]
 
 
@@ -125,6 +154,7 @@ def _cases() -> dict[str, Case]:
     faces: tuple[FaceName, ...] = ("sync", "async")
     for face in faces:
         cases[f"fakeredis-{face}"] = _fake_case(face)
+        cases[f"mongomock-{face}"] = partial(_mongomock_case, face)
     labels = discovered().labels or [""]  # "": skip with discovery's reason
     newest, others = labels[-1], labels[:-1]
     for face in faces:
@@ -136,7 +166,7 @@ def _cases() -> dict[str, Case]:
 
 
 CASES = _cases()
-MANUAL_CLOCK_CASES = ("memory-async", "memory-sync")
+MANUAL_CLOCK_CASES = ("memory-async", "memory-sync", "mongomock-async", "mongomock-sync")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -148,8 +178,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture
-def env(request: pytest.FixtureRequest, redis_pool: Pool) -> Iterator[Env]:
+def env(
+    request: pytest.FixtureRequest, redis_pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Env]:
     made = CASES[request.param](redis_pool)
+    if made.clock is not None:
+        # MongoDB leases are timed by the client's clock: let the test move it.
+        clock = made.clock
+        monkeypatch.setattr(dmutex._backends, "_mongo_clock", lambda: clock)
+        monkeypatch.setattr(mongomock, "utcnow", frozen_ttl_monitor)
     if made.face == "async":
         made.loop = LoopThread()
     try:
