@@ -10,9 +10,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+import mongomock
 import redis
 
+import dmutex._backends
 from dmutex import InMemoryBackend, ManualClock
+from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
 from tests._support.redis_clients import SERVER_VARIANTS, Made, close_made
 
 Runner = Callable[[Awaitable[object]], object]
@@ -104,3 +107,49 @@ class RedisHarness:
         for made in self._made:
             close_made(made, run)
         self._server.close()
+
+
+class MongomockHarness:
+    """mongomock (an imitation of pymongo, not a server) on a ManualClock.
+
+    MongoDB leases are timed by the client's clock, so the machine may move
+    time here. The TTL monitor never runs: expired records stay stored, and
+    force-expiry sets ``expiredAt`` to now, so takeover of a stored record is
+    what gets exercised.
+    """
+
+    ttls: tuple[float, ...] = MemoryHarness.ttls
+
+    def __init__(self) -> None:
+        self.clock: ManualClock | None = ManualClock()
+        clock = self.clock
+        self._client: mongomock.MongoClient[dict[str, object]] = mongomock.MongoClient()
+        # mongomock's type stubs do not declare utcnow, its documented test hook.
+        self._saved = (dmutex._backends._mongo_clock, getattr(mongomock, "utcnow"))  # noqa: B009
+        dmutex._backends._mongo_clock = lambda: clock
+        setattr(mongomock, "utcnow", frozen_ttl_monitor)  # noqa: B010
+
+    def client(self, asynchronous: bool) -> object:
+        return AsyncMongomockClient(self._client) if asynchronous else self._client
+
+    def _collection(self, prefix: str) -> mongomock.Collection[dict[str, object]]:
+        # The machine's instances use the defaults: the collection is the
+        # Redis-style prefix without its colon (_dmutex_svc, _dsemaphore_svc).
+        return self._client.get_database("dmutex").get_collection(prefix.rstrip(":"))
+
+    def force_expire(self, prefix: str, key: str, slot: int) -> None:
+        assert self.clock is not None
+        now = self.clock.now()
+        self._collection(prefix).update_one(
+            {"_id": f"permit:{slot}:{key}", "expiredAt": {"$gt": now}},
+            {"$set": {"expiredAt": now}},
+        )
+
+    def active(self, prefix: str) -> dict[str, str]:
+        assert self.clock is not None
+        found = self._collection(prefix).find({"expiredAt": {"$gt": self.clock.now()}})
+        return {f"{prefix}{doc['_id']}": str(doc["value"]) for doc in found}
+
+    def close(self, run: Runner | None) -> None:
+        dmutex._backends._mongo_clock, ttl_clock = self._saved
+        setattr(mongomock, "utcnow", ttl_clock)  # noqa: B010

@@ -26,7 +26,7 @@ from hypothesis.stateful import (
 
 from dmutex._store import EPOCH
 from tests._support.faces import Face, FaceName, Handle, Kind, LoopThread
-from tests.model.harness import Harness, MemoryHarness, RedisHarness
+from tests.model.harness import Harness, MemoryHarness, MongomockHarness, RedisHarness
 from tests.model.model import Model
 
 KEYS = ("a", "b")
@@ -224,5 +224,13 @@ def test_redis(redis_url: str, face: FaceName, kind: Kind, max_permits: int) -> 
     machine = machine_for(
         lambda: RedisHarness(redis_url), RedisHarness.ttls, face, kind, max_permits
     )
+    run_state_machine_as_test(machine, settings=SETTINGS)
+    assert machine.created >= EXAMPLES
+
+
+@pytest.mark.parametrize(("face", "kind", "max_permits"), CONFIGS)
+def test_mongomock(face: FaceName, kind: Kind, max_permits: int) -> None:
+    """The same machine on the MongoDB store, over mongomock (not a server)."""
+    machine = machine_for(MongomockHarness, MongomockHarness.ttls, face, kind, max_permits)
     run_state_machine_as_test(machine, settings=SETTINGS)
     assert machine.created >= EXAMPLES
