@@ -76,10 +76,16 @@ class MongoStore:
         self._create_index = _method(self._collection, "create_index")
         self._permits = namespace.max_permits
         self._clock = clock
-        if not namespace.asynchronous and inspect.iscoroutinefunction(self._update):
+        # Refuse an asyncio client on a sync class now: on the first call it
+        # would be too late for motor, which starts the request as it returns
+        # a Future. pymongo's async methods are coroutine functions; every
+        # motor object has get_io_loop.
+        if not namespace.asynchronous and (
+            inspect.iscoroutinefunction(self._update) or _defines(self._collection, "get_io_loop")
+        ):
             raise UnsupportedClientError(
-                f"{type(self._collection).__qualname__}.update_one is a coroutine function: "
-                "this is an asyncio client, use AsyncDMutex / AsyncDSemaphore"
+                f"{type(self._collection).__qualname__} is an asyncio collection: "
+                "use AsyncDMutex / AsyncDSemaphore"
             )
 
     @property
@@ -158,6 +164,15 @@ class MongoStore:
         update = {"$set": {"expiredAt": expiry_datetime(expires)}}
         result = yield Call(self._update, (selector, update), {"upsert": False})
         return expires if _count(result, "matched_count") == 1 else None
+
+
+def _defines(target: object, name: str) -> bool:
+    # Static lookup: pymongo's Collection.__getattr__ answers any name.
+    try:
+        inspect.getattr_static(target, name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _method(target: object, name: str) -> Callable[..., object]:

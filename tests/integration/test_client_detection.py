@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import fakeredis
 import mongomock
+import motor.motor_asyncio
 import pymongo
 import pytest
 import redis
@@ -42,6 +44,11 @@ CLIENTS: dict[str, tuple[Callable[[], Any], BackendName, bool]] = {
         True,
     ),
     "mongomock.MongoClient": (mongomock.MongoClient, "mongodb", False),
+    "motor.AsyncIOMotorClient": (
+        lambda: motor.motor_asyncio.AsyncIOMotorClient(connect=False),
+        "mongodb",
+        True,
+    ),
     "redis.Redis": (redis.Redis, "redis", False),
     "redis.asyncio.Redis": (redis.asyncio.Redis, "redis", True),
     "valkey.Valkey": (valkey.Valkey, "redis", False),
@@ -56,11 +63,20 @@ def real_client(request: pytest.FixtureRequest) -> Iterator[tuple[Any, BackendNa
     factory, backend, is_async = CLIENTS[request.param]
     client = factory()
     yield client, backend, is_async
-    closing = getattr(client, "aclose", None) if is_async else getattr(client, "close", None)
-    if closing is not None:
-        result = closing()
+    close(client)
+
+
+def close(client: object) -> None:
+    """Close a client of any package, sync or asyncio (motor's close is sync)."""
+    for name in ("aclose", "close"):
+        try:
+            inspect.getattr_static(client, name)
+        except AttributeError:
+            continue
+        result = getattr(client, name)()
         if asyncio.iscoroutine(result):
             asyncio.run(result)
+        return
 
 
 def make(cls: Any, client: object, **options: Any) -> Any:
@@ -89,12 +105,16 @@ def test_right_face_builds(real_client: tuple[Any, BackendName, bool]) -> None:
         assert isinstance(make(cls, client), cls)
 
 
-def test_asyncio_mongo_client_refused_by_sync_classes() -> None:
-    """Its collection's methods are coroutine functions, so this is caught before any call."""
-    client: pymongo.AsyncMongoClient[dict[str, Any]] = pymongo.AsyncMongoClient(connect=False)
-    for cls in SYNC:
-        with pytest.raises(UnsupportedClientError, match="asyncio client"):
-            make(cls, client)
+@pytest.mark.parametrize("name", ["pymongo.AsyncMongoClient", "motor.AsyncIOMotorClient"])
+def test_asyncio_mongo_client_refused_by_sync_classes(name: str) -> None:
+    """Caught at construction, before any call: motor would start the request on the call."""
+    client = CLIENTS[name][0]()
+    try:
+        for cls in SYNC:
+            with pytest.raises(UnsupportedClientError, match="asyncio collection"):
+                make(cls, client)
+    finally:
+        close(client)
 
 
 @pytest.mark.parametrize(

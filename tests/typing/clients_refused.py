@@ -10,7 +10,9 @@ Not listed, because the client packages' own types cannot support it: the
 sync ``redis.Redis``, ``valkey.Valkey`` and ``fakeredis.FakeRedis`` handed to
 an async class. Their ``execute_command`` is unannotated (returns ``Any``), so
 it matches the async contract too; dmutex refuses them at run time instead,
-on the first call.
+on the first call. Nor motor's ``AsyncIOMotorClient`` handed to a sync class,
+whose types do not say its methods return awaitables; dmutex refuses it at
+construction.
 """
 
 from __future__ import annotations

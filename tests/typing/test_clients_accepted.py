@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import fakeredis
 import mongomock
+import motor.motor_asyncio
 import pymongo
 import redis
 import redis.asyncio
@@ -47,6 +48,7 @@ def test_sync_clients_are_accepted_by_sync_classes() -> None:
 def test_asyncio_clients_are_accepted_by_async_classes() -> None:
     recognised(lambda: AsyncDMutex("svc", pymongo.AsyncMongoClient(connect=False)))
     recognised(lambda: AsyncDMutex("svc", redis.asyncio.Redis()))
+    recognised(lambda: AsyncDMutex("svc", motor.motor_asyncio.AsyncIOMotorClient(connect=False)))
     recognised(lambda: AsyncDMutex("svc", valkey.asyncio.Valkey()))
     recognised(lambda: AsyncDMutex("svc", fakeredis.FakeAsyncRedis()))
     recognised(
