@@ -284,7 +284,10 @@ class Container:
             self.label = f"redis-{self.tag}"
 
     def start(self) -> Server:
-        from testcontainers.redis import RedisContainer
+        try:  # testcontainers 4.15 moved it; the old path warns, which pytest makes an error
+            from testcontainers.community.redis import RedisContainer
+        except ImportError:
+            from testcontainers.redis import RedisContainer
 
         container = RedisContainer(f"redis:{self.tag}")
         container.start()
