@@ -1,4 +1,4 @@
-"""Session-wide fixtures: real Redis servers (see ``tests/_support/redis_servers.py``)."""
+"""Session-wide fixtures: real Redis and MongoDB servers (``tests/_support/*_servers.py``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from tests._support import mongo_servers
 from tests._support.redis_servers import Pool, Server, discovered
 
 
@@ -18,6 +19,16 @@ def redis_pool() -> Iterator[Pool]:
         yield pool
     finally:
         pool.close()
+
+
+@pytest.fixture(scope="session")
+def mongo_session() -> Iterator[mongo_servers.Session]:
+    """A real MongoDB for the session, started on first use (or a skip saying why)."""
+    session = mongo_servers.Session(mongo_servers.discovered())
+    try:
+        yield session
+    finally:
+        session.close()
 
 
 def redis_labels() -> list[str]:

@@ -25,6 +25,8 @@ import dmutex._backends
 from dmutex import InMemoryBackend, ManualClock
 from tests._support.faces import Face, FaceName, Kind, LoopThread
 from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
+from tests._support.mongo_servers import AsyncRedirectedClient, RedirectedClient
+from tests._support.mongo_servers import Session as MongoSession
 from tests._support.redis_clients import SERVER_VARIANTS, Made, close_made, fake_pair
 from tests._support.redis_servers import Pool, discovered
 from tests.conftest import server_or_skip
@@ -120,16 +122,46 @@ def _mongomock(face: FaceName) -> Env:
     return Env(face, made, clock, expire)
 
 
-def _mongomock_case(face: FaceName, pool: Pool) -> Env:
+def _mongomock_case(face: FaceName, servers: Servers) -> Env:
     return _mongomock(face)
 
 
-Case = Callable[[Pool], Env]
+@dataclass
+class Servers:
+    """The real servers a case may need; each starts (or skips) on first use."""
+
+    redis: Pool
+    mongo: MongoSession
+
+
+def _real_mongo(face: FaceName, servers: Servers) -> Env:
+    """pymongo against a real MongoDB (skips with one line where there is none)."""
+    server = servers.mongo.fresh()
+    database = servers.mongo.admin.get_database(servers.mongo.db_name)
+
+    def expire(key: str, slot: int | None) -> None:
+        pattern = f"^permit:{'[0-9]+' if slot is None else slot}:{re.escape(key)}$"
+        now = datetime.now(timezone.utc)
+        for name in database.list_collection_names():
+            database.get_collection(name).update_many(
+                {"_id": {"$regex": pattern}, "expiredAt": {"$gt": now}},
+                {"$set": {"expiredAt": now}},
+            )
+
+    if face == "sync":
+        return Env(face, RedirectedClient(servers.mongo.admin, server.db_name), None, expire)
+    inner = server.async_client()
+    env = Env(face, AsyncRedirectedClient(inner, server.db_name), None, expire)
+    env.closers.append(Made(inner, inner.close))
+    return env
+
+
+Case = Callable[[Servers], Env]
 
 
 def _server_case(label: str, variant: str, face: FaceName) -> Case:
-    def make(pool: Pool) -> Env:
-        server = server_or_skip(pool, label)
+    def make(servers: Servers) -> Env:
+        server = server_or_skip(servers.redis, label)
         inspector = redis.Redis.from_url(server.url, decode_responses=True)
         inspector.flushdb()
         maker = SERVER_VARIANTS[variant][face == "async"]
@@ -139,7 +171,7 @@ def _server_case(label: str, variant: str, face: FaceName) -> Case:
 
 
 def _fake_case(face: FaceName) -> Case:
-    def make(pool: Pool) -> Env:
+    def make(servers: Servers) -> Env:
         made, inspector = fake_pair(face == "async")
         return _redis_env(face, made, inspector)
 
@@ -148,13 +180,14 @@ def _fake_case(face: FaceName) -> Case:
 
 def _cases() -> dict[str, Case]:
     cases: dict[str, Case] = {
-        "memory-sync": lambda pool: _memory("sync"),
-        "memory-async": lambda pool: _memory("async"),
+        "memory-sync": lambda servers: _memory("sync"),
+        "memory-async": lambda servers: _memory("async"),
     }
     faces: tuple[FaceName, ...] = ("sync", "async")
     for face in faces:
         cases[f"fakeredis-{face}"] = _fake_case(face)
         cases[f"mongomock-{face}"] = partial(_mongomock_case, face)
+        cases[f"pymongo-{face}@mongodb"] = partial(_real_mongo, face)
     labels = discovered().labels or [""]  # "": skip with discovery's reason
     newest, others = labels[-1], labels[:-1]
     for face in faces:
@@ -179,9 +212,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture
 def env(
-    request: pytest.FixtureRequest, redis_pool: Pool, monkeypatch: pytest.MonkeyPatch
+    request: pytest.FixtureRequest,
+    redis_pool: Pool,
+    mongo_session: MongoSession,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Env]:
-    made = CASES[request.param](redis_pool)
+    made = CASES[request.param](Servers(redis_pool, mongo_session))
     if made.clock is not None:
         # MongoDB leases are timed by the client's clock: let the test move it.
         clock = made.clock
