@@ -15,6 +15,7 @@ import redis
 
 import dmutex
 from dmutex import InMemoryBackend
+from tests._support.mongo_clients import AsyncMongomockClient
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
@@ -43,11 +44,17 @@ def test_the_readme_has_examples() -> None:
 def test_example_runs(block: str) -> None:
     namespace: dict[str, Any] = {"client": InMemoryBackend(), "async_client": InMemoryBackend()}
     if "import pymongo" in block:
-        # No MongoDB server here: the example runs against mongomock instead.
-        real = 'pymongo.MongoClient("mongodb://localhost:27017")'
-        assert real in block
-        block = block.replace(real, "mongomock.MongoClient()")
-        namespace["mongomock"] = mongomock
+        # No MongoDB server here: the examples run against mongomock instead
+        # (behind an awaiting wrapper for the asyncio one).
+        sync, asynchronous = (
+            'pymongo.MongoClient("mongodb://localhost:27017")',
+            'pymongo.AsyncMongoClient("mongodb://localhost:27017")',
+        )
+        assert sync in block or asynchronous in block
+        block = block.replace(sync, "mongomock.MongoClient()")
+        block = block.replace(asynchronous, "AsyncMongomockClient(mongomock.MongoClient())")
+        block = block.replace("await client.close()", "client.inner.close()")
+        namespace.update(mongomock=mongomock, AsyncMongomockClient=AsyncMongomockClient)
     run(block, namespace)
 
 
