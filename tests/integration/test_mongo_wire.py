@@ -1,7 +1,8 @@
 """The MongoDB store through the real pymongo driver, over the wire, against mockupdb.
 
-mockupdb is a mock server: pymongo (``MongoClient``, or ``AsyncMongoClient`` on
-an event loop thread for the async classes) connects to it over TCP on
+mockupdb is a mock server: pymongo (``MongoClient``, or ``AsyncMongoClient`` or
+motor's ``AsyncIOMotorClient`` on an event loop thread for the async classes)
+connects to it over TCP on
 127.0.0.1, and every command dmutex causes is handed to the test, which
 asserts the command exactly as it arrived (decoded from the BSON on the wire)
 and answers it with what a real server would reply. Operations run on a
@@ -38,6 +39,7 @@ from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any, Generic, TypeVar
 
+import motor.motor_asyncio
 import pymongo
 import pymongo.errors
 import pytest
@@ -147,9 +149,12 @@ class Commands(monitoring.CommandListener):
 class Wire:
     """A mock server, pymongo clients of one face connected to it, and their commands."""
 
-    def __init__(self, server: MockupDB, face: FaceName, clock: ManualClock) -> None:
+    def __init__(
+        self, server: MockupDB, face: FaceName, clock: ManualClock, motor: bool = False
+    ) -> None:
         self.server = server
         self.face = face
+        self.motor = motor
         self.clock = clock
         self.commands = Commands()
         self.loop = LoopThread() if face == "async" else None
@@ -164,6 +169,8 @@ class Wire:
         else:
 
             async def open_client() -> Any:
+                if self.motor:
+                    return motor.motor_asyncio.AsyncIOMotorClient(self.server.uri, **settings)
                 return pymongo.AsyncMongoClient(self.server.uri, **settings)
 
             client = self.loop.run(open_client())
@@ -195,7 +202,7 @@ class Wire:
         while self.server.got(timeout=0):
             leftover.append(self.server.receives(timeout=0))
         for client in self._clients:
-            if self.loop is None:
+            if self.loop is None or self.motor:  # motor's close() is not a coroutine
                 client.close()
             else:
                 self.loop.run(client.close())
@@ -226,9 +233,11 @@ def server() -> Iterator[MockupDB]:
         mock.stop()
 
 
-@pytest.fixture(params=["sync", "async"])
+@pytest.fixture(params=["sync", "async", "motor"])
 def wire(request: pytest.FixtureRequest, server: MockupDB, clock: ManualClock) -> Iterator[Wire]:
-    rig = Wire(server, request.param, clock)
+    """pymongo's MongoClient, its AsyncMongoClient, and motor's AsyncIOMotorClient."""
+    face: FaceName = "sync" if request.param == "sync" else "async"
+    rig = Wire(server, face, clock, motor=request.param == "motor")
     try:
         yield rig
     finally:
