@@ -15,7 +15,7 @@ import redis
 
 import dmutex
 from dmutex import InMemoryBackend
-from tests._support.mongo_clients import AsyncMongomockClient
+from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
@@ -41,9 +41,12 @@ def test_the_readme_has_examples() -> None:
 
 
 @pytest.mark.parametrize("block", LOCAL, ids=[b.splitlines()[0] for b in LOCAL])
-def test_example_runs(block: str) -> None:
+def test_example_runs(block: str, monkeypatch: pytest.MonkeyPatch) -> None:
     namespace: dict[str, Any] = {"client": InMemoryBackend(), "async_client": InMemoryBackend()}
     if "import pymongo" in block:
+        # mongomock's own TTL imitation calls datetime.utcnow(), deprecated
+        # since Python 3.12; hold it still, as the other mongomock tests do.
+        monkeypatch.setattr(mongomock, "utcnow", frozen_ttl_monitor)
         # No MongoDB server here: the examples run against mongomock instead
         # (behind an awaiting wrapper for the asyncio one).
         sync, asynchronous = (
