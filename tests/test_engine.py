@@ -20,7 +20,7 @@ from dmutex import (
     ManualClock,
     UnsupportedClientError,
 )
-from dmutex._effects import Steps, call
+from dmutex._effects import Call, Steps
 from dmutex._memory import _MemoryStore
 from dmutex._store import Namespace
 
@@ -37,7 +37,7 @@ class SlowReadyBackend(InMemoryBackend):
 
         class Store(_MemoryStore):
             def ready(self) -> Steps[None]:
-                yield from call(backend.prepare)
+                yield Call(backend.prepare)
 
         return Store(self, namespace.key_prefix, namespace.max_permits)
 

@@ -9,7 +9,7 @@ import pytest
 from dmutex import ManualClock
 from dmutex._clock import Clock
 from dmutex._core import Engine, Lease
-from dmutex._effects import Call, Effect, Gate, Sleep, Steps, call
+from dmutex._effects import Call, Effect, Gate, Sleep, Steps
 from dmutex._store import MAX_EXPIRY_MS, Grant
 
 
@@ -27,17 +27,17 @@ class ScriptedStore:
         self.clock = clock
 
     def ready(self) -> Steps[None]:
-        yield from call(server, "READY")
+        yield Call(server, ("READY",))
 
     def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Grant | None]:
-        reply = yield from call(server, "ACQUIRE", key, ttl_ms)
+        reply = yield Call(server, ("ACQUIRE", key, ttl_ms))
         return None if reply is None else Grant(slot=int(str(reply)), expires_ms=1000 + ttl_ms)
 
     def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
-        return bool((yield from call(server, "RELEASE", key, slot)))
+        return bool((yield Call(server, ("RELEASE", key, slot))))
 
     def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
-        reply = yield from call(server, "EXTEND", key, slot, ttl_ms)
+        reply = yield Call(server, ("EXTEND", key, slot, ttl_ms))
         return None if reply is None else int(str(reply))
 
 

@@ -1,9 +1,9 @@
 """Drivers: carry out the effects of ``Steps`` in the sync or the asyncio way.
 
-One loop (``_drive``) feeds results or exceptions back into the algorithm.
-What differs between the faces is only how an effect is performed: the sync
-driver calls and sleeps, the async driver calls, awaits and sleeps without
-blocking the loop.
+Each driver is one loop that performs an effect and sends its result (or
+throws its exception) back into the algorithm. What differs between the two
+is only how an effect is performed: the sync driver calls and sleeps, the
+async driver calls, awaits and sleeps without blocking the event loop.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from typing import TypeVar, cast
 
 from ._clock import Clock
-from ._effects import Call, Effect, Gate, Sleep, Steps
+from ._effects import Call, Sleep, Steps
 from ._errors import UnsupportedClientError
 
 T = TypeVar("T")
@@ -43,28 +43,6 @@ def _mismatch(effect: Call, result: object) -> UnsupportedClientError:
     return UnsupportedClientError(
         f"{name} did not return an awaitable: this is a sync client, use DMutex / DSemaphore"
     )
-
-
-async def _drive(steps: Steps[T], perform: Callable[[Effect], Awaitable[object]]) -> T:
-    """The one driver loop: perform each effect, send back its result or exception.
-
-    The sync face runs this coroutine with a ``perform`` that never suspends,
-    so it completes on its first ``send`` with no event loop involved.
-    """
-    value: object = None
-    error: BaseException | None = None
-    while True:
-        try:
-            effect = steps.send(value) if error is None else steps.throw(error)
-        except StopIteration as done:
-            return cast(T, done.value)
-        value, error = None, None
-        try:
-            value = await perform(effect)
-        except GeneratorExit:
-            raise  # this coroutine is being closed: nothing may run any more
-        except BaseException as exc:  # noqa: BLE001 - handed to the algorithm
-            error = exc
 
 
 # Replies that are certainly not awaitable, checked by exact type before the
@@ -108,19 +86,27 @@ def run_sync(steps: Steps[T], clock: Clock, gate: threading.Lock) -> T:
 
 async def run_async(steps: Steps[T], clock: Clock, gate: asyncio.Lock) -> T:
     """Run ``steps`` to completion in the running event loop."""
-
-    async def perform(effect: Effect) -> object:
-        if isinstance(effect, Call):
-            result = effect.fn(*effect.args, **(effect.kwargs or {}))
-            if not inspect.isawaitable(result):
-                raise _mismatch(effect, result)
-            return await result
-        if isinstance(effect, Gate) and effect.enter:
-            await gate.acquire()
-        elif isinstance(effect, Gate):
-            gate.release()
-        else:
-            await clock.sleep_async(effect.seconds)
-        return None
-
-    return await _drive(steps, perform)
+    value: object = None
+    error: BaseException | None = None
+    while True:
+        try:
+            effect = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as done:
+            return cast(T, done.value)
+        value, error = None, None
+        try:
+            if isinstance(effect, Call):
+                result = effect.fn(*effect.args, **(effect.kwargs or {}))
+                if not inspect.isawaitable(result):
+                    raise _mismatch(effect, result)
+                value = await result
+            elif isinstance(effect, Sleep):
+                await clock.sleep_async(effect.seconds)
+            elif effect.enter:
+                await gate.acquire()
+            else:
+                gate.release()
+        except GeneratorExit:
+            raise  # this coroutine is being closed: nothing may run any more
+        except BaseException as exc:  # noqa: BLE001 - handed to the algorithm
+            error = exc

@@ -48,8 +48,3 @@ class Gate:
 
 Effect: TypeAlias = Call | Sleep | Gate
 Steps: TypeAlias = Generator[Effect, object, T]
-
-
-def call(fn: Callable[..., object], *args: object, **kwargs: object) -> Steps[object]:
-    """Call a client method and return its (awaited) result."""
-    return (yield Call(fn, args, kwargs))

@@ -30,7 +30,7 @@ from dmutex import (
 from dmutex._backends import detect
 from dmutex._clock import SystemClock
 from dmutex._drive import run_async, run_sync
-from dmutex._effects import Steps, call
+from dmutex._effects import Call, Steps
 
 SYNC: list[Any] = [DMutex, DSemaphore]
 ASYNC: list[Any] = [AsyncDMutex, AsyncDSemaphore]
@@ -134,7 +134,7 @@ def test_sync_driver_refuses_an_awaitable_reply_without_io() -> None:
     client = redis.asyncio.Redis(port=1)  # nothing listens there; nothing may try
 
     def steps() -> Steps[object]:
-        return (yield from call(client.execute_command, "PING"))
+        return (yield Call(client.execute_command, ("PING",)))
 
     with pytest.raises(UnsupportedClientError, match="asyncio client"):
         run_sync(steps(), SystemClock(), threading.Lock())
@@ -144,7 +144,7 @@ def test_async_driver_refuses_a_plain_reply() -> None:
     client = fakeredis.FakeRedis()
 
     def steps() -> Steps[object]:
-        return (yield from call(client.execute_command, "PING"))
+        return (yield Call(client.execute_command, ("PING",)))
 
     with pytest.raises(UnsupportedClientError, match="sync client"):
         asyncio.run(run_async(steps(), SystemClock(), asyncio.Lock()))
