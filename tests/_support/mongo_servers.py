@@ -41,6 +41,7 @@ from pymongo.collection import Collection
 from pymongo.database import Database
 
 from dmutex import ManualClock
+from tests._support.processes import stop_process
 from tests._support.redis_servers import docker_answers, free_port
 
 START_TIMEOUT = 30.0
@@ -226,12 +227,7 @@ class Executable:
     def stop(self) -> None:
         """Stop the process by its pid and remove its directory."""
         if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout=10)
+            stop_process(self._proc, timeout=20)
             self._proc = None
         if self._dir is not None:
             self._dir.cleanup()

@@ -34,6 +34,8 @@ from typing import Protocol
 
 import redis
 
+from tests._support.processes import stop_process
+
 START_TIMEOUT = 20.0
 
 
@@ -197,12 +199,7 @@ class Executable:
     def stop(self) -> None:
         """Stop the process by its pid and remove its directory."""
         if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout=10)
+            stop_process(self._proc, timeout=10)
             self._proc = None
         if self._dir is not None:
             self._dir.cleanup()

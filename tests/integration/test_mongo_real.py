@@ -12,10 +12,6 @@ default ``db_name`` are pointed at it by a client wrapper.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
-import multiprocessing.queues
-import multiprocessing.synchronize
-import queue
 import shutil
 import time
 import traceback
@@ -35,7 +31,7 @@ from pymongo.database import Database
 from pymongo.errors import OperationFailure
 
 from dmutex import DMutex
-from tests._support import mongo_servers
+from tests._support import mongo_servers, processes
 from tests._support.faces import Face, FaceName, Handle, Kind, LoopThread
 from tests._support.mongo_servers import (
     NO_MONGODB,
@@ -455,9 +451,8 @@ class Report:
     failed_releases: int
 
 
-Outcome: TypeAlias = "tuple[int, Report | str]"
-Reports: TypeAlias = "multiprocessing.queues.Queue[Outcome]"
-Barrier: TypeAlias = multiprocessing.synchronize.Barrier
+Reports: TypeAlias = processes.Reports
+Barrier: TypeAlias = processes.Barrier
 
 
 def counter_worker(
@@ -505,59 +500,7 @@ def counter_worker(
 
 def run_workers(count: int, *args: object) -> list[Report]:
     """Start ``count`` counter workers together; their reports, or a failed test."""
-    ctx = multiprocessing.get_context("spawn")
-    reports: Reports = ctx.Queue()
-    barrier = ctx.Barrier(count)
-    processes = [
-        ctx.Process(target=counter_worker, args=(i, reports, barrier, *args), daemon=True)
-        for i in range(count)
-    ]
-    outcomes: dict[int, Report | str] = {}
-    deadline = time.monotonic() + DEADLINE
-    problem = ""
-    try:
-        for process in processes:
-            process.start()
-        while len(outcomes) < count:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                problem = f"workers still running after {DEADLINE} s"
-                break
-            try:
-                worker, outcome = reports.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                dead = [
-                    i
-                    for i, p in enumerate(processes)
-                    if i not in outcomes and p.exitcode is not None
-                ]
-                if dead:
-                    try:  # a report may still be in the pipe
-                        worker, outcome = reports.get(timeout=2.0)
-                    except queue.Empty:
-                        problem = f"workers {dead} exited without a report"
-                        break
-                else:
-                    continue
-            outcomes[worker] = outcome
-        for process in processes:
-            process.join(max(0.1, deadline - time.monotonic()))
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(5)
-        for process in processes:
-            if not process.is_alive():
-                process.close()
-        reports.close()
-        reports.join_thread()
-    errors = {i: o for i, o in outcomes.items() if isinstance(o, str)}
-    if errors:
-        pytest.fail("\n".join(f"worker {i} raised:\n{tb}" for i, tb in sorted(errors.items())))
-    if problem:
-        pytest.fail(problem)
-    return [o for _, o in sorted(outcomes.items()) if isinstance(o, Report)]
+    return processes.run_workers(counter_worker, count, *args, deadline=DEADLINE, report=Report)
 
 
 def test_mutex_serializes_read_modify_write_across_processes(

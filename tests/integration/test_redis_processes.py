@@ -15,21 +15,17 @@ count shows that the processes really contended for the key.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
-import multiprocessing.queues
-import multiprocessing.synchronize
-import queue
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-import pytest
 import redis
 import redis.asyncio
 
 from dmutex import AsyncDMutex, DMutex, DSemaphore
+from tests._support import processes
 from tests._support.redis_servers import Server
 
 LOCK_KEY = "orders"
@@ -65,9 +61,8 @@ class Report:
     failed_releases: int = 0  # release() that returned False
 
 
-Outcome: TypeAlias = "tuple[int, Report | str]"
-Reports: TypeAlias = "multiprocessing.queues.Queue[Outcome]"
-Barrier: TypeAlias = multiprocessing.synchronize.Barrier
+Reports: TypeAlias = processes.Reports
+Barrier: TypeAlias = processes.Barrier
 
 
 @dataclass
@@ -221,68 +216,8 @@ def async_mutex_counter_worker(
 
 
 def run_workers(target: Callable[..., None], count: int, *args: object) -> list[Report]:
-    """Start ``count`` processes of ``target`` together; return their reports.
-
-    Fails the test if a worker raised, died without reporting, or has not
-    finished by ``DEADLINE``; terminates any worker still running.
-    """
-    ctx = multiprocessing.get_context("spawn")
-    reports: Reports = ctx.Queue()
-    barrier = ctx.Barrier(count)
-    processes = [
-        ctx.Process(target=target, args=(i, reports, barrier, *args), daemon=True)
-        for i in range(count)
-    ]
-    outcomes: dict[int, Report | str] = {}
-    deadline = time.monotonic() + DEADLINE
-    problem = ""
-    try:
-        for process in processes:
-            process.start()
-        while len(outcomes) < count and not problem:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                problem = f"workers still running after {DEADLINE} s"
-                break
-            try:
-                worker, outcome = reports.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                dead = [
-                    i
-                    for i, p in enumerate(processes)
-                    if i not in outcomes and p.exitcode is not None
-                ]
-                if dead:
-                    # Give a report already in the pipe a moment to arrive.
-                    try:
-                        worker, outcome = reports.get(timeout=2.0)
-                    except queue.Empty:
-                        problem = f"workers {dead} exited without a report"
-                        break
-                else:
-                    continue
-            outcomes[worker] = outcome
-        for process in processes:
-            process.join(max(0.1, deadline - time.monotonic()))
-    finally:
-        stragglers = [i for i, p in enumerate(processes) if p.is_alive()]
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(5)
-        for process in processes:
-            if not process.is_alive():
-                process.close()
-        reports.close()
-        reports.join_thread()
-    errors = {i: o for i, o in outcomes.items() if isinstance(o, str)}
-    if errors:
-        pytest.fail("\n".join(f"worker {i} raised:\n{tb}" for i, tb in sorted(errors.items())))
-    if problem:
-        pytest.fail(problem)
-    if stragglers:
-        pytest.fail(f"workers {stragglers} reported but did not exit")
-    return [o for _, o in sorted(outcomes.items()) if isinstance(o, Report)]
+    """Start ``count`` processes of ``target`` together; their reports, or a failed test."""
+    return processes.run_workers(target, count, *args, deadline=DEADLINE, report=Report)
 
 
 def _print_figures(name: str, server: Server, started: float, reports: list[Report]) -> None:
