@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
+import pytest
 import redis
 import redis.asyncio
 
@@ -243,22 +244,15 @@ def _check_counter(reports: list[Report], client: redis.Redis, processes: int) -
     assert client.exists(MUTEX_SLOT_KEY) == 0, "the lock key outlived its last release"
 
 
+@pytest.mark.parametrize(
+    "worker", [mutex_counter_worker, async_mutex_counter_worker], ids=["sync", "async"]
+)
 def test_mutex_serializes_read_modify_write_across_processes(
-    redis_server: Server, redis_url: str
+    redis_server: Server, redis_url: str, worker: Callable[..., None]
 ) -> None:
     started = time.monotonic()
-    reports = run_workers(mutex_counter_worker, PROCESSES, redis_url, CYCLES)
-    _print_figures("mutex counter", redis_server, started, reports)
-    with redis.Redis.from_url(redis_url) as client:
-        _check_counter(reports, client, PROCESSES)
-
-
-def test_async_mutex_serializes_read_modify_write_across_processes(
-    redis_server: Server, redis_url: str
-) -> None:
-    started = time.monotonic()
-    reports = run_workers(async_mutex_counter_worker, PROCESSES, redis_url, CYCLES)
-    _print_figures("async mutex counter", redis_server, started, reports)
+    reports = run_workers(worker, PROCESSES, redis_url, CYCLES)
+    _print_figures(f"mutex counter ({worker.__name__})", redis_server, started, reports)
     with redis.Redis.from_url(redis_url) as client:
         _check_counter(reports, client, PROCESSES)
 
