@@ -1,8 +1,8 @@
-"""Spec section 4: every bad input raises the stated error before any I/O.
+"""Every bad input raises the stated error before any I/O (the README's "Bad input").
 
 Constructor rows use client doubles that record any call; operation rows use
-an InMemoryBackend whose stores record every operation asked of them. After
-each bad call, both records must be empty.
+a Redis-shaped double that records every command and answers as a free
+server would. After each bad call, the record must be empty.
 """
 
 from __future__ import annotations
@@ -24,7 +24,13 @@ from dmutex import (
     ManualClock,
     UnsupportedClientError,
 )
-from tests._support.doubles import RecordingBackend, RecordingBoth, RecordingMongo, RecordingRedis
+from tests._support.doubles import (
+    AnsweringRedis,
+    AsyncAnsweringRedis,
+    RecordingBoth,
+    RecordingMongo,
+    RecordingRedis,
+)
 
 CLASSES: list[Any] = [DMutex, DSemaphore, AsyncDMutex, AsyncDSemaphore]
 BAD_SECONDS: list[tuple[object, type[Exception]]] = [
@@ -190,16 +196,16 @@ def operations(target: Any, key: Any = "k", ttl: Any = None) -> dict[str, Callab
     return ops
 
 
-def recorded(cls: Any) -> tuple[Any, RecordingBackend]:
-    backend = RecordingBackend(clock=ManualClock())
-    return make(cls, backend), backend
+def recorded(cls: Any) -> tuple[Any, AnsweringRedis]:
+    client = AsyncAnsweringRedis() if cls in (AsyncDMutex, AsyncDSemaphore) else AnsweringRedis()
+    return make(cls, client, clock=ManualClock()), client
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize(("key", "error"), BAD_KEYS)
 def test_key(cls: Any, key: Any, error: type[Exception]) -> None:
-    target, backend = recorded(cls)
+    target, client = recorded(cls)
     calls = [*operations(target, key=key).values()]
     if isinstance(target, (DSemaphore, AsyncDSemaphore)):
         calls.append(lambda: target.release(key, "t"))
@@ -207,25 +213,25 @@ def test_key(cls: Any, key: Any, error: type[Exception]) -> None:
         calls.append(lambda: target.unlock(key, "t"))
         calls.append(lambda: target.unlock(key))
     for call in calls:
-        check_error(error, call, backend.calls)
+        check_error(error, call, client.calls)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize(("ttl", "error"), BAD_SECONDS)
 def test_ttl(cls: Any, ttl: object, error: type[Exception]) -> None:
-    target, backend = recorded(cls)
+    target, client = recorded(cls)
     for call in operations(target, ttl=ttl).values():
-        check_error(error, call, backend.calls)
+        check_error(error, call, client.calls)
 
 
 @pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize(("ttl", "error"), BAD_SECONDS)
 def test_handle_extend_ttl(cls: Any, ttl: object, error: type[Exception]) -> None:
-    target, backend = recorded(cls)
+    target, client = recorded(cls)
     handle = resolve(target.acquire("k"))
-    backend.calls.clear()
-    check_error(error, lambda: handle.extend(ttl), backend.calls)
+    client.calls.clear()
+    check_error(error, lambda: handle.extend(ttl), client.calls)
 
 
 @pytest.mark.parametrize("cls", CLASSES)
@@ -245,42 +251,42 @@ def test_handle_extend_ttl(cls: Any, ttl: object, error: type[Exception]) -> Non
     ],
 )
 def test_timeout_and_retry_delay(cls: Any, options: dict[str, Any], error: type[Exception]) -> None:
-    target, backend = recorded(cls)
-    check_error(error, lambda: target.acquire_with_retry("k", **options), backend.calls)
-    check_error(error, lambda: target.run_with_retry("k", print, **options), backend.calls)
+    target, client = recorded(cls)
+    check_error(error, lambda: target.acquire_with_retry("k", **options), client.calls)
+    check_error(error, lambda: target.run_with_retry("k", print, **options), client.calls)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize(("token", "error"), [("", ValueError), (None, TypeError), (7, TypeError)])
 def test_token(cls: Any, token: Any, error: type[Exception]) -> None:
-    target, backend = recorded(cls)
-    check_error(error, lambda: target.extend("k", token), backend.calls)
+    target, client = recorded(cls)
+    check_error(error, lambda: target.extend("k", token), client.calls)
     if isinstance(target, (DSemaphore, AsyncDSemaphore)):
-        check_error(error, lambda: target.release("k", token), backend.calls)
+        check_error(error, lambda: target.release("k", token), client.calls)
     elif token is not None:  # unlock(key, None) means "the remembered token"
-        check_error(error, lambda: target.unlock("k", token), backend.calls)
+        check_error(error, lambda: target.unlock("k", token), client.calls)
 
 
 @pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize("callback", [None, "print", 3])
 def test_callback_not_callable(cls: Any, callback: object) -> None:
-    target, backend = recorded(cls)
-    check_error(TypeError, lambda: target.run("k", callback), backend.calls)
-    check_error(TypeError, lambda: target.run_with_retry("k", callback), backend.calls)
+    target, client = recorded(cls)
+    check_error(TypeError, lambda: target.run("k", callback), client.calls)
+    check_error(TypeError, lambda: target.run_with_retry("k", callback), client.calls)
 
 
 def test_a_recording_backend_does_record() -> None:
     """The doubles above would notice a call: a good one is recorded."""
-    target, backend = recorded(DMutex)
+    target, client = recorded(DMutex)
     target.acquire("k")
-    assert backend.count("acquire") == 1
+    assert client.count("SET") == 1
 
 
 @pytest.mark.parametrize("cls", CLASSES)
 def test_mongodb_names_are_not_judged_for_other_backends(cls: Any) -> None:
     """Options of the other backend are ignored, as the README says."""
-    backend = RecordingBackend()
-    made = make(cls, backend, db_name="", collection_name="a$b", collection_prefix="system.")
+    client = RecordingRedis()
+    made = make(cls, client, db_name="", collection_name="a$b", collection_prefix="system.")
     assert isinstance(made, cls)
-    assert backend.calls == []
+    assert client.calls == []

@@ -1,11 +1,14 @@
-"""The engine and its drivers: readiness, callbacks of the wrong kind, cancellation."""
+"""The drivers: readiness, callbacks of the wrong kind, cancellation, concurrency.
+
+Readiness is watched through a Mongo-shaped double whose ``create_index``
+(what ``ready()`` sends) calls a function of the test's.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,29 +20,9 @@ from dmutex import (
     DMutexLock,
     DSemaphore,
     InMemoryBackend,
-    ManualClock,
     UnsupportedClientError,
 )
-from dmutex._effects import Call, Steps
-from dmutex._memory import _MemoryStore
-from dmutex._store import Namespace
-
-
-class SlowReadyBackend(InMemoryBackend):
-    """Its stores' ready() calls ``prepare`` (a stand-in for createIndexes)."""
-
-    def __init__(self, prepare: Callable[[], object]) -> None:
-        super().__init__(clock=ManualClock())
-        self.prepare = prepare
-
-    def _bind(self, namespace: Namespace) -> _MemoryStore:
-        backend = self
-
-        class Store(_MemoryStore):
-            def ready(self) -> Steps[None]:
-                yield Call(backend.prepare)
-
-        return Store(self, namespace.key_prefix, namespace.max_permits)
+from tests._support.doubles import AsyncPreparingMongo, PreparingMongo
 
 
 def test_sync_ready_runs_once_for_concurrent_threads() -> None:
@@ -49,7 +32,7 @@ def test_sync_ready_runs_once_for_concurrent_threads() -> None:
         calls.append(1)
         time.sleep(0.05)  # hold the gate while the other threads arrive
 
-    sem = DSemaphore("svc", SlowReadyBackend(prepare), max_permits=8)
+    sem = DSemaphore("svc", PreparingMongo(prepare), max_permits=8)
     results: list[object] = []
     threads = [threading.Thread(target=lambda: results.append(sem.acquire("k"))) for _ in range(6)]
     for thread in threads:
@@ -71,7 +54,7 @@ def test_async_ready_runs_once_for_concurrent_tasks() -> None:
         await asyncio.sleep(0.01)
 
     async def main() -> list[object]:
-        sem = AsyncDSemaphore("svc", SlowReadyBackend(prepare), max_permits=8)
+        sem = AsyncDSemaphore("svc", AsyncPreparingMongo(prepare), max_permits=8)
         return list(await asyncio.gather(*(sem.acquire("k") for _ in range(6))))
 
     results = asyncio.run(main())
@@ -87,7 +70,7 @@ def test_ready_failure_surfaces_then_is_retried() -> None:
         if len(attempts) == 1:
             raise RuntimeError("createIndexes failed")
 
-    mutex = DMutex("svc", SlowReadyBackend(prepare))
+    mutex = DMutex("svc", PreparingMongo(prepare))
     with pytest.raises(RuntimeError, match="createIndexes"):
         mutex.ready()
     lock = mutex.acquire("k")
@@ -101,7 +84,7 @@ def test_ready_failure_surfaces_from_the_next_operation() -> None:
     def prepare() -> None:
         raise PermissionError("not authorized to create index")
 
-    mutex = DMutex("svc", SlowReadyBackend(prepare))
+    mutex = DMutex("svc", PreparingMongo(prepare))
     for operation in (mutex.ready, lambda: mutex.acquire("k"), lambda: mutex.extend("k", "t")):
         with pytest.raises(PermissionError):
             operation()

@@ -8,9 +8,9 @@ import pytest
 
 from dmutex import ManualClock
 from dmutex._clock import Clock
-from dmutex._core import Engine, Lease
-from dmutex._effects import Call, Effect, Gate, Sleep, Steps
-from dmutex._store import MAX_EXPIRY_MS, Grant
+from dmutex._core.effects import Call, Callback, Effect, Sleep, Steps
+from dmutex._core.engine import Engine
+from dmutex._core.lease import MAX_EXPIRY_MS, Lease
 
 
 def server(*args: object) -> object:
@@ -29,9 +29,9 @@ class ScriptedStore:
     def ready(self) -> Steps[None]:
         yield Call(server, ("READY",))
 
-    def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Grant | None]:
+    def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Lease | None]:
         reply = yield Call(server, ("ACQUIRE", key, ttl_ms))
-        return None if reply is None else Grant(slot=int(str(reply)), expires_ms=1000 + ttl_ms)
+        return None if reply is None else Lease(key, token, int(str(reply)), 1000 + ttl_ms)
 
     def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
         return bool((yield Call(server, ("RELEASE", key, slot))))
@@ -51,28 +51,42 @@ def engine() -> Engine:
     return Engine(ScriptedStore(ManualClock()), default_ttl=300)
 
 
-def test_acquire_asks_ready_once_then_acquires() -> None:
+def test_acquire_is_the_stores_one_question() -> None:
     subject = engine()
     steps = subject.acquire("k", 1.5)
-    assert next(steps) == Gate(enter=True)
-    assert question(steps.send(None)) == ("READY",)
-    assert steps.send("ok") == Gate(enter=False)
-    assert question(steps.send(None)) == ("ACQUIRE", "k", 1500)
+    assert question(next(steps)) == ("ACQUIRE", "k", 1500)
     with pytest.raises(StopIteration) as done:
         steps.send(2)
     lease = done.value.value
     assert isinstance(lease, Lease)
     assert (lease.key, lease.slot, lease.expires_ms) == ("k", 2, 2500)
     again = subject.acquire("k", None)
-    assert question(next(again)) == ("ACQUIRE", "k", 300_000), "ready is not asked twice"
+    assert question(next(again)) == ("ACQUIRE", "k", 300_000), "the default TTL, in ms"
+
+
+def test_prepare_hands_out_the_stores_ready_steps() -> None:
+    steps = engine().prepare()
+    assert question(next(steps)) == ("READY",)
+    with pytest.raises(StopIteration):
+        steps.send(None)
+
+
+def test_bad_input_raises_before_any_steps_exist() -> None:
+    subject = engine()
+    with pytest.raises(ValueError, match="key"):
+        subject.acquire("", None)
+    with pytest.raises(ValueError, match="ttl"):
+        subject.extend(Lease("k", "t", 0, 0), -1)
+    with pytest.raises(TypeError, match="callback"):
+        subject.run(subject.acquire("k", None), "not callable", lambda lease: lease)  # type: ignore[arg-type]  # the mistake under test
 
 
 def test_run_releases_when_the_callback_raises() -> None:
     subject = engine()
     steps = subject.run(subject.acquire("k", 10), print, lambda lease: lease.token)
-    effect = next(steps)
-    while not (isinstance(effect, Call) and effect.role == "callback"):
-        effect = steps.send(None if isinstance(effect, Gate) else 0)
+    assert question(next(steps)) == ("ACQUIRE", "k", 10_000)
+    effect = steps.send(0)
+    assert isinstance(effect, Callback)
     assert effect.fn is print
     release = steps.throw(ValueError("callback failed"))
     assert question(release) == ("RELEASE", "k", 0)
@@ -97,18 +111,6 @@ def test_retry_sleeps_up_to_the_deadline_then_stops() -> None:
             break
     assert result is None
     assert seen == [0.1, 0.1, pytest.approx(0.05)]
-
-
-def test_a_failing_ready_leaves_the_gate_and_is_asked_again() -> None:
-    subject = engine()
-    steps = subject.ready()
-    assert next(steps) == Gate(enter=True)
-    assert question(steps.send(None)) == ("READY",)
-    assert steps.throw(PermissionError("no privilege")) == Gate(enter=False)
-    with pytest.raises(PermissionError):
-        steps.send(None)
-    again = subject.ready()
-    assert next(again) == Gate(enter=True)
 
 
 def test_manual_clock() -> None:

@@ -7,23 +7,7 @@ in tests.
 
 from __future__ import annotations
 
-from ._async import (
-    AsyncClient,
-    AsyncDMutex,
-    AsyncDMutexLock,
-    AsyncDSemaphore,
-    AsyncDSemaphorePermit,
-)
-from ._clock import Clock, ManualClock, SystemClock
-from ._errors import (
-    AmbiguousClientError,
-    ArgumentTypeError,
-    DMutexError,
-    InvalidArgumentError,
-    UnsupportedClientError,
-)
-from ._memory import InMemoryBackend
-from ._protocols import (
+from ._backends.clients import (
     AsyncMongoClientLike,
     AsyncMongoCollectionLike,
     AsyncMongoDatabaseLike,
@@ -39,10 +23,25 @@ from ._protocols import (
     RedisReply,
     RedisSetEvalClient,
 )
-from ._sync import DMutex, DMutexLock, DSemaphore, DSemaphorePermit, SyncClient
+from ._backends.memory import InMemoryBackend
+from ._clock import Clock, ManualClock, SystemClock
+from ._errors import (
+    AmbiguousClientError,
+    ArgumentTypeError,
+    DMutexError,
+    InvalidArgumentError,
+    UnsupportedClientError,
+)
+from ._faces.aio import (
+    AsyncClient,
+    AsyncDMutex,
+    AsyncDMutexLock,
+    AsyncDSemaphore,
+    AsyncDSemaphorePermit,
+)
+from ._faces.sync import DMutex, DMutexLock, DSemaphore, DSemaphorePermit, SyncClient
 from ._validate import BackendName
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "AmbiguousClientError",

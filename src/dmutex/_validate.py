@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Literal
+from typing import Literal, cast
 
+from ._clock import Clock
 from ._errors import ArgumentTypeError, InvalidArgumentError
 
 BackendName = Literal["mongodb", "redis"]
@@ -83,6 +84,21 @@ def check_backend(value: object) -> BackendName | None:
         if isinstance(value, str) and value == name:
             return name
     raise InvalidArgumentError(f"backend must be 'mongodb', 'redis' or None, not {value!r}")
+
+
+_CLOCK_METHODS = ("time", "monotonic", "sleep", "sleep_async")
+
+
+def check_clock(value: object) -> Clock | None:
+    """Return ``None`` or an object with the :class:`~dmutex.Clock` methods."""
+    if value is None:
+        return None
+    missing = [name for name in _CLOCK_METHODS if not callable(getattr(value, name, None))]
+    if missing:
+        raise ArgumentTypeError(
+            f"clock must be a dmutex.Clock; {type(value).__name__} has no {', '.join(missing)}"
+        )
+    return cast(Clock, value)  # its methods were checked just above
 
 
 def check_callback(value: object) -> None:

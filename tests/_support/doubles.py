@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Awaitable, Callable
 from typing import Any
-
-from dmutex import InMemoryBackend
-from dmutex._effects import Steps
-from dmutex._memory import _MemoryStore
-from dmutex._store import Grant, Namespace
 
 
 class RecordingRedis:
@@ -41,39 +36,92 @@ class RecordingBoth(RecordingRedis):
         raise AssertionError("no call should reach the client")
 
 
-class _RecordingStore(_MemoryStore):
-    def __init__(self, store: _MemoryStore, calls: list[tuple[object, ...]]) -> None:
-        super().__init__(store._backend, store._prefix, store._max_permits)
-        self._calls = calls
+class AnsweringRedis:
+    """Redis-shaped and sync: records every command and answers as a free server would.
 
-    def ready(self) -> Steps[None]:
-        self._calls.append(("ready",))
-        return (yield from super().ready())
+    ``SET`` answers OK (the key was free); a script answers 0 (slot 0 taken,
+    or nothing released or extended).
+    """
 
-    def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Grant | None]:
-        self._calls.append(("acquire", key, ttl_ms))
-        return (yield from super().acquire(key, token, ttl_ms))
-
-    def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
-        self._calls.append(("release", key, slot))
-        return (yield from super().release(key, token, slot))
-
-    def extend(
-        self, key: str, token: str, slot: int | None, ttl_ms: int
-    ) -> Generator[Any, object, int | None]:
-        self._calls.append(("extend", key, slot, ttl_ms))
-        return (yield from super().extend(key, token, slot, ttl_ms))
-
-
-class RecordingBackend(InMemoryBackend):
-    """An InMemoryBackend whose stores record every operation they are asked for."""
-
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
+    def __init__(self) -> None:
         self.calls: list[tuple[object, ...]] = []
 
-    def _bind(self, namespace: Namespace) -> _MemoryStore:
-        return _RecordingStore(super()._bind(namespace), self.calls)
+    def answer(self, args: tuple[object, ...]) -> object:
+        self.calls.append(args)
+        return "OK" if args[0] == "SET" else 0
 
-    def count(self, operation: str) -> int:
-        return sum(1 for call in self.calls if call[0] == operation)
+    def execute_command(self, *args: object) -> object:
+        return self.answer(args)
+
+    def count(self, command: str) -> int:
+        """How many ``command`` requests reached the client."""
+        return sum(1 for call in self.calls if call[0] == command)
+
+
+class AsyncAnsweringRedis(AnsweringRedis):
+    """:class:`AnsweringRedis` for the asyncio classes."""
+
+    async def execute_command(self, *args: object) -> object:
+        return self.answer(args)
+
+
+class _Result:
+    """What pymongo's write results show dmutex: one document matched or deleted."""
+
+    matched_count = 1
+    deleted_count = 1
+    upserted_id = None
+
+
+class PreparingMongo:
+    """Mongo-shaped and sync: ``create_index`` calls ``prepare``; every write succeeds.
+
+    It is its own database and collection, so that a test sees when dmutex
+    prepares the store (a stand-in for a slow or failing ``createIndexes``).
+    """
+
+    def __init__(self, prepare: Callable[[], object]) -> None:
+        self.prepare = prepare
+
+    def get_database(self, name: str) -> PreparingMongo:
+        return self
+
+    def get_collection(self, name: str) -> PreparingMongo:
+        return self
+
+    def create_index(self, keys: object, **options: object) -> object:
+        return self.prepare()
+
+    def update_one(self, *args: object, **options: object) -> _Result:
+        return _Result()
+
+    def delete_one(self, *args: object) -> _Result:
+        return _Result()
+
+    def distinct(self, *args: object) -> list[object]:
+        return []
+
+
+class AsyncPreparingMongo:
+    """:class:`PreparingMongo` for the asyncio classes (``prepare`` is awaited)."""
+
+    def __init__(self, prepare: Callable[[], Awaitable[object]]) -> None:
+        self.prepare = prepare
+
+    def get_database(self, name: str) -> AsyncPreparingMongo:
+        return self
+
+    def get_collection(self, name: str) -> AsyncPreparingMongo:
+        return self
+
+    async def create_index(self, keys: object, **options: object) -> object:
+        return await self.prepare()
+
+    async def update_one(self, *args: object, **options: object) -> _Result:
+        return _Result()
+
+    async def delete_one(self, *args: object) -> _Result:
+        return _Result()
+
+    async def distinct(self, *args: object) -> list[object]:
+        return []

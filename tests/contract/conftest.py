@@ -21,7 +21,6 @@ import mongomock
 import pytest
 import redis
 
-import dmutex._backends
 from dmutex import InMemoryBackend, ManualClock
 from tests._support.faces import Face, FaceName, Kind, LoopThread
 from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
@@ -44,6 +43,8 @@ class Env:
     closers: list[Made] = field(default_factory=list)
 
     def make(self, kind: Kind, **options: Any) -> Face:
+        if self.clock is not None:
+            options.setdefault("clock", self.clock)
         return Face(self.face, kind, self.client, loop=self.loop, **options)
 
     def expire(self, key: str, slot: int | None = None) -> None:
@@ -219,9 +220,7 @@ def env(
 ) -> Iterator[Env]:
     made = CASES[request.param](Servers(redis_pool, mongo_session))
     if made.clock is not None:
-        # MongoDB leases are timed by the client's clock: let the test move it.
-        clock = made.clock
-        monkeypatch.setattr(dmutex._backends, "_mongo_clock", lambda: clock)
+        # The instances are timed by the ManualClock; hold mongomock's TTL imitation still.
         monkeypatch.setattr(mongomock, "utcnow", frozen_ttl_monitor)
     if made.face == "async":
         made.loop = LoopThread()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,10 +26,10 @@ from dmutex import (
     InMemoryBackend,
     UnsupportedClientError,
 )
-from dmutex._backends import detect
+from dmutex._backends.shapes import detect
 from dmutex._clock import SystemClock
-from dmutex._drive import run_async, run_sync
-from dmutex._effects import Call, Steps
+from dmutex._core.effects import Call, Steps
+from dmutex._faces.drive import AsyncDriver, SyncDriver
 
 SYNC: list[Any] = [DMutex, DSemaphore]
 ASYNC: list[Any] = [AsyncDMutex, AsyncDSemaphore]
@@ -129,6 +128,10 @@ def test_asyncio_redis_client_refused_by_sync_classes(name: str) -> None:
             make(cls, client)
 
 
+def nothing_to_prepare() -> Steps[None]:
+    yield from ()
+
+
 def test_sync_driver_refuses_an_awaitable_reply_without_io() -> None:
     """A client method that returns a coroutine is closed unawaited, then refused."""
     client = redis.asyncio.Redis(port=1)  # nothing listens there; nothing may try
@@ -137,7 +140,7 @@ def test_sync_driver_refuses_an_awaitable_reply_without_io() -> None:
         return (yield Call(client.execute_command, ("PING",)))
 
     with pytest.raises(UnsupportedClientError, match="asyncio client"):
-        run_sync(steps(), SystemClock(), threading.Lock())
+        SyncDriver(SystemClock(), nothing_to_prepare)(steps())
 
 
 def test_async_driver_refuses_a_plain_reply() -> None:
@@ -147,7 +150,7 @@ def test_async_driver_refuses_a_plain_reply() -> None:
         return (yield Call(client.execute_command, ("PING",)))
 
     with pytest.raises(UnsupportedClientError, match="sync client"):
-        asyncio.run(run_async(steps(), SystemClock(), asyncio.Lock()))
+        asyncio.run(AsyncDriver(SystemClock(), nothing_to_prepare)(steps()))
 
 
 @pytest.mark.parametrize("cls", SYNC + ASYNC)

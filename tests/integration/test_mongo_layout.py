@@ -8,25 +8,23 @@ from typing import Any
 import mongomock
 import pytest
 
-import dmutex._backends
 from dmutex import DMutex, DSemaphore, ManualClock
 from tests._support.mongo_clients import frozen_ttl_monitor
 
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
-    made = ManualClock()
-    monkeypatch.setattr(dmutex._backends, "_mongo_clock", lambda: made)
+    """The instances' clock; mongomock's TTL imitation is held still beside it."""
     monkeypatch.setattr(mongomock, "utcnow", frozen_ttl_monitor)
-    return made
+    return ManualClock()
 
 
 def test_documents_indexes_and_names(clock: ManualClock) -> None:
     client: mongomock.MongoClient[dict[str, Any]] = mongomock.MongoClient()
-    sem = DSemaphore("orders", client, max_permits=3)
+    sem = DSemaphore("orders", client, max_permits=3, clock=clock)
     sem.ready()
     permits = [sem.acquire("api", ttl=12.3451) for _ in range(3)]
-    lock = DMutex("orders", client).acquire("job", ttl=60)
+    lock = DMutex("orders", client, clock=clock).acquire("job", ttl=60)
     assert lock is not None
     assert client.list_database_names() == ["dmutex"]
     database = client.get_database("dmutex")
@@ -58,8 +56,8 @@ def test_documents_indexes_and_names(clock: ManualClock) -> None:
 
 def test_db_and_collection_options(clock: ManualClock) -> None:
     client: mongomock.MongoClient[dict[str, Any]] = mongomock.MongoClient()
-    DMutex("svc", client, db_name="locks", collection_prefix="lk_").acquire("a")
-    DMutex("svc", client, db_name="locks", collection_name="chosen").acquire("b")
+    DMutex("svc", client, db_name="locks", collection_prefix="lk_", clock=clock).acquire("a")
+    DMutex("svc", client, db_name="locks", collection_name="chosen", clock=clock).acquire("b")
     assert sorted(client.get_database("locks").list_collection_names()) == ["chosen", "lk_svc"]
 
 
@@ -73,7 +71,7 @@ def test_a_document_written_by_the_typescript_library_is_honoured(clock: ManualC
             "expiredAt": clock.now() + timedelta(minutes=1),
         }
     )
-    sem = DSemaphore("svc", client, max_permits=2)
+    sem = DSemaphore("svc", client, max_permits=2, clock=clock)
     mine = sem.acquire("api")
     assert mine is not None
     assert mine.slot == 1

@@ -23,7 +23,7 @@ It is not a MongoDB: the server's matching, upserts and TTL monitor are the
 test's own answers. Semantics are proven on mongomock and real servers
 elsewhere.
 
-Time is a ManualClock (``dmutex._backends._mongo_clock``), so every date sent
+Time is a ManualClock (every instance is made with ``clock=``), so every date sent
 is known in advance. The semaphore's first slot is random and is not pinned:
 the tests read which slot each upsert names and check the next command
 against it.
@@ -46,7 +46,6 @@ import pytest
 from mockupdb import MockupDB, Request
 from pymongo import monitoring
 
-import dmutex._backends
 from dmutex import ManualClock
 from tests._support.faces import Face, FaceName, Handle, Kind, LoopThread
 
@@ -185,6 +184,7 @@ class Wire:
             self.client() if client is None else client,
             max_permits=max_permits,
             loop=self.loop,
+            clock=self.clock,
             **options,
         )
 
@@ -212,11 +212,9 @@ class Wire:
 
 
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
-    """The clock MongoDB stores built from now on read the time from."""
-    manual = ManualClock(START)
-    monkeypatch.setattr(dmutex._backends, "_mongo_clock", lambda: manual)
-    return manual
+def clock() -> ManualClock:
+    """The clock the instances read the time from."""
+    return ManualClock(START)
 
 
 @pytest.fixture(scope="module")

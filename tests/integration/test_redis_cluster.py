@@ -35,7 +35,9 @@ import redis.crc
 import valkey.cluster
 
 from dmutex import AsyncDSemaphore, DMutex, DSemaphore
-from dmutex._redis import ACQUIRE, EXTEND, RELEASE, hash_slot, is_cluster_client
+from dmutex._backends.cluster import hash_slot
+from dmutex._backends.redis import ACQUIRE, EXTEND, RELEASE
+from dmutex._backends.shapes import is_cluster_client
 from tests._support.redis_cluster import LocalCluster, slot_ranges
 from tests._support.redis_servers import Executable, executables
 

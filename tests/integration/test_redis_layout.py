@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from dmutex import DMutex, DSemaphore, RedisArg, RedisReply
-from dmutex._redis import ACQUIRE
+from dmutex._backends.redis import ACQUIRE
 
 
 class Recording:

@@ -13,7 +13,6 @@ from typing import Protocol
 import mongomock
 import redis
 
-import dmutex._backends
 from dmutex import InMemoryBackend, ManualClock
 from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
 from tests._support.redis_clients import SERVER_VARIANTS, Made, close_made
@@ -122,11 +121,9 @@ class MongomockHarness:
 
     def __init__(self) -> None:
         self.clock: ManualClock | None = ManualClock()
-        clock = self.clock
         self._client: mongomock.MongoClient[dict[str, object]] = mongomock.MongoClient()
         # mongomock's type stubs do not declare utcnow, its documented test hook.
-        self._saved = (dmutex._backends._mongo_clock, getattr(mongomock, "utcnow"))  # noqa: B009
-        dmutex._backends._mongo_clock = lambda: clock
+        self._saved = getattr(mongomock, "utcnow")  # noqa: B009
         setattr(mongomock, "utcnow", frozen_ttl_monitor)  # noqa: B010
 
     def client(self, asynchronous: bool) -> object:
@@ -151,5 +148,4 @@ class MongomockHarness:
         return {f"{prefix}{doc['_id']}": str(doc["value"]) for doc in found}
 
     def close(self, run: Runner | None) -> None:
-        dmutex._backends._mongo_clock, ttl_clock = self._saved
-        setattr(mongomock, "utcnow", ttl_clock)  # noqa: B010
+        setattr(mongomock, "utcnow", self._saved)  # noqa: B010

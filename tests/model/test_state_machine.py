@@ -24,7 +24,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from dmutex._store import EPOCH
+from dmutex._core.lease import EPOCH
 from tests._support.faces import Face, FaceName, Handle, Kind, LoopThread
 from tests.model.harness import Harness, MemoryHarness, MongomockHarness, RedisHarness
 from tests.model.model import Model
@@ -33,20 +33,179 @@ KEYS = ("a", "b")
 CALLERS = 3
 EXAMPLES = 200
 SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=30, deadline=None)
+# A lease length is drawn as an index into the harness's own lengths, so that
+# the rules can be declared once for every harness.
+TTL_PICKS = st.integers(0, 3)
 
 
 class Boom(Exception):
     """Raised by run() callbacks."""
 
 
-class CountedMachine(RuleBasedStateMachine):
-    """Counts its instances: one per example Hypothesis runs."""
+class LeaseMachine(RuleBasedStateMachine):
+    """Random operations on one backend, face, kind and permit count, checked against the model.
 
+    A subclass per configuration (see :func:`machine_for`) sets the class
+    attributes; ``created`` counts the examples Hypothesis ran.
+    """
+
+    make_harness: ClassVar[Callable[[], Harness]]
+    ttls: ClassVar[tuple[float, ...]]
+    face: ClassVar[FaceName]
+    kind: ClassVar[Kind]
+    max_permits: ClassVar[int]
     created: ClassVar[int] = 0
+
+    handles = Bundle("handles")
 
     def __init__(self) -> None:
         super().__init__()
         type(self).created += 1
+        self.harness = type(self).make_harness()
+        self.loop = LoopThread() if self.face == "async" else None
+        client = self.harness.client(self.face == "async")
+        timed: dict[str, Any] = {} if self.harness.clock is None else {"clock": self.harness.clock}
+        self.callers = [
+            Face(
+                self.face, self.kind, client, max_permits=self.max_permits, loop=self.loop, **timed
+            )
+            for _ in range(CALLERS)
+        ]
+        self.model = Model(self.callers[0].max_permits)
+        self.prefix = f"_d{self.kind}_svc:"
+        clock = self.harness.clock
+        self.start_ms = None if clock is None else round(clock.time() * 1000)
+        self.tokens: set[str] = set()
+
+    def ttl(self, pick: int) -> float:
+        """The lease length ``pick`` stands for, from this harness's lengths."""
+        return self.ttls[pick % len(self.ttls)]
+
+    def teardown(self) -> None:
+        loop = self.loop
+        if loop is None:
+            self.harness.close(None)
+            return
+
+        def run(awaitable: Awaitable[object]) -> object:
+            async def wait() -> object:
+                return await awaitable
+
+            return loop.run(wait())
+
+        self.harness.close(run)
+        loop.close()
+
+    def check_expiry(self, handle: Handle, expires: int) -> None:
+        if self.start_ms is not None:
+            assert handle.expired_at == EPOCH + timedelta(milliseconds=self.start_ms + expires)
+
+    @rule(
+        target=handles,
+        caller=st.integers(0, CALLERS - 1),
+        key=st.sampled_from(KEYS),
+        pick=TTL_PICKS,
+    )
+    def acquire(self, caller: int, key: str, pick: int) -> Any:
+        ttl = self.ttl(pick)
+        full = self.model.is_full(key)
+        handle = self.callers[caller].acquire(key, ttl)
+        if full:
+            assert handle is None, "granted a permit beyond max_permits"
+            return multiple()
+        assert handle is not None, "refused although a permit was free"
+        assert handle.key == key
+        assert handle.token not in self.tokens, "token reused"
+        self.tokens.add(handle.token)
+        expires = self.model.grant(key, handle.slot, handle.token, round(ttl * 1000))
+        self.check_expiry(handle, expires)
+        return handle
+
+    @rule(handle=handles)
+    def release(self, handle: Handle) -> None:
+        assert handle.release() == self.model.release(handle.key, handle.token)
+
+    @rule(handle=handles, pick=TTL_PICKS)
+    def extend(self, handle: Handle, pick: int) -> None:
+        ttl = self.ttl(pick)
+        expected = self.model.extend(handle.key, handle.token, round(ttl * 1000))
+        assert handle.extend(ttl) == (expected is not None)
+        if expected is not None:
+            self.check_expiry(handle, expected)
+
+    @rule(caller=st.integers(0, CALLERS - 1), handle=handles, wrong_key=st.booleans())
+    def release_by_token(self, caller: int, handle: Handle, wrong_key: bool) -> None:
+        key = KEYS[1 - KEYS.index(handle.key)] if wrong_key else handle.key
+        expected = self.model.release(key, handle.token)
+        assert self.callers[caller].release_token(key, handle.token) == expected
+
+    @rule(caller=st.integers(0, CALLERS - 1), handle=handles, pick=TTL_PICKS)
+    def extend_by_token(self, caller: int, handle: Handle, pick: int) -> None:
+        ttl = self.ttl(pick)
+        expected = self.model.extend(handle.key, handle.token, round(ttl * 1000))
+        assert self.callers[caller].extend(handle.key, handle.token, ttl) == (expected is not None)
+
+    @rule(caller=st.integers(0, CALLERS - 1), key=st.sampled_from(KEYS))
+    def foreign_token(self, caller: int, key: str) -> None:
+        stranger = str(uuid.uuid4())
+        assert self.callers[caller].release_token(key, stranger) is False
+        assert self.callers[caller].extend(key, stranger, self.ttls[-1]) is False
+
+    @precondition(lambda self: self.harness.clock is not None)
+    @rule(ms=st.integers(0, 40_000))
+    def advance(self, ms: int) -> None:
+        assert self.harness.clock is not None
+        self.harness.clock.advance(ms / 1000)
+        self.model.advance(ms)
+
+    @rule(handle=handles)
+    def force_expire(self, handle: Handle) -> None:
+        self.harness.force_expire(self.prefix, handle.key, handle.slot)
+        self.model.expire(handle.key, handle.slot)
+
+    @rule(
+        caller=st.integers(0, CALLERS - 1),
+        key=st.sampled_from(KEYS),
+        pick=TTL_PICKS,
+        raises=st.booleans(),
+    )
+    def run(self, caller: int, key: str, pick: int, raises: bool) -> None:
+        ttl = self.ttl(pick)
+        full = self.model.is_full(key)
+        seen: list[str] = []
+
+        def callback(handle: Handle) -> str:
+            # While the callback runs, storage holds its permit in a free slot.
+            stored = self.harness.active(self.prefix)
+            assert stored.get(f"{self.prefix}permit:{handle.slot}:{key}") == handle.token
+            assert handle.slot not in self.model.active(key)
+            seen.append(handle.token)
+            if raises:
+                raise Boom
+            return handle.token
+
+        if full:
+            assert self.callers[caller].run(key, callback, ttl) is None
+        elif raises:
+            with pytest.raises(Boom):
+                self.callers[caller].run(key, callback, ttl)
+        else:
+            assert self.callers[caller].run(key, callback, ttl) == seen[0]
+        assert len(seen) == (0 if full else 1)
+        self.tokens.update(seen)
+
+    @invariant()
+    def storage_matches_the_model(self) -> None:
+        stored = self.harness.active(self.prefix)
+        assert stored == self.model.storage(self.prefix)
+
+    @invariant()
+    def never_more_than_max_permits_nor_a_shared_token(self) -> None:
+        stored = self.harness.active(self.prefix)
+        for key in KEYS:
+            tokens = [t for name, t in stored.items() if name.endswith(f":{key}")]
+            assert len(tokens) <= self.model.max_permits
+            assert len(set(tokens)) == len(tokens)
 
 
 def machine_for(
@@ -55,153 +214,18 @@ def machine_for(
     face: FaceName,
     kind: Kind,
     max_permits: int,
-) -> type[CountedMachine]:
-    """A state machine class for one harness, face, kind and permit count."""
-
-    class LeaseMachine(CountedMachine):
-        handles = Bundle("handles")
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.harness = make_harness()
-            self.loop = LoopThread() if face == "async" else None
-            client = self.harness.client(face == "async")
-            self.callers = [
-                Face(face, kind, client, max_permits=max_permits, loop=self.loop)
-                for _ in range(CALLERS)
-            ]
-            self.model = Model(self.callers[0].max_permits)
-            self.prefix = f"_d{kind}_svc:"
-            clock = self.harness.clock
-            self.start_ms = None if clock is None else round(clock.time() * 1000)
-            self.tokens: set[str] = set()
-
-        def teardown(self) -> None:
-            loop = self.loop
-            if loop is None:
-                self.harness.close(None)
-                return
-
-            def run(awaitable: Awaitable[object]) -> object:
-                async def wait() -> object:
-                    return await awaitable
-
-                return loop.run(wait())
-
-            self.harness.close(run)
-            loop.close()
-
-        def check_expiry(self, handle: Handle, expires: int) -> None:
-            if self.start_ms is not None:
-                assert handle.expired_at == EPOCH + timedelta(milliseconds=self.start_ms + expires)
-
-        @rule(
-            target=handles,
-            caller=st.integers(0, CALLERS - 1),
-            key=st.sampled_from(KEYS),
-            ttl=st.sampled_from(ttls),
-        )
-        def acquire(self, caller: int, key: str, ttl: float) -> Any:
-            full = self.model.is_full(key)
-            handle = self.callers[caller].acquire(key, ttl)
-            if full:
-                assert handle is None, "granted a permit beyond max_permits"
-                return multiple()
-            assert handle is not None, "refused although a permit was free"
-            assert handle.key == key
-            assert handle.token not in self.tokens, "token reused"
-            self.tokens.add(handle.token)
-            expires = self.model.grant(key, handle.slot, handle.token, round(ttl * 1000))
-            self.check_expiry(handle, expires)
-            return handle
-
-        @rule(handle=handles)
-        def release(self, handle: Handle) -> None:
-            assert handle.release() == self.model.release(handle.key, handle.token)
-
-        @rule(handle=handles, ttl=st.sampled_from(ttls))
-        def extend(self, handle: Handle, ttl: float) -> None:
-            expected = self.model.extend(handle.key, handle.token, round(ttl * 1000))
-            assert handle.extend(ttl) == (expected is not None)
-            if expected is not None:
-                self.check_expiry(handle, expected)
-
-        @rule(caller=st.integers(0, CALLERS - 1), handle=handles, wrong_key=st.booleans())
-        def release_by_token(self, caller: int, handle: Handle, wrong_key: bool) -> None:
-            key = KEYS[1 - KEYS.index(handle.key)] if wrong_key else handle.key
-            expected = self.model.release(key, handle.token)
-            assert self.callers[caller].release_token(key, handle.token) == expected
-
-        @rule(caller=st.integers(0, CALLERS - 1), handle=handles, ttl=st.sampled_from(ttls))
-        def extend_by_token(self, caller: int, handle: Handle, ttl: float) -> None:
-            expected = self.model.extend(handle.key, handle.token, round(ttl * 1000))
-            assert self.callers[caller].extend(handle.key, handle.token, ttl) == (
-                expected is not None
-            )
-
-        @rule(caller=st.integers(0, CALLERS - 1), key=st.sampled_from(KEYS))
-        def foreign_token(self, caller: int, key: str) -> None:
-            stranger = str(uuid.uuid4())
-            assert self.callers[caller].release_token(key, stranger) is False
-            assert self.callers[caller].extend(key, stranger, ttls[-1]) is False
-
-        @precondition(lambda self: self.harness.clock is not None)
-        @rule(ms=st.integers(0, 40_000))
-        def advance(self, ms: int) -> None:
-            assert self.harness.clock is not None
-            self.harness.clock.advance(ms / 1000)
-            self.model.advance(ms)
-
-        @rule(handle=handles)
-        def force_expire(self, handle: Handle) -> None:
-            self.harness.force_expire(self.prefix, handle.key, handle.slot)
-            self.model.expire(handle.key, handle.slot)
-
-        @rule(
-            caller=st.integers(0, CALLERS - 1),
-            key=st.sampled_from(KEYS),
-            ttl=st.sampled_from(ttls),
-            raises=st.booleans(),
-        )
-        def run(self, caller: int, key: str, ttl: float, raises: bool) -> None:
-            full = self.model.is_full(key)
-            seen: list[str] = []
-
-            def callback(handle: Handle) -> str:
-                # While the callback runs, storage holds its permit in a free slot.
-                stored = self.harness.active(self.prefix)
-                assert stored.get(f"{self.prefix}permit:{handle.slot}:{key}") == handle.token
-                assert handle.slot not in self.model.active(key)
-                seen.append(handle.token)
-                if raises:
-                    raise Boom
-                return handle.token
-
-            if full:
-                assert self.callers[caller].run(key, callback, ttl) is None
-            elif raises:
-                with pytest.raises(Boom):
-                    self.callers[caller].run(key, callback, ttl)
-            else:
-                assert self.callers[caller].run(key, callback, ttl) == seen[0]
-            assert len(seen) == (0 if full else 1)
-            self.tokens.update(seen)
-
-        @invariant()
-        def storage_matches_the_model(self) -> None:
-            stored = self.harness.active(self.prefix)
-            assert stored == self.model.storage(self.prefix)
-
-        @invariant()
-        def never_more_than_max_permits_nor_a_shared_token(self) -> None:
-            stored = self.harness.active(self.prefix)
-            for key in KEYS:
-                tokens = [t for name, t in stored.items() if name.endswith(f":{key}")]
-                assert len(tokens) <= self.model.max_permits
-                assert len(set(tokens)) == len(tokens)
-
-    LeaseMachine.__name__ = f"LeaseMachine_{face}_{kind}_{max_permits}"
-    return LeaseMachine
+) -> type[LeaseMachine]:
+    """The :class:`LeaseMachine` subclass for one harness, face, kind and permit count."""
+    name = f"LeaseMachine_{face}_{kind}_{max_permits}"
+    attributes = {
+        "make_harness": staticmethod(make_harness),
+        "ttls": ttls,
+        "face": face,
+        "kind": kind,
+        "max_permits": max_permits,
+        "created": 0,
+    }
+    return type(name, (LeaseMachine,), attributes)
 
 
 CONFIGS = [

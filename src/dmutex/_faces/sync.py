@@ -1,7 +1,8 @@
 """The sync classes: DMutex, DSemaphore and their handles.
 
 Each method validates nothing and decides nothing itself: it asks the engine
-for the algorithm's steps and runs them with :func:`~dmutex._drive.run_sync`.
+for the algorithm's steps and runs them with the instance's
+:class:`~dmutex._faces.drive.SyncDriver`.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Generic, TypeAlias, TypeVar, cast
 
-from ._config import MutexConfig, SemaphoreConfig
-from ._core import Engine, Lease
-from ._drive import run_sync
-from ._effects import Steps
-from ._handle import HandleBase, SlotMixin
-from ._memory import InMemoryBackend
-from ._protocols import MongoClientLike, RedisCommandClient, RedisSetEvalClient
+from .._backends.clients import MongoClientLike, RedisCommandClient, RedisSetEvalClient
+from .._backends.memory import InMemoryBackend
+from .._core.engine import Engine
+from .._core.lease import Lease
+from .base import MutexBase, SemaphoreBase
+from .drive import SyncDriver
+from .handles import HandleBase, SlotMixin
 
 __all__ = ["DMutex", "DMutexLock", "DSemaphore", "DSemaphorePermit", "SyncClient"]
 
@@ -29,7 +30,7 @@ SyncClient: TypeAlias = InMemoryBackend | MongoClientLike | RedisCommandClient |
 """Any client a sync class accepts."""
 
 
-class _SyncHandle(HandleBase[Callable[[Steps[bool]], bool]]):
+class _SyncHandle(HandleBase[SyncDriver]):
     __slots__ = ()
 
     def release(self) -> bool:
@@ -66,7 +67,7 @@ class DMutexLock(_SyncHandle):
     __slots__ = ()
 
 
-class DSemaphorePermit(SlotMixin[Callable[[Steps[bool]], bool]], _SyncHandle):
+class DSemaphorePermit(SlotMixin[SyncDriver], _SyncHandle):
     """A held semaphore permit; ``with permit:`` releases it on exit."""
 
     __slots__ = ()
@@ -75,9 +76,10 @@ class DSemaphorePermit(SlotMixin[Callable[[Steps[bool]], bool]], _SyncHandle):
 class _SyncFace(Generic[H]):
     _ASYNC = False
     _engine: Engine
+    _drive: SyncDriver
 
-    def _drive(self, steps: Steps[T]) -> T:
-        return run_sync(steps, self._engine.clock, self._engine.thread_gate)
+    def _start_driver(self, engine: Engine) -> None:
+        self._drive = SyncDriver(engine.clock, engine.prepare)
 
     def _wrap(self, lease: Lease) -> H:
         raise NotImplementedError
@@ -91,7 +93,7 @@ class _SyncFace(Generic[H]):
         Every operation waits for this itself; calling it at startup surfaces a
         failure early. Raises what the backend raised.
         """
-        self._drive(self._engine.ready())
+        self._drive.ready()
 
     def acquire(self, key: str, ttl: float | None = None) -> H | None:
         """Try once to take a permit for ``key``, valid for ``ttl`` seconds.
@@ -151,7 +153,7 @@ class _SyncFace(Generic[H]):
         return self._drive(self._engine.extend_token(key, token, ttl))
 
 
-class DSemaphore(_SyncFace[DSemaphorePermit], SemaphoreConfig[SyncClient]):
+class DSemaphore(_SyncFace[DSemaphorePermit], SemaphoreBase[SyncClient]):
     """A distributed semaphore: at most ``max_permits`` holders per key.
 
     Each permit is a token-protected lease with a TTL, kept in MongoDB or Redis
@@ -171,7 +173,7 @@ class DSemaphore(_SyncFace[DSemaphorePermit], SemaphoreConfig[SyncClient]):
         return self._drive(self._engine.release_token(key, token))
 
 
-class DMutex(_SyncFace[DMutexLock], MutexConfig[SyncClient]):
+class DMutex(_SyncFace[DMutexLock], MutexBase[SyncClient]):
     """A distributed mutex: one holder per key at a time (a one-permit semaphore).
 
     The lock is a token-protected lease with a TTL, kept in MongoDB or Redis

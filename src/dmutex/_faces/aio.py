@@ -1,7 +1,8 @@
 """The asyncio classes: AsyncDMutex, AsyncDSemaphore and their handles.
 
 They mirror the sync classes method for method (a test keeps them in step)
-and run the same engine steps with :func:`~dmutex._drive.run_async`.
+and run the same engine steps with the instance's
+:class:`~dmutex._faces.drive.AsyncDriver`.
 """
 
 from __future__ import annotations
@@ -11,17 +12,18 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Generic, TypeAlias, TypeVar, cast
 
-from ._config import MutexConfig, SemaphoreConfig
-from ._core import Engine, Lease
-from ._drive import run_async
-from ._effects import Steps
-from ._handle import HandleBase, SlotMixin
-from ._memory import InMemoryBackend
-from ._protocols import (
+from .._backends.clients import (
     AsyncMongoClientLike,
     AsyncRedisCommandClient,
     AsyncRedisSetEvalClient,
 )
+from .._backends.memory import InMemoryBackend
+from .._core.effects import Steps
+from .._core.engine import Engine
+from .._core.lease import Lease
+from .base import MutexBase, SemaphoreBase
+from .drive import AsyncDriver
+from .handles import HandleBase, SlotMixin
 
 __all__ = [
     "AsyncClient",
@@ -40,10 +42,8 @@ AsyncClient: TypeAlias = (
 )
 """Any client an asyncio class accepts."""
 
-_AsyncDrive = Callable[[Steps[bool]], Awaitable[bool]]
 
-
-class _AsyncHandle(HandleBase[_AsyncDrive]):
+class _AsyncHandle(HandleBase[AsyncDriver]):
     __slots__ = ()
 
     async def release(self) -> bool:
@@ -72,7 +72,7 @@ class AsyncDMutexLock(_AsyncHandle):
     __slots__ = ()
 
 
-class AsyncDSemaphorePermit(SlotMixin[_AsyncDrive], _AsyncHandle):
+class AsyncDSemaphorePermit(SlotMixin[AsyncDriver], _AsyncHandle):
     """A held semaphore permit; ``async with permit:`` releases it on exit."""
 
     __slots__ = ()
@@ -81,9 +81,10 @@ class AsyncDSemaphorePermit(SlotMixin[_AsyncDrive], _AsyncHandle):
 class _AsyncFace(Generic[H]):
     _ASYNC = True
     _engine: Engine
+    _drive: AsyncDriver
 
-    async def _drive(self, steps: Steps[T]) -> T:
-        return await run_async(steps, self._engine.clock, self._engine.task_gate)
+    def _start_driver(self, engine: Engine) -> None:
+        self._drive = AsyncDriver(engine.clock, engine.prepare)
 
     def _wrap(self, lease: Lease) -> H:
         raise NotImplementedError
@@ -94,7 +95,7 @@ class _AsyncFace(Generic[H]):
 
     async def ready(self) -> None:
         """Prepare the backend once per instance; see :meth:`DMutex.ready`."""
-        await self._drive(self._engine.ready())
+        await self._drive.ready()
 
     async def acquire(self, key: str, ttl: float | None = None) -> H | None:
         """Try once to take a permit; see :meth:`DMutex.acquire`."""
@@ -138,7 +139,7 @@ class _AsyncFace(Generic[H]):
         return await self._drive(self._engine.extend_token(key, token, ttl))
 
 
-class AsyncDSemaphore(_AsyncFace[AsyncDSemaphorePermit], SemaphoreConfig[AsyncClient]):
+class AsyncDSemaphore(_AsyncFace[AsyncDSemaphorePermit], SemaphoreBase[AsyncClient]):
     """The asyncio :class:`DSemaphore`: same semantics, coroutine methods."""
 
     def _wrap(self, lease: Lease) -> AsyncDSemaphorePermit:
@@ -149,7 +150,7 @@ class AsyncDSemaphore(_AsyncFace[AsyncDSemaphorePermit], SemaphoreConfig[AsyncCl
         return await self._drive(self._engine.release_token(key, token))
 
 
-class AsyncDMutex(_AsyncFace[AsyncDMutexLock], MutexConfig[AsyncClient]):
+class AsyncDMutex(_AsyncFace[AsyncDMutexLock], MutexBase[AsyncClient]):
     """The asyncio :class:`DMutex`: same semantics, coroutine methods."""
 
     def _wrap(self, lease: Lease) -> AsyncDMutexLock:

@@ -6,11 +6,11 @@ import threading
 from dataclasses import dataclass
 from datetime import datetime
 
-from ._clock import Clock, SystemClock
-from ._effects import Steps
-from ._store import MAX_EXPIRY_MS, Grant, Namespace, expiry_datetime, now_ms
+from .._clock import Clock, SystemClock
+from .._core.effects import Steps
+from .._core.lease import MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
 
-__all__ = ["InMemoryBackend"]
+__all__ = ["InMemoryBackend", "MemoryStore"]
 
 
 @dataclass
@@ -87,12 +87,9 @@ class InMemoryBackend:
                         expired += 1
         return expired
 
-    def _bind(self, namespace: Namespace) -> _MemoryStore:
-        return _MemoryStore(self, namespace.key_prefix, namespace.max_permits)
 
-
-class _MemoryStore:
-    """One namespace of an :class:`InMemoryBackend`; a ``Store``."""
+class MemoryStore:
+    """One namespace (key prefix) of an :class:`InMemoryBackend`; a ``Store``."""
 
     max_expiry_ms = MAX_EXPIRY_MS
 
@@ -125,7 +122,7 @@ class _MemoryStore:
     def ready(self) -> Steps[None]:
         yield from ()
 
-    def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Grant | None]:
+    def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Lease | None]:
         yield from ()
         with self._backend._lock:
             now = now_ms(self.clock)
@@ -135,7 +132,7 @@ class _MemoryStore:
                 rec = slots.get(number)
                 if rec is None or rec.expires_ms <= now:
                     slots[number] = _Record(token, now + ttl_ms)
-                    return Grant(number, now + ttl_ms)
+                    return Lease(key, token, number, now + ttl_ms)
         return None
 
     def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:

@@ -2,7 +2,7 @@
 
 dmutex imports no database package. It accepts any object shaped like one of
 these, and detects which at run time from the object's type (see
-``_detect.py``). The sync contracts return plain values and the asyncio ones
+``shapes.py``). The sync contracts return plain values and the asyncio ones
 return awaitables, so that a type checker can tell an asyncio client handed
 to a sync class wherever the client package's own annotations allow it.
 

@@ -1,26 +1,28 @@
-"""The lock algorithms, written once and free of I/O.
+"""The lock algorithms, written once for both faces and every backend.
 
-:class:`Engine` holds one instance's settings and returns, for each public
-operation, a generator of effects (see ``_effects.py``). ``_drive.py`` runs
-those generators for the sync classes and for the asyncio classes; neither
-face repeats any of the logic here.
+Rules of this module:
+
+1. Every decision about a lease lives here or in a store: the faces only
+   validate nothing, decide nothing and drive what this module returns.
+2. Nothing here does I/O, sleeps or waits: each operation returns a generator
+   of effects (``effects.py``) that a driver carries out.
+3. Bad input raises when the operation is asked for, before its generator
+   exists: a driver never starts a request for an operation that will fail
+   its checks.
+4. Preparing the store (``ready``) is the driver's policy, not the engine's:
+   :meth:`Engine.prepare` only hands out the steps.
+5. No lock is ever held across a ``yield``. The one lock here guards the
+   deprecated ``lock()`` token memory, a plain dict.
 """
 
 from __future__ import annotations
 
-import asyncio
-import math
-import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
-from ._clock import Clock
-from ._effects import Call, Gate, Sleep, Steps
-from ._errors import InvalidArgumentError
-from ._store import MAX_EXPIRY_MS, Store, now_ms
-from ._validate import (
+from .._backends.store import Store
+from .._validate import (
     check_callback,
     check_key,
     check_retry_delay,
@@ -28,52 +30,14 @@ from ._validate import (
     check_token,
     check_ttl,
 )
+from .effects import Callback, Sleep, Steps
+from .lease import Lease, new_token, now_ms, ttl_to_ms
 
 H = TypeVar("H")
-T = TypeVar("T")
 
-_ENTER = Gate(enter=True)
-_LEAVE = Gate(enter=False)
-
-
-def ttl_to_ms(seconds: float, clock: Clock, max_expiry_ms: int = MAX_EXPIRY_MS) -> int:
-    """``seconds`` in whole milliseconds, if an expiry that far ahead can be stored.
-
-    Rounds up, as the TypeScript library does for ``PX``, so a lease never
-    lasts less than asked.
-    """
-    limit = min(MAX_EXPIRY_MS, max_expiry_ms)
-    # Compare before multiplying: seconds * 1000 overflows to inf near 1e305.
-    if seconds > limit / 1000 or now_ms(clock) + math.ceil(seconds * 1000) > limit:
-        raise InvalidArgumentError(f"ttl={seconds} puts the expiry past what the backend can store")
-    return math.ceil(seconds * 1000)
-
-
-def new_token() -> str:
-    """A random UUID4 string, as ``str(uuid.uuid4())`` gives, in half the time.
-
-    It runs once per acquire: the version and variant bits are set on 16
-    random bytes, which is all ``uuid4`` does.
-    """
-    raw = bytearray(os.urandom(16))
-    raw[6] = (raw[6] & 0x0F) | 0x40
-    raw[8] = (raw[8] & 0x3F) | 0x80
-    h = raw.hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-
-
-@dataclass(slots=True)
-class Lease:
-    """The state of one acquired permit, shared by its handle and the engine.
-
-    ``expires_ms`` moves forward on a successful extend.
-    """
-
-    key: str
-    token: str
-    slot: int
-    expires_ms: int
-    fence: int | None = None
+# A default TTL is converted once when no process could live to see it pass
+# the latest storable expiry: a century of margin.
+_CENTURY_MS = 100 * 365 * 86_400_000
 
 
 class Engine:
@@ -82,19 +46,11 @@ class Engine:
     def __init__(self, store: Store, *, default_ttl: float) -> None:
         self._store = store
         # The store's clock, which also times retries; fixed for the store's life.
-        self.clock: Clock = store.clock
+        self.clock = store.clock
         self.default_ttl = default_ttl
-        # The default in ms, checked once, when no process could live to see it
-        # pass the latest storable expiry (a century of margin); else None, and
-        # it is checked on every use like any other TTL.
         default_ms = ttl_to_ms(default_ttl, self.clock, store.max_expiry_ms)
-        margin = 100 * 365 * 86_400_000
-        fits = now_ms(self.clock) + default_ms + margin <= store.max_expiry_ms
+        fits = now_ms(self.clock) + default_ms + _CENTURY_MS <= store.max_expiry_ms
         self._default_ms: int | None = default_ms if fits else None
-        self._ready = False
-        # The ready gate, one per face; only the face's own driver uses its gate.
-        self.thread_gate = threading.Lock()
-        self.task_gate = asyncio.Lock()
         # Deprecated lock()/unlock(): the token of the last lock() per key.
         self._remembered: dict[str, str] = {}
         self._remembered_lock = threading.Lock()
@@ -106,33 +62,14 @@ class Engine:
         seconds = self.default_ttl if ttl is None else check_ttl("ttl", ttl)
         return ttl_to_ms(seconds, self.clock, self._store.max_expiry_ms)
 
-    def ready(self) -> Steps[None]:
-        """Prepare the store once per instance; concurrent callers wait for it.
-
-        A failure propagates and leaves the instance unprepared, so the next
-        operation tries again and surfaces the error again.
-        """
-        if self._ready:
-            return
-        yield _ENTER
-        try:
-            if not self._ready:
-                yield from self._store.ready()
-                self._ready = True
-        finally:
-            yield _LEAVE
+    def prepare(self) -> Steps[None]:
+        """The store's one-time preparation (MongoDB: its TTL index)."""
+        return self._store.ready()
 
     def acquire(self, key: str, ttl: float | None) -> Steps[Lease | None]:
         """Try once to take a permit; None only when all permits are active."""
         check_key(key)
-        ttl_ms = self.ttl_ms(ttl)
-        if not self._ready:
-            yield from self.ready()
-        token = new_token()
-        grant = yield from self._store.acquire(key, token, ttl_ms)
-        if grant is None:
-            return None
-        return Lease(key, token, grant.slot, grant.expires_ms, grant.fence)
+        return self._store.acquire(key, new_token(), self.ttl_ms(ttl))
 
     def acquire_with_retry(
         self, key: str, ttl: float | None, timeout: float, retry_delay: float
@@ -143,12 +80,15 @@ class Engine:
         makes one last attempt at the deadline. Time is monotonic.
         """
         check_key(key)
-        self.ttl_ms(ttl)
-        timeout = check_timeout(timeout)
-        retry_delay = check_retry_delay(retry_delay)
+        ttl_ms = self.ttl_ms(ttl)
+        return self._retry(key, ttl_ms, check_timeout(timeout), check_retry_delay(retry_delay))
+
+    def _retry(
+        self, key: str, ttl_ms: int, timeout: float, retry_delay: float
+    ) -> Steps[Lease | None]:
         deadline = self.clock.monotonic() + timeout
         while True:
-            lease = yield from self.acquire(key, ttl)
+            lease = yield from self._store.acquire(key, new_token(), ttl_ms)
             if lease is not None:
                 return lease
             remaining = deadline - self.clock.monotonic()
@@ -169,28 +109,31 @@ class Engine:
         release. Never renews the lease.
         """
         check_callback(callback)
+        return self._run(acquisition, callback, wrap)
+
+    def _run(
+        self,
+        acquisition: Steps[Lease | None],
+        callback: Callable[[H], object],
+        wrap: Callable[[Lease], H],
+    ) -> Steps[object]:
         lease = yield from acquisition
         if lease is None:
             return None
         try:
-            return (yield Call(callback, (wrap(lease),), role="callback"))
+            return (yield Callback(callback, wrap(lease)))
         finally:
             yield from self.release(lease)
 
     def release(self, lease: Lease) -> Steps[bool]:
         """Release the permit of ``lease`` if it is still active."""
-        steps = self._store.release(lease.key, lease.token, lease.slot)
-        # Once ready, the store's own steps, with no frame of ours around them.
-        return steps if self._ready else self._after_ready(steps)
-
-    def _after_ready(self, steps: Steps[T]) -> Steps[T]:
-        yield from self.ready()
-        return (yield from steps)
+        return self._store.release(lease.key, lease.token, lease.slot)
 
     def extend(self, lease: Lease, ttl: float | None) -> Steps[bool]:
         """Set the expiry of ``lease`` to now + ttl if it is still active."""
-        ttl_ms = self.ttl_ms(ttl)
-        yield from self.ready()
+        return self._extend(lease, self.ttl_ms(ttl))
+
+    def _extend(self, lease: Lease, ttl_ms: int) -> Steps[bool]:
         expires = yield from self._store.extend(lease.key, lease.token, lease.slot, ttl_ms)
         if expires is None:
             return False
@@ -201,25 +144,27 @@ class Engine:
         """Release the active permit of ``key`` that holds ``token``."""
         check_key(key)
         check_token(token)
-        yield from self.ready()
-        return (yield from self._store.release(key, token, None))
+        return self._store.release(key, token, None)
 
     def extend_token(self, key: str, token: str, ttl: float | None) -> Steps[bool]:
         """Extend the active permit of ``key`` that holds ``token``."""
         check_key(key)
         check_token(token)
-        ttl_ms = self.ttl_ms(ttl)
-        yield from self.ready()
-        expires = yield from self._store.extend(key, token, None, ttl_ms)
-        return expires is not None
+        return self._extend_token(key, token, self.ttl_ms(ttl))
+
+    def _extend_token(self, key: str, token: str, ttl_ms: int) -> Steps[bool]:
+        return (yield from self._store.extend(key, token, None, ttl_ms)) is not None
 
     def lock(self, key: str, ttl: float | None) -> Steps[bool]:
         """Deprecated ``lock()``: acquire and remember the token for ``unlock``."""
-        lease = yield from self.acquire(key, ttl)
+        return self._lock(self.acquire(key, ttl))
+
+    def _lock(self, acquisition: Steps[Lease | None]) -> Steps[bool]:
+        lease = yield from acquisition
         if lease is None:
             return False
         with self._remembered_lock:
-            self._remembered[key] = lease.token
+            self._remembered[lease.key] = lease.token
         return True
 
     def unlock(self, key: str, token: str | None) -> Steps[bool]:
@@ -233,10 +178,19 @@ class Engine:
             with self._remembered_lock:
                 token = self._remembered.get(key)
             if token is None:
-                return False
-        released = yield from self.release_token(key, token)
+                return _answer(False)
+        return self._unlock(key, token, self.release_token(key, token))
+
+    def _unlock(self, key: str, token: str, release: Steps[bool]) -> Steps[bool]:
+        released = yield from release
         # Whatever the answer, that token no longer guards anything for us.
         with self._remembered_lock:
             if self._remembered.get(key) == token:
                 del self._remembered[key]
         return released
+
+
+def _answer(value: bool) -> Steps[bool]:
+    """Steps that make no request and return ``value``."""
+    yield from ()
+    return value

@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Generic, TypeVar
 
-from ._core import Engine, Lease
-from ._store import expiry_datetime
+from .._core.engine import Engine
+from .._core.lease import Lease, expiry_datetime
 
 D = TypeVar("D")
 

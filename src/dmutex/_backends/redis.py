@@ -28,10 +28,12 @@ import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ._clock import Clock, SystemClock
-from ._effects import Call, Steps
-from ._errors import DMutexError
-from ._store import MAX_EXPIRY_MS, Grant, Namespace, now_ms
+from .._clock import Clock
+from .._core.effects import Call, Steps
+from .._core.lease import MAX_EXPIRY_MS, Lease, now_ms
+from .._errors import DMutexError
+from .cluster import same_hash_slot
+from .shapes import defines, is_cluster_client, method
 
 # Every script works in one of two modes. On a cluster, KEYS are the slot keys
 # to look at (all in one hash slot). On a single server there are no KEYS: the
@@ -171,65 +173,6 @@ def _set_succeeded(reply: object) -> bool:
     raise DMutexError(f"unexpected reply from Redis to SET: {reply!r}")
 
 
-# --- Redis Cluster hash slots ---------------------------------------------------------
-
-
-def _crc16_table() -> list[int]:
-    table = []
-    for byte in range(256):
-        crc = byte << 8
-        for _ in range(8):
-            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else (crc << 1)
-        table.append(crc & 0xFFFF)
-    return table
-
-
-_CRC16 = _crc16_table()
-
-
-def _hashed_part(key: str) -> bytes:
-    """The part of ``key`` Redis Cluster hashes: the first non-empty ``{tag}``, or all."""
-    data = key.encode()
-    start = data.find(b"{")
-    if start != -1:
-        end = data.find(b"}", start + 1)
-        if end > start + 1:
-            return data[start + 1 : end]
-    return data
-
-
-def hash_slot(key: str) -> int:
-    """The Redis Cluster hash slot of ``key`` (CRC16/XMODEM mod 16384, hash tags honoured)."""
-    crc = 0
-    for byte in _hashed_part(key):
-        crc = ((crc << 8) & 0xFFFF) ^ _CRC16[((crc >> 8) ^ byte) & 0xFF]
-    return crc % 16384
-
-
-def same_hash_slot(keys: Sequence[str]) -> bool:
-    """Whether a cluster keeps all of ``keys`` in one hash slot (so one script may touch them)."""
-    part = _hashed_part(keys[0])
-    # CRCs only for keys whose hashed parts differ; untagged slot keys stop at
-    # the second key.
-    return all(_hashed_part(k) == part or hash_slot(k) == hash_slot(keys[0]) for k in keys[1:])
-
-
-def is_cluster_client(client: object) -> bool:
-    """Whether ``client`` routes commands by hash slot: it has a ``keyslot`` method.
-
-    Looked up dynamically, so a wrapper that forwards attributes to a cluster
-    client counts as one. Erring towards "cluster" only costs requests (one
-    key per request); erring the other way would send scripts the cluster
-    refuses.
-    """
-    return callable(getattr(client, "keyslot", None))
-
-
-def _method(client: object, name: str) -> Callable[..., object] | None:
-    method = getattr(client, name, None)
-    return method if callable(method) else None
-
-
 # --- the store ------------------------------------------------------------------------
 
 
@@ -248,15 +191,19 @@ class RedisStore:
 
     max_expiry_ms = MAX_EXPIRY_MS
 
-    def __init__(self, client: object, namespace: Namespace) -> None:
-        self._prefix = namespace.key_prefix
-        self._permits = namespace.max_permits
+    def __init__(self, client: object, prefix: str, max_permits: int, clock: Clock) -> None:
+        self._prefix = prefix
+        self._permits = max_permits
         self._standalone = not is_cluster_client(client)
-        # The client's shape was checked by detection; pick its path once.
-        self._execute = _method(client, "execute_command")
-        self._eval = _method(client, "eval")
-        self._set = _method(client, "set")
-        self._clock = SystemClock()
+        # Detection checked the client's shape; pick its path once.
+        self._execute: Callable[..., object] | None = None
+        self._eval: Callable[..., object] | None = None
+        self._set: Callable[..., object] | None = None
+        if defines(client, "execute_command"):
+            self._execute = method(client, "execute_command")
+        else:
+            self._eval, self._set = method(client, "eval"), method(client, "set")
+        self._clock = clock
 
     @property
     def clock(self) -> Clock:
@@ -290,7 +237,7 @@ class RedisStore:
         """Nothing to prepare: Redis needs no index."""
         yield from ()
 
-    def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Grant | None]:
+    def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Lease | None]:
         """Take a free slot of ``key``, or return None when all are held.
 
         One request: ``SET NX`` for a single permit, else one script that
@@ -305,10 +252,10 @@ class RedisStore:
             reply = yield Call(
                 self._execute, ("SET", f"{self._prefix}permit:0:{key}", token, "PX", ttl_ms, "NX")
             )
-            return Grant(0, expires) if reply is True or _set_succeeded(reply) else None
+            return Lease(key, token, 0, expires) if reply is True or _set_succeeded(reply) else None
         if permits == 1:
             taken = yield from self._set_nx(self._name(0, key), token, ttl_ms)
-            return Grant(0, expires) if taken else None
+            return Lease(key, token, 0, expires) if taken else None
         if self._standalone:
             args = (token, ttl_ms, self._prefix, key, permits)
             reply = yield from self._run(ACQUIRE, (), args)
@@ -317,11 +264,11 @@ class RedisStore:
             if not same_hash_slot(names):
                 for slot, name in enumerate(names):
                     if (yield from self._set_nx(name, token, ttl_ms)):
-                        return Grant(slot, expires)
+                        return Lease(key, token, slot, expires)
                 return None
             reply = yield from self._run(ACQUIRE, names, (token, ttl_ms))
         slot = _as_int(reply, -1, permits - 1)
-        return Grant(slot, expires) if slot >= 0 else None
+        return Lease(key, token, slot, expires) if slot >= 0 else None
 
     def _holder(
         self, script: _Script, key: str, slot: int | None, head: tuple[object, ...]

@@ -28,14 +28,13 @@ Limits:
 
 from __future__ import annotations
 
-import inspect
 import random
-from collections.abc import Callable
 
-from ._clock import Clock
-from ._effects import Call, Steps
-from ._errors import DMutexError, UnsupportedClientError
-from ._store import MAX_EXPIRY_MS, Grant, Namespace, expiry_datetime, now_ms
+from .._clock import Clock
+from .._core.effects import Call, Steps
+from .._core.lease import MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
+from .._errors import DMutexError
+from .shapes import method
 
 DUPLICATE_KEY = 11000
 
@@ -56,7 +55,7 @@ def _count(result: object, name: str) -> int:
 class MongoStore:
     """One collection of lease documents; a ``Store``.
 
-    Requests per operation (spec section 7): a mutex acquire is one upsert;
+    Requests per operation (see the README, "Requests"): a mutex acquire is one upsert;
     a semaphore acquire is one upsert when the slot it tries first is free,
     two (upsert, then ``distinct`` of the active slots) when all are held,
     else three, plus one per race lost to another caller. Release and extend
@@ -65,28 +64,13 @@ class MongoStore:
 
     max_expiry_ms = MAX_EXPIRY_MS
 
-    def __init__(self, client: object, namespace: Namespace, clock: Clock) -> None:
-        get_database: Callable[[str], object] = getattr(client, "get_database")  # noqa: B009 - checked by detection
-        database = get_database(namespace.db_name)
-        get_collection: Callable[[str], object] = getattr(database, "get_collection")  # noqa: B009
-        self._collection = get_collection(namespace.collection_name)
-        self._update = _method(self._collection, "update_one")
-        self._delete = _method(self._collection, "delete_one")
-        self._distinct = _method(self._collection, "distinct")
-        self._create_index = _method(self._collection, "create_index")
-        self._permits = namespace.max_permits
+    def __init__(self, collection: object, max_permits: int, clock: Clock) -> None:
+        self._update = method(collection, "update_one")
+        self._delete = method(collection, "delete_one")
+        self._distinct = method(collection, "distinct")
+        self._create_index = method(collection, "create_index")
+        self._permits = max_permits
         self._clock = clock
-        # Refuse an asyncio client on a sync class now: on the first call it
-        # would be too late for motor, which starts the request as it returns
-        # a Future. pymongo's async methods are coroutine functions; every
-        # motor object has get_io_loop.
-        if not namespace.asynchronous and (
-            inspect.iscoroutinefunction(self._update) or _defines(self._collection, "get_io_loop")
-        ):
-            raise UnsupportedClientError(
-                f"{type(self._collection).__qualname__} is an asyncio collection: "
-                "use AsyncDMutex / AsyncDSemaphore"
-            )
 
     @property
     def clock(self) -> Clock:
@@ -115,7 +99,7 @@ class MongoStore:
             raise
         return True
 
-    def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Grant | None]:
+    def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Lease | None]:
         """Take a free or expired slot; None when every slot is active.
 
         A mutex tries its one slot. A semaphore tries a random slot first
@@ -127,7 +111,7 @@ class MongoStore:
         permits = self._permits
         first = 0 if permits == 1 else random.randrange(permits)
         if (yield from self._take(first, key, token, now, expires)):
-            return Grant(first, expires)
+            return Lease(key, token, first, expires)
         if permits == 1:
             return None
         active = yield Call(
@@ -143,7 +127,7 @@ class MongoStore:
         for slot in free:
             # Each failure here is a race lost: someone took it since distinct.
             if (yield from self._take(slot, key, token, now, expires)):
-                return Grant(slot, expires)
+                return Lease(key, token, slot, expires)
         return None
 
     def _selector(self, key: str, token: str, slot: int | None) -> dict[str, object]:
@@ -164,21 +148,3 @@ class MongoStore:
         update = {"$set": {"expiredAt": expiry_datetime(expires)}}
         result = yield Call(self._update, (selector, update), {"upsert": False})
         return expires if _count(result, "matched_count") == 1 else None
-
-
-def _defines(target: object, name: str) -> bool:
-    # Static lookup: pymongo's Collection.__getattr__ answers any name.
-    try:
-        inspect.getattr_static(target, name)
-    except AttributeError:
-        return False
-    return True
-
-
-def _method(target: object, name: str) -> Callable[..., object]:
-    method: object = getattr(target, name, None)
-    if not callable(method):
-        raise DMutexError(
-            f"{type(target).__qualname__} has no {name}(): not a MongoDB collection dmutex can use"
-        )
-    return method

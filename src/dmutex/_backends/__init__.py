@@ -1,0 +1,53 @@
+"""The backends: a store per kind of client, and the one function that opens them.
+
+- ``store.py``: the :class:`Store` protocol the engine talks to;
+- ``shapes.py``: detection and every other check of a client's shape;
+- ``clients.py``: the client contracts, published as ``typing.Protocol``;
+- ``memory.py``, ``redis.py`` (with ``cluster.py``), ``mongo.py``: one store each.
+"""
+
+from __future__ import annotations
+
+from .._clock import SystemClock
+from .._errors import InvalidArgumentError
+from .._options import Options
+from .._validate import check_collection_name, check_db_name
+from .memory import InMemoryBackend, MemoryStore
+from .mongo import MongoStore
+from .redis import RedisStore
+from .shapes import defines, detect, method, refuse_asyncio
+from .store import Store
+
+
+def open_store(client: object, options: Options, *, asynchronous: bool) -> Store:
+    """The store that serves ``options``' namespace through ``client``.
+
+    Detects the backend, checks what depends on it (MongoDB's names, the
+    clock of an :class:`InMemoryBackend`, an asyncio client given to a sync
+    class), and makes no request: the only calls it makes are MongoDB's
+    ``get_database`` and ``get_collection``, which do no I/O.
+    """
+    found = detect(client, options.backend)
+    if isinstance(client, InMemoryBackend):
+        if options.clock is not None and options.clock is not client.clock:
+            raise InvalidArgumentError(
+                "an InMemoryBackend decides expiry by its own clock: pass clock= to "
+                "InMemoryBackend(clock=...), not to the lock"
+            )
+        return MemoryStore(client, options.key_prefix, options.max_permits)
+    clock = SystemClock() if options.clock is None else options.clock
+    if found == "redis":
+        if not asynchronous:
+            name = "execute_command" if defines(client, "execute_command") else "set"
+            refuse_asyncio(client, name, "client")
+        return RedisStore(client, options.key_prefix, options.max_permits, clock)
+    check_db_name(options.db_name)
+    check_collection_name(options.collection_name, options.collection_origin)
+    database = method(client, "get_database")(options.db_name)
+    collection = method(database, "get_collection")(options.collection_name)
+    if not asynchronous:
+        refuse_asyncio(collection, "update_one", "collection")
+    return MongoStore(collection, options.max_permits, clock)
+
+
+__all__ = ["InMemoryBackend", "Store", "open_store"]

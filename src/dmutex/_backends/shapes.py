@@ -1,0 +1,136 @@
+"""Client shapes: every check dmutex makes of what a client object is.
+
+One contract each:
+
+- :func:`defines`: does the object's *type* define the name (a static lookup,
+  so a ``__getattr__`` that answers any name, like pymongo's, cannot fool it);
+- :func:`method`: the bound method to call, or :class:`UnsupportedClientError`;
+- :func:`detect`: which backend contract a client meets, or an error saying
+  what each contract needs;
+- :func:`is_cluster_client`: whether a Redis client routes by hash slot;
+- :func:`refuse_asyncio`: an asyncio object given to a sync class, refused
+  before any call;
+- :func:`wrong_face`: the error for a call that answered in the other face's
+  way (a driver's check, on the first request).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Literal
+
+from .._errors import AmbiguousClientError, UnsupportedClientError
+from .._validate import BackendName
+from .memory import InMemoryBackend
+
+Found = Literal["memory", "mongodb", "redis"]
+
+_NEEDS: dict[BackendName, str] = {
+    "mongodb": "get_database(name)",
+    "redis": (
+        "execute_command(*args), or both set(name, value, px=..., nx=...) "
+        "and eval(script, numkeys, *keys_and_args)"
+    ),
+}
+
+
+def _described(target: object) -> str:
+    return f"{type(target).__module__}.{type(target).__qualname__}"
+
+
+def defines(target: object, name: str) -> bool:
+    """Whether ``target``'s type (or the object itself) defines ``name`` as non-None."""
+    try:
+        return inspect.getattr_static(target, name) is not None
+    except AttributeError:
+        return False
+
+
+def method(target: object, name: str) -> Callable[..., object]:
+    """``target.name`` if it is callable; else :class:`UnsupportedClientError`."""
+    found: object = getattr(target, name, None)
+    if not callable(found):
+        raise UnsupportedClientError(f"{_described(target)} has no {name}() that dmutex can call")
+    return found
+
+
+def _shapes(client: object) -> set[BackendName]:
+    shapes: set[BackendName] = set()
+    if defines(client, "get_database"):
+        shapes.add("mongodb")
+    if defines(client, "execute_command") or (defines(client, "set") and defines(client, "eval")):
+        shapes.add("redis")
+    return shapes
+
+
+def detect(client: object, backend: BackendName | None) -> Found:
+    """Name the backend for ``client``; raise if there is none or it is ambiguous.
+
+    An :class:`InMemoryBackend` is accepted whatever ``backend`` says, so that
+    code which passes ``backend=`` from its configuration can be tested with one.
+    """
+    if isinstance(client, InMemoryBackend):
+        return "memory"
+    shapes = _shapes(client)
+    if backend is not None:
+        if backend not in shapes:
+            raise UnsupportedClientError(
+                f"backend={backend!r}, but {_described(client)} does not offer {_NEEDS[backend]}"
+            )
+        return backend
+    if len(shapes) > 1:
+        raise AmbiguousClientError(
+            f"{_described(client)} matches both the MongoDB and the Redis contract; "
+            "pass backend='mongodb' or backend='redis'"
+        )
+    if shapes:
+        return shapes.pop()
+    raise UnsupportedClientError(
+        f"{_described(client)} is not a client dmutex can use. A MongoDB client needs "
+        f"{_NEEDS['mongodb']}; a Redis client needs {_NEEDS['redis']}; "
+        "or pass a dmutex.InMemoryBackend"
+    )
+
+
+def is_cluster_client(client: object) -> bool:
+    """Whether a Redis ``client`` routes commands by hash slot: it has a ``keyslot`` method.
+
+    Looked up dynamically, so a wrapper that forwards attributes to a cluster
+    client counts as one. Erring towards "cluster" only costs requests (one
+    key per request); erring the other way would send scripts the cluster
+    refuses.
+    """
+    return callable(getattr(client, "keyslot", None))
+
+
+def refuse_asyncio(target: object, name: str, what: str) -> None:
+    """Refuse an asyncio ``target`` (a client or a collection) for a sync class.
+
+    Known before any call when ``target.name`` is a coroutine function
+    (redis.asyncio, pymongo's async API) or ``target`` is a motor object
+    (every one has ``get_io_loop``; motor starts its request before it returns
+    a Future, so this must be caught here). The other direction cannot be told
+    from the object: a sync-looking method may return an awaitable, so the
+    async driver checks the first reply (:func:`wrong_face`).
+    """
+    if inspect.iscoroutinefunction(getattr(target, name, None)) or defines(target, "get_io_loop"):
+        raise UnsupportedClientError(
+            f"{_described(target)} is an asyncio {what}: use AsyncDMutex / AsyncDSemaphore"
+        )
+
+
+def wrong_face(fn: object, result: object) -> UnsupportedClientError:
+    """The error for a client call that answered the other face's way.
+
+    An awaitable reached a sync class, or a plain value an asyncio class.
+    """
+    name = getattr(fn, "__qualname__", repr(fn))
+    if inspect.isawaitable(result):
+        return UnsupportedClientError(
+            f"{name} returned an awaitable: this is an asyncio client, "
+            "use AsyncDMutex / AsyncDSemaphore"
+        )
+    return UnsupportedClientError(
+        f"{name} did not return an awaitable: this is a sync client, use DMutex / DSemaphore"
+    )

@@ -1,0 +1,57 @@
+"""The store protocol: what a backend does for the engine.
+
+A backend turns a client into a :class:`Store` bound to one namespace (a
+service's key prefix or collection, and a permit count). Each operation is a
+generator of effects, so one store serves sync and async clients alike.
+Adding a backend means adding a store module beside this one and a branch in
+``open_store`` (``__init__.py``); the engine does not change.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .._clock import Clock
+from .._core.effects import Steps
+from .._core.lease import Lease
+
+
+class Store(Protocol):
+    """One namespace of lock records on one backend.
+
+    Times are integer milliseconds since the Unix epoch, read from
+    :attr:`clock`. A permit is active while ``now < expires_ms``.
+    """
+
+    @property
+    def clock(self) -> Clock:
+        """The clock that expiries are computed from, and retries timed by."""
+        ...
+
+    @property
+    def max_expiry_ms(self) -> int:
+        """The latest expiry this store can hold."""
+        ...
+
+    def ready(self) -> Steps[None]:
+        """Prepare storage (indexes); a driver runs it once per instance."""
+        ...
+
+    def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Lease | None]:
+        """Take a free or expired slot of ``key`` for ``token``; None if all are active."""
+        ...
+
+    def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
+        """Remove the active permit of ``key`` holding ``token``.
+
+        ``slot`` is known when releasing by handle, ``None`` when releasing by
+        key and token. Returns whether a permit was removed.
+        """
+        ...
+
+    def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
+        """Set the expiry of the active permit holding ``token`` to now + ttl.
+
+        Returns the new expiry, or None if no active permit holds ``token``.
+        """
+        ...

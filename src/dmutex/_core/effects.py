@@ -1,0 +1,49 @@
+"""The effects: everything dmutex's algorithms ask of the outside world.
+
+An algorithm is a generator of :data:`Steps`. It yields an effect, a driver
+(``dmutex._faces.drive``) carries it out the sync or the asyncio way and sends
+the result back, or throws the exception in. The vocabulary is closed: a
+driver matches :data:`Effect` exhaustively, so a new kind of effect is a type
+error in every driver until each one handles it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping
+from dataclasses import dataclass
+from typing import TypeAlias, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Call:
+    """One request to the database client: ``fn(*args, **kwargs)``.
+
+    A sync driver calls it and needs a plain value back; an async driver needs
+    an awaitable and awaits it. Either refuses the other kind as a client of
+    the wrong face. One is made per request, so it is a plain slotted class.
+    """
+
+    fn: Callable[..., object]
+    args: tuple[object, ...] = ()
+    kwargs: Mapping[str, object] | None = None
+
+
+@dataclass(slots=True)
+class Callback:
+    """The user's ``run()`` callback, called with the handle of the held permit."""
+
+    fn: Callable[..., object]
+    handle: object
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Wait ``seconds`` on the instance's clock (never on the event loop's thread)."""
+
+    seconds: float
+
+
+Effect: TypeAlias = Call | Callback | Sleep
+Steps: TypeAlias = Generator[Effect, object, T]

@@ -1,0 +1,107 @@
+"""The constructors both faces share, and what they build.
+
+``DMutex`` and ``AsyncDMutex`` take the same arguments, as do ``DSemaphore``
+and ``AsyncDSemaphore``; only the client type differs, which is the type
+parameter here. Each constructor checks its arguments into one
+:class:`~dmutex._options.Options`, opens the store for the client, and makes
+the engine and the face's driver.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Generic, TypeVar
+
+from .._backends import open_store
+from .._clock import Clock
+from .._core.engine import Engine
+from .._options import Options
+from .._validate import BackendName
+
+ClientT = TypeVar("ClientT")
+
+
+class Face(Generic[ClientT]):
+    """An instance's engine and driver, made from checked options and a client."""
+
+    _ASYNC: ClassVar[bool]
+    _engine: Engine
+
+    def _open(self, client: object, options: Options) -> None:
+        store = open_store(client, options, asynchronous=self._ASYNC)
+        self._engine = Engine(store, default_ttl=options.default_ttl)
+        self._start_driver(self._engine)
+
+    def _start_driver(self, engine: Engine) -> None:
+        raise NotImplementedError
+
+
+class SemaphoreBase(Face[ClientT]):
+    """Construction of a semaphore, sync or async."""
+
+    def __init__(
+        self,
+        service_name: str,
+        client: ClientT,
+        *,
+        max_permits: int,
+        default_ttl_seconds: float = 300,
+        backend: BackendName | None = None,
+        db_name: str = "dmutex",
+        collection_name: str | None = None,
+        collection_prefix: str = "_dsemaphore_",
+        key_prefix: str | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        """Make a semaphore of ``max_permits`` permits per key for ``service_name``.
+
+        ``client`` is a MongoDB or Redis client (detected from its shape; force
+        with ``backend=``) or an :class:`InMemoryBackend`. ``default_ttl_seconds``
+        is the lease length when a call gives no ``ttl``. MongoDB uses database
+        ``db_name`` and collection ``collection_name`` or
+        ``collection_prefix + service_name``; Redis uses keys under
+        ``key_prefix`` (default ``f"_dsemaphore_{service_name}:"``). Options of
+        the other backend are ignored.
+
+        ``clock`` is where this instance reads the time: the expiries it
+        writes (MongoDB) or estimates (Redis: ``expired_at``), and its retry
+        waits. A :class:`ManualClock` makes them testable without sleeping. An
+        :class:`InMemoryBackend` keeps its own clock; pass none here for it.
+
+        Raises ``TypeError``/``ValueError`` for bad arguments and for a client
+        that meets no contract, before any request reaches the client.
+        """
+        # In the order of the signature, which Options.check takes positionally.
+        options = Options.check(
+            "semaphore", service_name, max_permits, default_ttl_seconds, backend,
+            db_name, collection_name, collection_prefix, key_prefix, clock,
+        )  # fmt: skip
+        self._open(client, options)
+
+
+class MutexBase(Face[ClientT]):
+    """Construction of a mutex, sync or async: a one-permit semaphore."""
+
+    def __init__(
+        self,
+        service_name: str,
+        client: ClientT,
+        *,
+        default_ttl_seconds: float = 300,
+        backend: BackendName | None = None,
+        db_name: str = "dmutex",
+        collection_name: str | None = None,
+        collection_prefix: str = "_dmutex_",
+        key_prefix: str | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        """Make a mutex for ``service_name``: one holder per key at a time.
+
+        The options mean what they mean for a semaphore; the defaults name
+        ``_dmutex_`` instead of ``_dsemaphore_``.
+        """
+        # In the order of the signature, which Options.check takes positionally.
+        options = Options.check(
+            "mutex", service_name, 1, default_ttl_seconds, backend,
+            db_name, collection_name, collection_prefix, key_prefix, clock,
+        )  # fmt: skip
+        self._open(client, options)

@@ -1,0 +1,176 @@
+"""Drivers: where the algorithms' effects meet the world, sync or asyncio.
+
+Each public instance owns one driver, and the driver is the one place where
+the instance's policy wraps the algorithms: before an operation's first
+request to the server it prepares the store, once per instance, one caller
+at a time; a failure reaches that caller and the next request tries again.
+
+The two drivers differ only in how they perform an effect: the sync one
+calls and sleeps in the calling thread, the async one awaits and sleeps
+without blocking the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import sys
+import threading
+from collections.abc import Callable, Coroutine
+from typing import TypeVar, cast
+
+from .._backends.shapes import wrong_face
+from .._clock import Clock
+from .._core.effects import Call, Callback, Sleep, Steps
+from .._errors import UnsupportedClientError
+
+if sys.version_info >= (3, 11):
+    from typing import assert_never
+else:  # pragma: no cover - Python 3.10
+    from typing import NoReturn
+
+    def assert_never(value: NoReturn) -> NoReturn:
+        raise AssertionError(f"unhandled effect: {value!r}")
+
+
+T = TypeVar("T")
+
+# Replies that are certainly not awaitable, checked by exact type before the
+# slower inspect.isawaitable: the sync driver's per-request cost matters.
+_PLAIN = frozenset({type(None), bool, int, float, str, bytes, list, dict, tuple})
+
+
+def _callback_error(fn: object, result: object) -> UnsupportedClientError:
+    name = getattr(fn, "__qualname__", repr(fn))
+    if inspect.isawaitable(result):
+        return UnsupportedClientError(
+            f"callback {name} returned an awaitable; a sync class cannot await "
+            "it (use the Async class for async callbacks)"
+        )
+    return UnsupportedClientError(
+        f"callback {name} returned {type(result).__name__}, not an awaitable; "
+        "the Async classes need an async callback"
+    )
+
+
+def _discard(value: object) -> None:
+    """Close a coroutine a sync driver will not await: it never started, so no I/O happened."""
+    if isinstance(value, Coroutine):
+        value.close()
+
+
+class SyncDriver:
+    """Runs steps to completion in the calling thread."""
+
+    __slots__ = ("_clock", "_gate", "_prepare", "_ready")
+
+    def __init__(self, clock: Clock, prepare: Callable[[], Steps[None]]) -> None:
+        self._clock = clock
+        self._prepare = prepare
+        self._ready = False
+        self._gate = threading.Lock()
+
+    def ready(self) -> None:
+        """Prepare the store unless done; concurrent threads wait for the first."""
+        if self._ready:
+            return
+        with self._gate:
+            if not self._ready:
+                self._loop(self._prepare(), prepared=True)
+                self._ready = True
+
+    def __call__(self, steps: Steps[T]) -> T:
+        """Run ``steps``, preparing the store before their first request."""
+        return self._loop(steps, prepared=self._ready)
+
+    def _loop(self, steps: Steps[T], *, prepared: bool) -> T:
+        # One flat loop, without a coroutine around it: a sync effect never
+        # suspends, and this runs for every request.
+        send, throw = steps.send, steps.throw
+        try:
+            effect = send(None)
+            while True:
+                try:
+                    match effect:
+                        case Call(fn, args, kwargs):
+                            if not prepared:
+                                self.ready()
+                                prepared = True
+                            value = fn(*args, **kwargs) if kwargs else fn(*args)
+                            if type(value) not in _PLAIN and inspect.isawaitable(value):
+                                _discard(value)
+                                raise wrong_face(fn, value)
+                        case Callback(fn, handle):
+                            value = fn(handle)
+                            if inspect.isawaitable(value):
+                                _discard(value)
+                                raise _callback_error(fn, value)
+                        case Sleep(seconds):
+                            value = None
+                            self._clock.sleep(seconds)
+                        case _:
+                            assert_never(effect)
+                except BaseException as exc:  # noqa: BLE001 - handed to the algorithm
+                    effect = throw(exc)
+                else:
+                    effect = send(value)
+        except StopIteration as done:
+            return cast(T, done.value)
+
+
+class AsyncDriver:
+    """Runs steps to completion in the running event loop."""
+
+    __slots__ = ("_clock", "_gate", "_prepare", "_ready")
+
+    def __init__(self, clock: Clock, prepare: Callable[[], Steps[None]]) -> None:
+        self._clock = clock
+        self._prepare = prepare
+        self._ready = False
+        self._gate = asyncio.Lock()
+
+    async def ready(self) -> None:
+        """Prepare the store unless done; concurrent tasks wait for the first."""
+        if self._ready:
+            return
+        async with self._gate:
+            if not self._ready:
+                await self._loop(self._prepare(), prepared=True)
+                self._ready = True
+
+    async def __call__(self, steps: Steps[T]) -> T:
+        """Run ``steps``, preparing the store before their first request."""
+        return await self._loop(steps, prepared=self._ready)
+
+    async def _loop(self, steps: Steps[T], *, prepared: bool) -> T:
+        value: object = None
+        error: BaseException | None = None
+        while True:
+            try:
+                effect = steps.send(value) if error is None else steps.throw(error)
+            except StopIteration as done:
+                return cast(T, done.value)
+            value, error = None, None
+            try:
+                match effect:
+                    case Call(fn, args, kwargs):
+                        if not prepared:
+                            await self.ready()
+                            prepared = True
+                        result = fn(*args, **(kwargs or {}))
+                        if not inspect.isawaitable(result):
+                            raise wrong_face(fn, result)
+                        value = await result
+                    case Callback(fn, handle):
+                        result = fn(handle)
+                        if not inspect.isawaitable(result):
+                            raise _callback_error(fn, result)
+                        value = await result
+                    case Sleep(seconds):
+                        await self._clock.sleep_async(seconds)
+                    case _:
+                        assert_never(effect)
+            except GeneratorExit:
+                raise  # this coroutine is being closed: nothing may run any more
+            except BaseException as exc:  # noqa: BLE001 - handed to the algorithm
+                error = exc

@@ -1,0 +1,95 @@
+"""Options: one instance's constructor arguments, checked once and resolved.
+
+Both faces' constructors build one :class:`Options` and hand it, with the
+client, to store opening (``dmutex._backends.open_store``). Nothing here
+looks at the client: checks that depend on which backend it is (MongoDB's
+naming rules) run when the store is opened.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ._clock import Clock
+from ._validate import (
+    BackendName,
+    check_backend,
+    check_clock,
+    check_max_permits,
+    check_str,
+    check_ttl,
+)
+
+Kind = Literal["mutex", "semaphore"]
+
+# The TypeScript library's defaults, per kind: collection and key prefixes.
+DEFAULT_PREFIX: dict[Kind, str] = {"mutex": "_dmutex_", "semaphore": "_dsemaphore_"}
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """The checked options of one DMutex/DSemaphore, sync or async.
+
+    Build it with :meth:`check`, which raises ``TypeError``/``ValueError``
+    for a bad argument before anything touches a client.
+    """
+
+    kind: Kind
+    service_name: str
+    max_permits: int
+    default_ttl: float
+    backend: BackendName | None
+    db_name: str
+    collection_name: str
+    """The MongoDB collection: ``collection_name``, else prefix + service name."""
+    collection_origin: str
+    """Where :attr:`collection_name` came from, for error messages."""
+    key_prefix: str
+    """The Redis key prefix: ``key_prefix``, else ``f"{kind's prefix}{service_name}:"``."""
+    clock: Clock | None
+
+    @classmethod
+    def check(
+        cls,
+        kind: Kind,
+        service_name: object,
+        max_permits: object,
+        default_ttl_seconds: object,
+        backend: object,
+        db_name: object,
+        collection_name: object,
+        collection_prefix: object,
+        key_prefix: object,
+        clock: object,
+        /,
+    ) -> Options:
+        """Check every argument, in the order the constructors' signatures give them."""
+        service = check_str("service_name", service_name)
+        permits = check_max_permits(max_permits)
+        default_ttl = check_ttl("default_ttl_seconds", default_ttl_seconds)
+        chosen = check_backend(backend)
+        database = check_str("db_name", db_name, allow_empty=True)
+        prefix = check_str("collection_prefix", collection_prefix, allow_empty=True)
+        if collection_name is None:
+            collection = prefix + service
+            origin = f"collection_prefix {prefix!r} + service_name {service!r}"
+        else:
+            collection = check_str("collection_name", collection_name, allow_empty=True)
+            origin = "collection_name"
+        if key_prefix is None:
+            keys = f"{DEFAULT_PREFIX[kind]}{service}:"
+        else:
+            keys = check_str("key_prefix", key_prefix, allow_empty=True)
+        return cls(
+            kind=kind,
+            service_name=service,
+            max_permits=permits,
+            default_ttl=default_ttl,
+            backend=chosen,
+            db_name=database,
+            collection_name=collection,
+            collection_origin=origin,
+            key_prefix=keys,
+            clock=check_clock(clock),
+        )
