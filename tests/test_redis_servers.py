@@ -58,3 +58,28 @@ def test_docker_ping_is_false_without_a_daemon(monkeypatch: pytest.MonkeyPatch) 
 def test_required_versions_parse(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DMUTEX_REQUIRE_REDIS", " 6.2, 7.0,,7.4 ")
     assert redis_servers.required_versions() == ["6.2", "7.0", "7.4"]
+
+
+def test_every_redis_server_found_runs() -> None:
+    """One that cannot (Redis 7.4 without OpenSSL 1.1) is named in one skip line, with the fix."""
+    broken = redis_servers.unrunnable()
+    if broken:
+        pytest.skip("; ".join(broken))
+    for path in redis_servers.candidate_executables():
+        assert redis_servers.executable_version(path) is not None, path
+
+
+def test_a_server_that_cannot_load_a_library_is_named_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fake = tmp_path / "redis-server"
+    fake.write_text(
+        "#!/bin/sh\necho 'redis-server: error while loading shared libraries: "
+        "libssl.so.1.1: cannot open shared object file' >&2\nexit 127\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setattr(redis_servers, "candidate_executables", lambda: [fake])
+    (line,) = redis_servers.unrunnable()
+    assert str(fake) in line
+    assert "libssl.so.1.1" in line
+    assert "DMUTEX_REDIS_LD_LIBRARY_PATH" in line

@@ -135,8 +135,8 @@ def candidate_executables() -> list[Path]:
     return list(unique)
 
 
-def executable_version(path: Path) -> str | None:
-    """``X.Y.Z`` that ``path --version`` prints, or None if it does not run."""
+def probe(path: Path) -> tuple[str | None, str]:
+    """``(X.Y.Z, "")`` from ``path --version``, or ``(None, why it does not run)``."""
     try:
         done = subprocess.run(
             [str(path), "--version"],
@@ -146,10 +146,34 @@ def executable_version(path: Path) -> str | None:
             env=_library_env(),
             check=False,
         )
-    except OSError:
-        return None
+    except OSError as error:
+        return None, str(error)
     match = re.search(r"v=(\d+\.\d+\.\d+)", done.stdout)
-    return match.group(1) if done.returncode == 0 and match else None
+    if done.returncode == 0 and match:
+        return match.group(1), ""
+    lines = (done.stderr or done.stdout).strip().splitlines()
+    return None, lines[-1] if lines else f"exit status {done.returncode}"
+
+
+def executable_version(path: Path) -> str | None:
+    """``X.Y.Z`` that ``path --version`` prints, or None if it does not run."""
+    return probe(path)[0]
+
+
+def unrunnable() -> list[str]:
+    """One line per ``redis-server`` found that does not run, saying why."""
+    lines = []
+    for path in candidate_executables():
+        version, why = probe(path)
+        if version is None:
+            hint = ""
+            if "libssl.so.1.1" in why or "libcrypto.so.1.1" in why:
+                hint = (
+                    "; it needs OpenSSL 1.1: point DMUTEX_REDIS_LD_LIBRARY_PATH at a folder "
+                    "holding libssl.so.1.1 and libcrypto.so.1.1 (README, Tests)"
+                )
+            lines.append(f"{path} does not run ({why}){hint}")
+    return lines
 
 
 @dataclass
