@@ -91,25 +91,27 @@ class SyncDriver:
             effect = send(None)
             while True:
                 try:
-                    match effect:
-                        case Call(fn, args, kwargs):
-                            if not prepared:
-                                self.ready()
-                                prepared = True
-                            value = fn(*args, **kwargs) if kwargs else fn(*args)
-                            if type(value) not in _PLAIN and inspect.isawaitable(value):
-                                _discard(value)
-                                raise wrong_face(fn, value)
-                        case Callback(fn, handle):
-                            value = fn(handle)
-                            if inspect.isawaitable(value):
-                                _discard(value)
-                                raise _callback_error(fn, value)
-                        case Sleep(seconds):
-                            value = None
-                            self._clock.sleep(seconds)
-                        case _:
-                            assert_never(effect)
+                    # An isinstance chain, not match: measurably faster per
+                    # request, and as exhaustive (assert_never) for mypy.
+                    if isinstance(effect, Call):
+                        if not prepared:
+                            self.ready()
+                            prepared = True
+                        fn, kwargs = effect.fn, effect.kwargs
+                        value = fn(*effect.args, **kwargs) if kwargs else fn(*effect.args)
+                        if type(value) not in _PLAIN and inspect.isawaitable(value):
+                            _discard(value)
+                            raise wrong_face(fn, value)
+                    elif isinstance(effect, Callback):
+                        value = effect.fn(effect.handle)
+                        if inspect.isawaitable(value):
+                            _discard(value)
+                            raise _callback_error(effect.fn, value)
+                    elif isinstance(effect, Sleep):
+                        value = None
+                        self._clock.sleep(effect.seconds)
+                    else:
+                        assert_never(effect)
                 except BaseException as exc:  # noqa: BLE001 - handed to the algorithm
                     effect = throw(exc)
                 else:
