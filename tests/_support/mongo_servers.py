@@ -29,7 +29,6 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
 
@@ -37,10 +36,8 @@ import pymongo
 import pymongo.errors
 import pytest
 from pymongo.asynchronous.database import AsyncDatabase
-from pymongo.collection import Collection
 from pymongo.database import Database
 
-from dmutex import ManualClock
 from tests._support.processes import stop_process
 from tests._support.redis_servers import docker_answers, free_port
 
@@ -370,65 +367,3 @@ class AsyncRedirectedClient:
     def get_database(self, name: str, /) -> AsyncDatabase[Doc]:
         self.asked.append(name)
         return self.inner.get_database(_redirect(name, self.db_name))
-
-
-# --- the state machine's harness ------------------------------------------------------
-
-
-class RealMongoHarness:
-    """A real MongoDB, in real time, through pymongo (see ``tests/model/harness.py``).
-
-    Leases are 30 s and more, so none runs out during an example; expiry is
-    forced by setting ``expiredAt`` to now, which leaves the record stored (the
-    TTL monitor may or may not have removed it by the next step: dmutex must
-    take it over either way). Each example starts with the two collections
-    the machine uses dropped from the test database.
-    """
-
-    clock: ManualClock | None = None
-    ttls: tuple[float, ...] = (30.0, 61.5, 90.001)
-    collections = ("_dmutex_svc", "_dsemaphore_svc")
-
-    def __init__(self, session: Session) -> None:
-        self._server = session.server()
-        self._admin = session.admin
-        self._db = self._admin.get_database(session.db_name)
-        for name in self.collections:
-            self._db.drop_collection(name)
-        self._async: list[pymongo.AsyncMongoClient[Doc]] = []
-
-    def client(self, asynchronous: bool) -> object:
-        if not asynchronous:
-            return RedirectedClient(self._admin, self._server.db_name)
-        inner = self._server.async_client()
-        self._async.append(inner)
-        return AsyncRedirectedClient(inner, self._server.db_name)
-
-    def _collection(self, prefix: str) -> Collection[Doc]:
-        # The machine's instances use the default collections: the Redis-style
-        # prefix without its colon (_dmutex_svc, _dsemaphore_svc).
-        name = prefix.rstrip(":")
-        assert name in self.collections, name
-        return self._db.get_collection(name)
-
-    def force_expire(self, prefix: str, key: str, slot: int) -> None:
-        now = datetime.now(timezone.utc)
-        self._collection(prefix).update_one(
-            {"_id": f"permit:{slot}:{key}", "expiredAt": {"$gt": now}},
-            {"$set": {"expiredAt": now}},
-        )
-
-    def active(self, prefix: str) -> dict[str, str]:
-        now = datetime.now(timezone.utc)
-        found = self._collection(prefix).find({"expiredAt": {"$gt": now}})
-        return {f"{prefix}{doc['_id']}": str(doc["value"]) for doc in found}
-
-    def close(self, run: Runner | None) -> None:
-        # The shared sync client belongs to the session; async ones were made
-        # here, on the machine's loop, and are closed on it.
-        if self._async and run is None:
-            raise RuntimeError("async clients need the machine's loop to close on")
-        for inner in self._async:
-            assert run is not None
-            run(inner.close())
-        self._async.clear()

@@ -1,7 +1,8 @@
-"""The backends the contract suite runs against.
+"""The backends the contract suite runs against: one case per backend, client package and face.
 
-Each case makes clients for one backend and one face. Later backends add a
-case here; the tests in this folder do not change.
+Each case is a :class:`~tests._support.backends.Rig` over a backend of
+``tests/_support/backends.py``. Later backends add a case here; the tests in
+this folder do not change.
 
 Redis cases: every client package of ``tests/_support/redis_clients.py`` on
 the newest server found, fakeredis, and redis-py on every other server
@@ -10,121 +11,17 @@ version found (see ``tests/_support/redis_servers.py``).
 
 from __future__ import annotations
 
-import re
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
-from functools import partial
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
-import mongomock
 import pytest
-import redis
 
-from dmutex import InMemoryBackend, ManualClock
-from tests._support.faces import Face, FaceName, Kind, LoopThread
-from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
-from tests._support.mongo_servers import AsyncRedirectedClient, RedirectedClient
+from tests._support.backends import Backend, FakeRedis, Memory, Mongomock, RealMongo, RealRedis, Rig
+from tests._support.faces import FaceName
 from tests._support.mongo_servers import Session as MongoSession
-from tests._support.redis_clients import SERVER_VARIANTS, Made, close_made, fake_pair
+from tests._support.redis_clients import SERVER_VARIANTS
 from tests._support.redis_servers import Pool, discovered
 from tests.conftest import server_or_skip
-
-
-@dataclass
-class Env:
-    """One backend, one face: makes instances over a shared client."""
-
-    face: FaceName
-    client: object
-    clock: ManualClock | None
-    expire_fn: Callable[[str, int | None], None]
-    loop: LoopThread | None = None
-    closers: list[Made] = field(default_factory=list)
-
-    def make(self, kind: Kind, **options: Any) -> Face:
-        if self.clock is not None:
-            options.setdefault("clock", self.clock)
-        return Face(self.face, kind, self.client, loop=self.loop, **options)
-
-    def expire(self, key: str, slot: int | None = None) -> None:
-        """Make the permits of ``key`` expire now (in every namespace)."""
-        self.expire_fn(key, slot)
-
-    def need_clock(self) -> ManualClock:
-        """The ManualClock; tests calling this carry the ``manual_clock`` mark."""
-        assert self.clock is not None, "mark the test with @pytest.mark.manual_clock"
-        return self.clock
-
-    def now(self) -> datetime:
-        """The time expiries are computed from, as an aware UTC datetime."""
-        if self.clock is not None:
-            return self.clock.now()
-        return datetime.now(timezone.utc)
-
-    def assert_expiry(
-        self, before: datetime, after: datetime, expired_at: datetime, ttl: float
-    ) -> None:
-        """``expired_at`` is ``now + ttl`` for some now read between ``before`` and ``after``.
-
-        Exact on a ManualClock; on real time, within the millisecond that
-        expiries are rounded to.
-        """
-        slack = timedelta(0) if self.clock is not None else timedelta(milliseconds=1)
-        lease = timedelta(seconds=ttl)
-        assert before + lease - slack <= expired_at <= after + lease + slack
-
-
-def _memory(face: FaceName) -> Env:
-    clock = ManualClock()
-    backend = InMemoryBackend(clock=clock)
-
-    def expire(key: str, slot: int | None) -> None:
-        backend.force_expire(key, slot)
-
-    return Env(face, backend, clock, expire)
-
-
-def redis_expirer(inspector: redis.Redis) -> Callable[[str, int | None], None]:
-    """Expire slot keys of ``key`` on the server: an expiry in the past deletes them."""
-
-    def expire(key: str, slot: int | None) -> None:
-        pattern = f"*permit:{'*' if slot is None else slot}:{key}"
-        for name in inspector.keys(pattern):
-            inspector.pexpireat(name, 1)
-
-    return expire
-
-
-def _redis_env(face: FaceName, made: Made, inspector: redis.Redis) -> Env:
-    env = Env(face, made.client, None, redis_expirer(inspector))
-    env.closers.append(made)
-    env.closers.append(Made(inspector, inspector.close))
-    return env
-
-
-def _mongomock(face: FaceName) -> Env:
-    """mongomock (an in-memory imitation of pymongo, not a server) on a ManualClock."""
-    clock = ManualClock()
-    client: mongomock.MongoClient[dict[str, object]] = mongomock.MongoClient()
-
-    def expire(key: str, slot: int | None) -> None:
-        # Set expiredAt to now: the record stays, as on a server before its TTL
-        # monitor runs, so the next acquire takes it over.
-        pattern = f"^permit:{'[0-9]+' if slot is None else slot}:{re.escape(key)}$"
-        now = clock.now()
-        for name in client.get_database("dmutex").list_collection_names():
-            client.get_database("dmutex").get_collection(name).update_many(
-                {"_id": {"$regex": pattern}, "expiredAt": {"$gt": now}},
-                {"$set": {"expiredAt": now}},
-            )
-
-    made = AsyncMongomockClient(client) if face == "async" else client
-    return Env(face, made, clock, expire)
-
-
-def _mongomock_case(face: FaceName, servers: Servers) -> Env:
-    return _mongomock(face)
 
 
 @dataclass
@@ -135,67 +32,31 @@ class Servers:
     mongo: MongoSession
 
 
-def _real_mongo(face: FaceName, servers: Servers) -> Env:
-    """pymongo against a real MongoDB (skips with one line where there is none)."""
-    server = servers.mongo.fresh()
-    database = servers.mongo.admin.get_database(servers.mongo.db_name)
-
-    def expire(key: str, slot: int | None) -> None:
-        pattern = f"^permit:{'[0-9]+' if slot is None else slot}:{re.escape(key)}$"
-        now = datetime.now(timezone.utc)
-        for name in database.list_collection_names():
-            database.get_collection(name).update_many(
-                {"_id": {"$regex": pattern}, "expiredAt": {"$gt": now}},
-                {"$set": {"expiredAt": now}},
-            )
-
-    if face == "sync":
-        return Env(face, RedirectedClient(servers.mongo.admin, server.db_name), None, expire)
-    inner = server.async_client()
-    env = Env(face, AsyncRedirectedClient(inner, server.db_name), None, expire)
-    env.closers.append(Made(inner, inner.close))
-    return env
+Case = Callable[[Servers], Backend]
 
 
-Case = Callable[[Servers], Env]
-
-
-def _server_case(label: str, variant: str, face: FaceName) -> Case:
-    def make(servers: Servers) -> Env:
-        server = server_or_skip(servers.redis, label)
-        inspector = redis.Redis.from_url(server.url, decode_responses=True)
-        inspector.flushdb()
-        maker = SERVER_VARIANTS[variant][face == "async"]
-        return _redis_env(face, maker(server.url), inspector)
+def _redis_case(label: str, variant: str) -> Case:
+    def make(servers: Servers) -> Backend:
+        return RealRedis(server_or_skip(servers.redis, label).url, variant)
 
     return make
 
 
-def _fake_case(face: FaceName) -> Case:
-    def make(servers: Servers) -> Env:
-        made, inspector = fake_pair(face == "async")
-        return _redis_env(face, made, inspector)
-
-    return make
-
-
-def _cases() -> dict[str, Case]:
-    cases: dict[str, Case] = {
-        "memory-sync": lambda servers: _memory("sync"),
-        "memory-async": lambda servers: _memory("async"),
-    }
-    faces: tuple[FaceName, ...] = ("sync", "async")
-    for face in faces:
-        cases[f"fakeredis-{face}"] = _fake_case(face)
-        cases[f"mongomock-{face}"] = partial(_mongomock_case, face)
-        cases[f"pymongo-{face}@mongodb"] = partial(_real_mongo, face)
+def _cases() -> dict[str, tuple[FaceName, Case]]:
     labels = discovered().labels or [""]  # "": skip with discovery's reason
     newest, others = labels[-1], labels[:-1]
+    cases: dict[str, tuple[FaceName, Case]] = {}
+    faces: tuple[FaceName, ...] = ("sync", "async")
     for face in faces:
+        cases[f"memory-{face}"] = (face, lambda servers: Memory())
+        cases[f"fakeredis-{face}"] = (face, lambda servers: FakeRedis())
+        cases[f"mongomock-{face}"] = (face, lambda servers: Mongomock())
+        cases[f"pymongo-{face}@mongodb"] = (face, lambda servers: RealMongo(servers.mongo))
         for variant in SERVER_VARIANTS:
-            cases[f"{variant}-{face}@{newest or 'no-server'}"] = _server_case(newest, variant, face)
+            label = newest or "no-server"
+            cases[f"{variant}-{face}@{label}"] = (face, _redis_case(newest, variant))
         for label in others:
-            cases[f"redis-py-{face}@{label}"] = _server_case(label, "redis-py", face)
+            cases[f"redis-py-{face}@{label}"] = (face, _redis_case(label, "redis-py"))
     return cases
 
 
@@ -213,31 +74,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture
 def env(
-    request: pytest.FixtureRequest,
-    redis_pool: Pool,
-    mongo_session: MongoSession,
-    monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[Env]:
-    made = CASES[request.param](Servers(redis_pool, mongo_session))
-    if made.clock is not None:
-        # The instances are timed by the ManualClock; hold mongomock's TTL imitation still.
-        monkeypatch.setattr(mongomock, "utcnow", frozen_ttl_monitor)
-    if made.face == "async":
-        made.loop = LoopThread()
+    request: pytest.FixtureRequest, redis_pool: Pool, mongo_session: MongoSession
+) -> Iterator[Rig]:
+    face, case = CASES[request.param]
+    rig = Rig(case(Servers(redis_pool, mongo_session)), face)
     try:
-        yield made
+        yield rig
     finally:
-        loop = made.loop
-
-        def run(awaitable: Awaitable[object]) -> object:
-            assert loop is not None
-
-            async def wait() -> object:
-                return await awaitable
-
-            return loop.run(wait())
-
-        for closer in made.closers:
-            close_made(closer, run)
-        if loop is not None:
-            loop.close()
+        rig.close()

@@ -7,8 +7,8 @@ from datetime import timedelta
 
 import pytest
 
+from tests._support.backends import Rig
 from tests._support.faces import Handle
-from tests.contract.conftest import Env
 
 
 def held(handle: Handle | None) -> Handle:
@@ -19,7 +19,7 @@ def held(handle: Handle | None) -> Handle:
 # --- acquire ------------------------------------------------------------------
 
 
-def test_default_ttl_is_300_seconds(env: Env) -> None:
+def test_default_ttl_is_300_seconds(env: Rig) -> None:
     mutex = env.make("mutex")
     before = env.now()
     lock = held(mutex.acquire("job"))
@@ -27,7 +27,7 @@ def test_default_ttl_is_300_seconds(env: Env) -> None:
     assert lock.expired_at.utcoffset() == timedelta(0)
 
 
-def test_default_ttl_seconds_option(env: Env) -> None:
+def test_default_ttl_seconds_option(env: Rig) -> None:
     sem = env.make("semaphore", max_permits=2, default_ttl_seconds=7.5)
     before = env.now()
     lock = held(sem.acquire("job"))
@@ -35,13 +35,13 @@ def test_default_ttl_seconds_option(env: Env) -> None:
 
 
 @pytest.mark.manual_clock
-def test_ttl_is_seconds_rounded_up_to_milliseconds(env: Env) -> None:
+def test_ttl_is_seconds_rounded_up_to_milliseconds(env: Rig) -> None:
     clock = env.need_clock()
     lock = held(env.make("mutex").acquire("job", ttl=0.0001))
     assert lock.expired_at == clock.now() + timedelta(milliseconds=1)
 
 
-def test_mutex_contention_returns_none(env: Env) -> None:
+def test_mutex_contention_returns_none(env: Rig) -> None:
     first, second = env.make("mutex"), env.make("mutex")
     lock = held(first.acquire("job"))
     assert second.acquire("job") is None
@@ -50,13 +50,13 @@ def test_mutex_contention_returns_none(env: Env) -> None:
     assert held(second.acquire("job")).key == "job"
 
 
-def test_keys_are_independent(env: Env) -> None:
+def test_keys_are_independent(env: Rig) -> None:
     mutex = env.make("mutex")
     held(mutex.acquire("a"))
     held(mutex.acquire("b"))
 
 
-def test_semaphore_admits_max_permits_then_none(env: Env) -> None:
+def test_semaphore_admits_max_permits_then_none(env: Rig) -> None:
     sem = env.make("semaphore", max_permits=3)
     permits = [held(sem.acquire("api")) for _ in range(3)]
     assert sorted(p.slot for p in permits) == [0, 1, 2]
@@ -68,13 +68,13 @@ def test_semaphore_admits_max_permits_then_none(env: Env) -> None:
     assert sem.acquire("api") is None
 
 
-def test_tokens_are_uuid4_strings(env: Env) -> None:
+def test_tokens_are_uuid4_strings(env: Rig) -> None:
     lock = held(env.make("mutex").acquire("job"))
     assert uuid.UUID(lock.token).version == 4
     assert str(uuid.UUID(lock.token)) == lock.token
 
 
-def test_mutex_and_semaphore_of_one_service_do_not_collide(env: Env) -> None:
+def test_mutex_and_semaphore_of_one_service_do_not_collide(env: Rig) -> None:
     held(env.make("mutex").acquire("job"))
     held(env.make("semaphore", max_permits=1).acquire("job"))
     held(env.make("mutex", service_name="other").acquire("job"))
@@ -86,13 +86,13 @@ def test_mutex_and_semaphore_of_one_service_do_not_collide(env: Env) -> None:
 # --- release ------------------------------------------------------------------
 
 
-def test_release_twice_returns_false_the_second_time(env: Env) -> None:
+def test_release_twice_returns_false_the_second_time(env: Rig) -> None:
     lock = held(env.make("mutex").acquire("job"))
     assert lock.release() is True
     assert lock.release() is False
 
 
-def test_release_by_key_and_token(env: Env) -> None:
+def test_release_by_key_and_token(env: Rig) -> None:
     sem = env.make("semaphore", max_permits=2)
     permit = held(sem.acquire("api"))
     other = env.make("semaphore", max_permits=2)
@@ -100,7 +100,7 @@ def test_release_by_key_and_token(env: Env) -> None:
     assert other.release_token("api", permit.token) is False
 
 
-def test_foreign_token_changes_nothing(env: Env) -> None:
+def test_foreign_token_changes_nothing(env: Rig) -> None:
     for kind in ("mutex", "semaphore"):
         face = env.make(kind, max_permits=2, service_name=f"foreign-{kind}")
         lock = held(face.acquire("job"))
@@ -112,7 +112,7 @@ def test_foreign_token_changes_nothing(env: Env) -> None:
         assert lock.release() is True
 
 
-def test_stale_token_refused_after_expiry_and_takeover(env: Env) -> None:
+def test_stale_token_refused_after_expiry_and_takeover(env: Rig) -> None:
     mutex = env.make("mutex")
     old = held(mutex.acquire("job", ttl=60))
     env.expire("job")
@@ -127,7 +127,7 @@ def test_stale_token_refused_after_expiry_and_takeover(env: Env) -> None:
     assert new.release() is True
 
 
-def test_expired_record_still_stored_is_not_active(env: Env) -> None:
+def test_expired_record_still_stored_is_not_active(env: Rig) -> None:
     sem = env.make("semaphore", max_permits=2)
     first, second = held(sem.acquire("api")), held(sem.acquire("api"))
     env.expire("api", first.slot)
@@ -141,7 +141,7 @@ def test_expired_record_still_stored_is_not_active(env: Env) -> None:
 
 
 @pytest.mark.manual_clock
-def test_extend_sets_now_plus_ttl(env: Env) -> None:
+def test_extend_sets_now_plus_ttl(env: Rig) -> None:
     clock = env.need_clock()
     mutex = env.make("mutex")
     lock = held(mutex.acquire("job", ttl=10))
@@ -156,7 +156,7 @@ def test_extend_sets_now_plus_ttl(env: Env) -> None:
     assert held(mutex.acquire("job")).key == "job"
 
 
-def test_extend_without_ttl_uses_the_default(env: Env) -> None:
+def test_extend_without_ttl_uses_the_default(env: Rig) -> None:
     lock = held(env.make("mutex", default_ttl_seconds=20).acquire("job", ttl=1))
     before = env.now()
     assert lock.extend() is True
@@ -164,7 +164,7 @@ def test_extend_without_ttl_uses_the_default(env: Env) -> None:
 
 
 @pytest.mark.manual_clock
-def test_lease_expires_at_its_ttl(env: Env) -> None:
+def test_lease_expires_at_its_ttl(env: Rig) -> None:
     clock = env.need_clock()
     mutex = env.make("mutex")
     lock = held(mutex.acquire("job", ttl=2))
@@ -178,7 +178,7 @@ def test_lease_expires_at_its_ttl(env: Env) -> None:
 # --- run ----------------------------------------------------------------------
 
 
-def test_run_returns_the_callback_result_and_releases(env: Env) -> None:
+def test_run_returns_the_callback_result_and_releases(env: Rig) -> None:
     mutex = env.make("mutex")
     seen: list[str] = []
 
@@ -192,7 +192,7 @@ def test_run_returns_the_callback_result_and_releases(env: Env) -> None:
     held(mutex.acquire("job"))
 
 
-def test_run_reraises_after_releasing(env: Env) -> None:
+def test_run_reraises_after_releasing(env: Rig) -> None:
     sem = env.make("semaphore", max_permits=1)
 
     class Boom(Exception):
@@ -206,7 +206,7 @@ def test_run_reraises_after_releasing(env: Env) -> None:
     held(sem.acquire("job"))
 
 
-def test_run_on_contention_returns_none_without_calling(env: Env) -> None:
+def test_run_on_contention_returns_none_without_calling(env: Rig) -> None:
     mutex = env.make("mutex")
     held(mutex.acquire("job"))
     called: list[Handle] = []
@@ -215,7 +215,7 @@ def test_run_on_contention_returns_none_without_calling(env: Env) -> None:
 
 
 @pytest.mark.manual_clock
-def test_run_does_not_renew(env: Env) -> None:
+def test_run_does_not_renew(env: Rig) -> None:
     clock = env.need_clock()
     mutex = env.make("mutex")
 
@@ -226,7 +226,7 @@ def test_run_does_not_renew(env: Env) -> None:
     assert mutex.run("job", slow, ttl=1) is False
 
 
-def test_run_with_retry_waits_for_the_holder_to_expire(env: Env) -> None:
+def test_run_with_retry_waits_for_the_holder_to_expire(env: Rig) -> None:
     # On a real server the holder's lease really runs out, so it is kept short.
     ttl = 1 if env.clock is not None else 0.2
     mutex = env.make("mutex")
@@ -243,7 +243,7 @@ def test_run_with_retry_waits_for_the_holder_to_expire(env: Env) -> None:
 
 
 @pytest.mark.manual_clock
-def test_retry_returns_none_at_the_deadline_without_sleeping_past_it(env: Env) -> None:
+def test_retry_returns_none_at_the_deadline_without_sleeping_past_it(env: Rig) -> None:
     clock = env.need_clock()
     mutex = env.make("mutex")
     held(mutex.acquire("job"))
@@ -254,7 +254,7 @@ def test_retry_returns_none_at_the_deadline_without_sleeping_past_it(env: Env) -
 
 
 @pytest.mark.manual_clock
-def test_retry_defaults_wait_30_seconds(env: Env) -> None:
+def test_retry_defaults_wait_30_seconds(env: Rig) -> None:
     clock = env.need_clock()
     mutex = env.make("mutex")
     held(mutex.acquire("job"))
@@ -262,7 +262,7 @@ def test_retry_defaults_wait_30_seconds(env: Env) -> None:
     assert clock.monotonic() == pytest.approx(30.0, abs=1e-9)
 
 
-def test_retry_timeout_zero_is_one_attempt(env: Env) -> None:
+def test_retry_timeout_zero_is_one_attempt(env: Rig) -> None:
     mutex = env.make("mutex")
     assert held(mutex.acquire_with_retry("job", timeout=0)).key == "job"
     assert mutex.acquire_with_retry("job", timeout=0) is None
@@ -270,7 +270,7 @@ def test_retry_timeout_zero_is_one_attempt(env: Env) -> None:
         assert env.clock.monotonic() == 0, "no sleep at all"
 
 
-def test_retry_gets_the_lock_when_it_expires(env: Env) -> None:
+def test_retry_gets_the_lock_when_it_expires(env: Rig) -> None:
     ttl = 1 if env.clock is not None else 0.2
     mutex = env.make("mutex")
     held(mutex.acquire("job", ttl=ttl))
@@ -282,7 +282,7 @@ def test_retry_gets_the_lock_when_it_expires(env: Env) -> None:
         assert lock.expired_at == env.clock.now() + timedelta(seconds=9)
 
 
-def test_semaphore_retry_gets_a_released_permit(env: Env) -> None:
+def test_semaphore_retry_gets_a_released_permit(env: Rig) -> None:
     sem = env.make("semaphore", max_permits=2)
     first = held(sem.acquire("api", ttl=0.5))
     held(sem.acquire("api", ttl=60))
@@ -295,7 +295,7 @@ def test_semaphore_retry_gets_a_released_permit(env: Env) -> None:
 # --- deprecated lock / unlock -----------------------------------------------------
 
 
-def test_deprecated_lock_and_unlock_work_and_warn(env: Env) -> None:
+def test_deprecated_lock_and_unlock_work_and_warn(env: Rig) -> None:
     mutex, other = env.make("mutex"), env.make("mutex")
     with pytest.warns(DeprecationWarning, match="lock"):
         assert mutex.lock("job", 60) is True
@@ -310,7 +310,7 @@ def test_deprecated_lock_and_unlock_work_and_warn(env: Env) -> None:
         assert mutex.unlock("job") is False, "the remembered token is spent"
 
 
-def test_deprecated_unlock_with_explicit_token(env: Env) -> None:
+def test_deprecated_unlock_with_explicit_token(env: Rig) -> None:
     mutex = env.make("mutex")
     lock = held(mutex.acquire("job"))
     assert mutex.release_token("job", str(uuid.uuid4())) is False

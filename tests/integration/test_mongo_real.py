@@ -32,6 +32,7 @@ from pymongo.errors import OperationFailure
 
 from dmutex import DMutex
 from tests._support import mongo_servers, processes
+from tests._support.backends import RealMongo
 from tests._support.faces import Face, FaceName, Handle, Kind, LoopThread
 from tests._support.mongo_servers import (
     NO_MONGODB,
@@ -41,7 +42,6 @@ from tests._support.mongo_servers import (
     Doc,
     Executable,
     FromUrl,
-    RealMongoHarness,
     RedirectedClient,
     Server,
     Session,
@@ -529,8 +529,6 @@ def test_state_machine(
     mongo_session: Session, mongo: Server, face: FaceName, kind: Kind, max_permits: int
 ) -> None:
     """The model's state machine against the real server, each example on fresh collections."""
-    machine = machine_for(
-        lambda: RealMongoHarness(mongo_session), RealMongoHarness.ttls, face, kind, max_permits
-    )
+    machine = machine_for(lambda: RealMongo(mongo_session), face, kind, max_permits)
     run_state_machine_as_test(machine, settings=SETTINGS)
     assert machine.created >= EXAMPLES

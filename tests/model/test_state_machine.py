@@ -7,7 +7,7 @@ extend answers, what storage holds) must match the model after every step.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -25,16 +25,16 @@ from hypothesis.stateful import (
 )
 
 from dmutex._core.lease import EPOCH
-from tests._support.faces import Face, FaceName, Handle, Kind, LoopThread
-from tests.model.harness import Harness, MemoryHarness, MongomockHarness, RedisHarness
+from tests._support.backends import Backend, Memory, Mongomock, RealRedis, Rig
+from tests._support.faces import FaceName, Handle, Kind
 from tests.model.model import Model
 
 KEYS = ("a", "b")
 CALLERS = 3
 EXAMPLES = 200
 SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=30, deadline=None)
-# A lease length is drawn as an index into the harness's own lengths, so that
-# the rules can be declared once for every harness.
+# A lease length is drawn as an index into the backend's own lengths, so that
+# the rules can be declared once for every backend.
 TTL_PICKS = st.integers(0, 3)
 
 
@@ -49,8 +49,7 @@ class LeaseMachine(RuleBasedStateMachine):
     attributes; ``created`` counts the examples Hypothesis ran.
     """
 
-    make_harness: ClassVar[Callable[[], Harness]]
-    ttls: ClassVar[tuple[float, ...]]
+    make_backend: ClassVar[Callable[[], Backend]]
     face: ClassVar[FaceName]
     kind: ClassVar[Kind]
     max_permits: ClassVar[int]
@@ -61,40 +60,24 @@ class LeaseMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         type(self).created += 1
-        self.harness = type(self).make_harness()
-        self.loop = LoopThread() if self.face == "async" else None
-        client = self.harness.client(self.face == "async")
-        timed: dict[str, Any] = {} if self.harness.clock is None else {"clock": self.harness.clock}
+        self.rig = Rig(type(self).make_backend(), self.face)
+        self.backend = self.rig.backend
+        self.ttls = self.backend.ttls
         self.callers = [
-            Face(
-                self.face, self.kind, client, max_permits=self.max_permits, loop=self.loop, **timed
-            )
-            for _ in range(CALLERS)
+            self.rig.make(self.kind, max_permits=self.max_permits) for _ in range(CALLERS)
         ]
         self.model = Model(self.callers[0].max_permits)
         self.prefix = f"_d{self.kind}_svc:"
-        clock = self.harness.clock
+        clock = self.rig.clock
         self.start_ms = None if clock is None else round(clock.time() * 1000)
         self.tokens: set[str] = set()
 
     def ttl(self, pick: int) -> float:
-        """The lease length ``pick`` stands for, from this harness's lengths."""
+        """The lease length ``pick`` stands for, from this backend's lengths."""
         return self.ttls[pick % len(self.ttls)]
 
     def teardown(self) -> None:
-        loop = self.loop
-        if loop is None:
-            self.harness.close(None)
-            return
-
-        def run(awaitable: Awaitable[object]) -> object:
-            async def wait() -> object:
-                return await awaitable
-
-            return loop.run(wait())
-
-        self.harness.close(run)
-        loop.close()
+        self.rig.close()
 
     def check_expiry(self, handle: Handle, expires: int) -> None:
         if self.start_ms is not None:
@@ -151,16 +134,16 @@ class LeaseMachine(RuleBasedStateMachine):
         assert self.callers[caller].release_token(key, stranger) is False
         assert self.callers[caller].extend(key, stranger, self.ttls[-1]) is False
 
-    @precondition(lambda self: self.harness.clock is not None)
+    @precondition(lambda self: self.rig.clock is not None)
     @rule(ms=st.integers(0, 40_000))
     def advance(self, ms: int) -> None:
-        assert self.harness.clock is not None
-        self.harness.clock.advance(ms / 1000)
+        assert self.rig.clock is not None
+        self.rig.clock.advance(ms / 1000)
         self.model.advance(ms)
 
     @rule(handle=handles)
     def force_expire(self, handle: Handle) -> None:
-        self.harness.force_expire(self.prefix, handle.key, handle.slot)
+        self.rig.expire(handle.key, handle.slot)
         self.model.expire(handle.key, handle.slot)
 
     @rule(
@@ -176,7 +159,7 @@ class LeaseMachine(RuleBasedStateMachine):
 
         def callback(handle: Handle) -> str:
             # While the callback runs, storage holds its permit in a free slot.
-            stored = self.harness.active(self.prefix)
+            stored = self.backend.active(self.prefix)
             assert stored.get(f"{self.prefix}permit:{handle.slot}:{key}") == handle.token
             assert handle.slot not in self.model.active(key)
             seen.append(handle.token)
@@ -196,12 +179,12 @@ class LeaseMachine(RuleBasedStateMachine):
 
     @invariant()
     def storage_matches_the_model(self) -> None:
-        stored = self.harness.active(self.prefix)
+        stored = self.backend.active(self.prefix)
         assert stored == self.model.storage(self.prefix)
 
     @invariant()
     def never_more_than_max_permits_nor_a_shared_token(self) -> None:
-        stored = self.harness.active(self.prefix)
+        stored = self.backend.active(self.prefix)
         for key in KEYS:
             tokens = [t for name, t in stored.items() if name.endswith(f":{key}")]
             assert len(tokens) <= self.model.max_permits
@@ -209,17 +192,12 @@ class LeaseMachine(RuleBasedStateMachine):
 
 
 def machine_for(
-    make_harness: Callable[[], Harness],
-    ttls: tuple[float, ...],
-    face: FaceName,
-    kind: Kind,
-    max_permits: int,
+    make_backend: Callable[[], Backend], face: FaceName, kind: Kind, max_permits: int
 ) -> type[LeaseMachine]:
-    """The :class:`LeaseMachine` subclass for one harness, face, kind and permit count."""
+    """The :class:`LeaseMachine` subclass for one backend, face, kind and permit count."""
     name = f"LeaseMachine_{face}_{kind}_{max_permits}"
     attributes = {
-        "make_harness": staticmethod(make_harness),
-        "ttls": ttls,
+        "make_backend": staticmethod(make_backend),
         "face": face,
         "kind": kind,
         "max_permits": max_permits,
@@ -237,7 +215,7 @@ CONFIGS = [
 
 @pytest.mark.parametrize(("face", "kind", "max_permits"), CONFIGS)
 def test_in_memory_backend(face: FaceName, kind: Kind, max_permits: int) -> None:
-    machine = machine_for(MemoryHarness, MemoryHarness.ttls, face, kind, max_permits)
+    machine = machine_for(Memory, face, kind, max_permits)
     run_state_machine_as_test(machine, settings=SETTINGS)
     assert machine.created >= EXAMPLES
 
@@ -245,9 +223,7 @@ def test_in_memory_backend(face: FaceName, kind: Kind, max_permits: int) -> None
 @pytest.mark.parametrize(("face", "kind", "max_permits"), CONFIGS)
 def test_redis(redis_url: str, face: FaceName, kind: Kind, max_permits: int) -> None:
     """The same machine against a real Redis server (each version found), via redis-py."""
-    machine = machine_for(
-        lambda: RedisHarness(redis_url), RedisHarness.ttls, face, kind, max_permits
-    )
+    machine = machine_for(lambda: RealRedis(redis_url), face, kind, max_permits)
     run_state_machine_as_test(machine, settings=SETTINGS)
     assert machine.created >= EXAMPLES
 
@@ -255,6 +231,6 @@ def test_redis(redis_url: str, face: FaceName, kind: Kind, max_permits: int) -> 
 @pytest.mark.parametrize(("face", "kind", "max_permits"), CONFIGS)
 def test_mongomock(face: FaceName, kind: Kind, max_permits: int) -> None:
     """The same machine on the MongoDB store, over mongomock (not a server)."""
-    machine = machine_for(MongomockHarness, MongomockHarness.ttls, face, kind, max_permits)
+    machine = machine_for(Mongomock, face, kind, max_permits)
     run_state_machine_as_test(machine, settings=SETTINGS)
     assert machine.created >= EXAMPLES

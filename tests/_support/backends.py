@@ -1,0 +1,301 @@
+"""The backends the behaviour tests run on, behind one interface.
+
+A :class:`Backend` makes clients of either face over one storage, forces a
+permit to expire, lists what storage holds, and cleans up. The contract suite
+(``tests/contract``) and the state machine (``tests/model``) both see a
+backend through a :class:`Rig`: one backend, one face, and the event loop an
+async face needs. A new backend adds a class here; neither suite changes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any, Protocol
+
+import fakeredis
+import mongomock
+import pymongo
+import redis
+
+from dmutex import InMemoryBackend, ManualClock
+from tests._support.faces import Face, FaceName, Kind, LoopThread
+from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
+from tests._support.mongo_servers import AsyncRedirectedClient, RedirectedClient, Session
+from tests._support.redis_clients import SERVER_VARIANTS, Made, close_made
+
+Runner = Callable[[Awaitable[object]], object]
+
+
+class Backend(Protocol):
+    clock: ManualClock | None
+    """A clock tests may move (instances are made with it), or None: real time."""
+
+    ttls: tuple[float, ...]
+    """Lease lengths (seconds) to draw from; whole milliseconds each."""
+
+    def client(self, asynchronous: bool) -> object:
+        """A client for the sync or the asyncio classes; all share one storage."""
+        ...
+
+    def force_expire(self, key: str, slot: int | None = None) -> None:
+        """Make the permits of ``key`` (only ``slot``'s if given) expire now, in every namespace."""
+        ...
+
+    def active(self, prefix: str) -> dict[str, str]:
+        """Active permits under key prefix ``prefix``: storage key -> token."""
+        ...
+
+    def close(self, run: Runner | None) -> None:
+        """Release what the backend holds; ``run`` awaits on the async face's loop."""
+        ...
+
+
+def slot_pattern(key: str, slot: int | None) -> str:
+    """A regular expression for the MongoDB ``_id`` of ``key``'s slot(s)."""
+    return f"^permit:{'[0-9]+' if slot is None else slot}:{re.escape(key)}$"
+
+
+class Memory:
+    """InMemoryBackend on a ManualClock."""
+
+    ttls: tuple[float, ...] = (0.001, 0.25, 1.5, 30.0)
+
+    def __init__(self) -> None:
+        self.clock: ManualClock | None = ManualClock()
+        self._backend = InMemoryBackend(clock=self.clock)
+
+    def client(self, asynchronous: bool) -> object:
+        return self._backend
+
+    def force_expire(self, key: str, slot: int | None = None) -> None:
+        self._backend.force_expire(key, slot)
+
+    def active(self, prefix: str) -> dict[str, str]:
+        snapshot = self._backend.snapshot().items()
+        return {name: token for name, (token, _) in snapshot if name.startswith(prefix)}
+
+    def close(self, run: Runner | None) -> None:
+        pass
+
+
+class _Redis:
+    """What every Redis backend shares: a sync inspector (decoding to str) on the server.
+
+    Leases are long enough (30 s and more) that none runs out during a test
+    in real time; expiry is forced by giving the slot key an expiry in the
+    past, which makes the server delete it.
+    """
+
+    clock: ManualClock | None = None
+    ttls: tuple[float, ...] = (30.0, 61.5, 90.001)
+
+    def __init__(self, inspector: redis.Redis) -> None:
+        self._inspector = inspector
+        self._made: list[Made] = []
+
+    def force_expire(self, key: str, slot: int | None = None) -> None:
+        for name in self._inspector.keys(f"*permit:{'*' if slot is None else slot}:{key}"):
+            self._inspector.pexpireat(name, 1)
+
+    def active(self, prefix: str) -> dict[str, str]:
+        # A key may expire between KEYS and GET.
+        names = self._inspector.keys(f"{prefix}permit:*")
+        found = {str(name): self._inspector.get(name) for name in names}
+        return {name: str(token) for name, token in found.items() if token is not None}
+
+    def close(self, run: Runner | None) -> None:
+        for made in self._made:
+            close_made(made, run)
+        self._made.clear()
+        self._inspector.close()
+
+
+class RealRedis(_Redis):
+    """A real Redis server through one client package (``SERVER_VARIANTS``); flushed first."""
+
+    def __init__(self, url: str, variant: str = "redis-py") -> None:
+        super().__init__(redis.Redis.from_url(url, decode_responses=True))
+        self._inspector.flushdb()
+        self._url = url
+        self._variant = variant
+
+    def client(self, asynchronous: bool) -> object:
+        made = SERVER_VARIANTS[self._variant][asynchronous](self._url)
+        self._made.append(made)
+        return made.client
+
+
+class FakeRedis(_Redis):
+    """fakeredis: one fake server, clients of either face on it."""
+
+    def __init__(self) -> None:
+        self._server = fakeredis.FakeServer()
+        super().__init__(fakeredis.FakeRedis(server=self._server, decode_responses=True))
+
+    def client(self, asynchronous: bool) -> object:
+        if asynchronous:
+            fake_async = fakeredis.FakeAsyncRedis(server=self._server)
+            made = Made(fake_async, fake_async.aclose)
+        else:
+            fake = fakeredis.FakeRedis(server=self._server)
+            made = Made(fake, fake.close)
+        self._made.append(made)
+        return made.client
+
+
+class Mongomock:
+    """mongomock (an imitation of pymongo, not a server) on a ManualClock.
+
+    MongoDB leases are timed by the instance's clock, so tests may move time
+    here. mongomock's TTL imitation is held still: expired records stay
+    stored, and force-expiry sets ``expiredAt`` to now, so takeover of a
+    stored record is what gets exercised.
+    """
+
+    ttls: tuple[float, ...] = Memory.ttls
+
+    def __init__(self) -> None:
+        self.clock: ManualClock | None = ManualClock()
+        self._client: mongomock.MongoClient[dict[str, object]] = mongomock.MongoClient()
+        # mongomock's type stubs do not declare utcnow, its documented test hook.
+        self._saved = getattr(mongomock, "utcnow")  # noqa: B009
+        setattr(mongomock, "utcnow", frozen_ttl_monitor)  # noqa: B010
+
+    def client(self, asynchronous: bool) -> object:
+        return AsyncMongomockClient(self._client) if asynchronous else self._client
+
+    def _collections(self) -> list[mongomock.Collection[dict[str, object]]]:
+        database = self._client.get_database("dmutex")
+        return [database.get_collection(name) for name in database.list_collection_names()]
+
+    def force_expire(self, key: str, slot: int | None = None) -> None:
+        assert self.clock is not None
+        now = self.clock.now()
+        for collection in self._collections():
+            collection.update_many(
+                {"_id": {"$regex": slot_pattern(key, slot)}, "expiredAt": {"$gt": now}},
+                {"$set": {"expiredAt": now}},
+            )
+
+    def active(self, prefix: str) -> dict[str, str]:
+        # The tests use the default collections: the Redis-style prefix
+        # without its colon (_dmutex_svc, _dsemaphore_svc).
+        assert self.clock is not None
+        collection = self._client.get_database("dmutex").get_collection(prefix.rstrip(":"))
+        found = collection.find({"expiredAt": {"$gt": self.clock.now()}})
+        return {f"{prefix}{doc['_id']}": str(doc["value"]) for doc in found}
+
+    def close(self, run: Runner | None) -> None:
+        setattr(mongomock, "utcnow", self._saved)  # noqa: B010
+
+
+class RealMongo:
+    """A real MongoDB-compatible server, in real time, through pymongo (sync and asyncio).
+
+    Starts from an empty test database; instances that use the default
+    ``db_name`` are pointed at it (``RedirectedClient``). Leases are 30 s and
+    more, so none runs out during a test; force-expiry sets ``expiredAt`` to
+    now and leaves the record stored (the server's TTL monitor may or may not
+    remove it before the next step: dmutex must take it over either way).
+    """
+
+    clock: ManualClock | None = None
+    ttls: tuple[float, ...] = (30.0, 61.5, 90.001)
+
+    def __init__(self, session: Session) -> None:
+        self._server = session.fresh()
+        self._admin = session.admin
+        self._db = self._admin.get_database(session.db_name)
+        self._async: list[pymongo.AsyncMongoClient[dict[str, Any]]] = []
+
+    def client(self, asynchronous: bool) -> object:
+        if not asynchronous:
+            return RedirectedClient(self._admin, self._server.db_name)
+        inner = self._server.async_client()
+        self._async.append(inner)
+        return AsyncRedirectedClient(inner, self._server.db_name)
+
+    def force_expire(self, key: str, slot: int | None = None) -> None:
+        now = datetime.now(timezone.utc)
+        for name in self._db.list_collection_names():
+            self._db.get_collection(name).update_many(
+                {"_id": {"$regex": slot_pattern(key, slot)}, "expiredAt": {"$gt": now}},
+                {"$set": {"expiredAt": now}},
+            )
+
+    def active(self, prefix: str) -> dict[str, str]:
+        now = datetime.now(timezone.utc)
+        found = self._db.get_collection(prefix.rstrip(":")).find({"expiredAt": {"$gt": now}})
+        return {f"{prefix}{doc['_id']}": str(doc["value"]) for doc in found}
+
+    def close(self, run: Runner | None) -> None:
+        # The shared sync client belongs to the session; async ones were made
+        # here, for the rig's loop, and are closed on it.
+        if self._async and run is None:
+            raise RuntimeError("async clients need the rig's loop to close on")
+        for inner in self._async:
+            assert run is not None
+            run(inner.close())
+        self._async.clear()
+
+
+class Rig:
+    """One backend through one face: makes instances, moves or forces time, cleans up."""
+
+    def __init__(self, backend: Backend, face: FaceName) -> None:
+        self.backend = backend
+        self.face = face
+        self.loop = LoopThread() if face == "async" else None
+        self.client = backend.client(face == "async")
+
+    @property
+    def clock(self) -> ManualClock | None:
+        return self.backend.clock
+
+    def make(self, kind: Kind, **options: Any) -> Face:
+        """A DMutex/DSemaphore of this face over the rig's client (sync methods either way)."""
+        if self.clock is not None:
+            options.setdefault("clock", self.clock)
+        return Face(self.face, kind, self.client, loop=self.loop, **options)
+
+    def expire(self, key: str, slot: int | None = None) -> None:
+        """Make the permits of ``key`` expire now (in every namespace)."""
+        self.backend.force_expire(key, slot)
+
+    def need_clock(self) -> ManualClock:
+        """The ManualClock; tests calling this carry the ``manual_clock`` mark."""
+        assert self.clock is not None, "mark the test with @pytest.mark.manual_clock"
+        return self.clock
+
+    def now(self) -> datetime:
+        """The time expiries are computed from, as an aware UTC datetime."""
+        return datetime.now(timezone.utc) if self.clock is None else self.clock.now()
+
+    def assert_expiry(
+        self, before: datetime, after: datetime, expired_at: datetime, ttl: float
+    ) -> None:
+        """``expired_at`` is ``now + ttl`` for some now read between ``before`` and ``after``.
+
+        Exact on a ManualClock; on real time, within the millisecond that
+        expiries are rounded to.
+        """
+        slack = timedelta(0) if self.clock is not None else timedelta(milliseconds=1)
+        lease = timedelta(seconds=ttl)
+        assert before + lease - slack <= expired_at <= after + lease + slack
+
+    def close(self) -> None:
+        loop = self.loop
+        if loop is None:
+            self.backend.close(None)
+            return
+
+        def run(awaitable: Awaitable[object]) -> object:
+            async def wait() -> object:
+                return await awaitable
+
+            return loop.run(wait())
+
+        self.backend.close(run)
+        loop.close()
