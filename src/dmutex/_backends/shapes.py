@@ -120,17 +120,29 @@ def refuse_asyncio(target: object, name: str, what: str) -> None:
         )
 
 
-def wrong_face(fn: object, result: object) -> UnsupportedClientError:
-    """The error for a client call that answered the other face's way.
+def wrong_face(fn: object, result: object, *, callback: bool = False) -> UnsupportedClientError:
+    """The error for a call that answered the other face's way.
 
-    An awaitable reached a sync class, or a plain value an asyncio class.
+    An awaitable reached a sync class, or a plain value an asyncio class;
+    ``callback`` says the call was the user's ``run()`` callback, not the client.
     """
     name = getattr(fn, "__qualname__", repr(fn))
-    if inspect.isawaitable(result):
-        return UnsupportedClientError(
+    awaitable = inspect.isawaitable(result)
+    if callback and awaitable:
+        said = (
+            f"callback {name} returned an awaitable; a sync class cannot await it "
+            "(use the Async class for async callbacks)"
+        )
+    elif callback:
+        said = (
+            f"callback {name} returned {type(result).__name__}, not an awaitable; "
+            "the Async classes need an async callback"
+        )
+    elif awaitable:
+        said = (
             f"{name} returned an awaitable: this is an asyncio client, "
             "use AsyncDMutex / AsyncDSemaphore"
         )
-    return UnsupportedClientError(
-        f"{name} did not return an awaitable: this is a sync client, use DMutex / DSemaphore"
-    )
+    else:
+        said = f"{name} did not return an awaitable: this is a sync client, use DMutex / DSemaphore"
+    return UnsupportedClientError(said)

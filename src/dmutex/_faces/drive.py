@@ -22,7 +22,6 @@ from typing import TypeVar, cast
 from .._backends.shapes import wrong_face
 from .._clock import Clock
 from .._core.effects import Call, Callback, Sleep, Steps
-from .._errors import UnsupportedClientError
 
 if sys.version_info >= (3, 11):
     from typing import assert_never
@@ -38,19 +37,6 @@ T = TypeVar("T")
 # Replies that are certainly not awaitable, checked by exact type before the
 # slower inspect.isawaitable: the sync driver's per-request cost matters.
 _PLAIN = frozenset({type(None), bool, int, float, str, bytes, list, dict, tuple})
-
-
-def _callback_error(fn: object, result: object) -> UnsupportedClientError:
-    name = getattr(fn, "__qualname__", repr(fn))
-    if inspect.isawaitable(result):
-        return UnsupportedClientError(
-            f"callback {name} returned an awaitable; a sync class cannot await "
-            "it (use the Async class for async callbacks)"
-        )
-    return UnsupportedClientError(
-        f"callback {name} returned {type(result).__name__}, not an awaitable; "
-        "the Async classes need an async callback"
-    )
 
 
 def _discard(value: object) -> None:
@@ -106,7 +92,7 @@ class SyncDriver:
                         value = effect.fn(effect.handle)
                         if inspect.isawaitable(value):
                             _discard(value)
-                            raise _callback_error(effect.fn, value)
+                            raise wrong_face(effect.fn, value, callback=True)
                     elif isinstance(effect, Sleep):
                         value = None
                         self._clock.sleep(effect.seconds)
@@ -166,7 +152,7 @@ class AsyncDriver:
                     case Callback(fn, handle):
                         result = fn(handle)
                         if not inspect.isawaitable(result):
-                            raise _callback_error(fn, result)
+                            raise wrong_face(fn, result, callback=True)
                         value = await result
                     case Sleep(seconds):
                         await self._clock.sleep_async(seconds)
