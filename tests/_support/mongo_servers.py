@@ -166,6 +166,14 @@ class Container:
             self._container = None
 
 
+def _not_running(process: subprocess.Popen[bytes] | None, label: str) -> None:
+    """Refuse to start a source twice: the first process would be lost, never stopped."""
+    if process is not None:
+        raise RuntimeError(
+            f"{label} is already running (pid {process.pid}): one Session per source"
+        )
+
+
 @dataclass
 class Executable:
     """A ``mongod`` binary, started on a free loopback port when first needed."""
@@ -188,6 +196,7 @@ class Executable:
         ]  # fmt: skip
 
     def start(self, db_name: str) -> Server:
+        _not_running(self._proc, self.label)
         self._dir = tempfile.TemporaryDirectory(prefix="dmutex-mongod-")
         port = free_port()
         dbpath = os.path.join(self._dir.name, "db")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
+import sys
 import time
 import traceback
 import uuid
@@ -47,7 +49,6 @@ from tests._support.mongo_servers import (
     Session,
     check_required,
     discover,
-    discovered,
     drop_test_database,
     unique_db_name,
 )
@@ -182,6 +183,17 @@ def test_mongod_is_started_on_loopback_quietly_in_its_own_dbpath() -> None:
     assert "--quiet" in args
 
 
+def test_a_started_mongod_refuses_to_start_again() -> None:
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait(10)
+    source = Executable(Path("/x/mongod"))
+    source._proc = done  # as if started: a second start would lose this process
+    with pytest.raises(RuntimeError, match=f"already running \\(pid {done.pid}\\)"):
+        source.start("dmutex_test_ab12")
+    assert source._proc is done
+    source._proc = None
+
+
 def test_a_mongod_that_exits_is_reported_and_cleaned_up() -> None:
     false = shutil.which("false")
     if false is None:
@@ -196,14 +208,9 @@ def test_a_mongod_that_exits_is_reported_and_cleaned_up() -> None:
 # --- a real server --------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def mongo_session() -> Iterator[Session]:
-    """The session's MongoDB (started on first use) and its unique database."""
-    session = Session(discovered())
-    try:
-        yield session
-    finally:
-        session.close()
+# mongo_session is tests/conftest.py's, the one the contract suite uses too:
+# a second session fixture here would start the same source a second time
+# and lose the first process.
 
 
 @pytest.fixture
