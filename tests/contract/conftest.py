@@ -25,7 +25,7 @@ import dmutex._backends
 from dmutex import InMemoryBackend, ManualClock
 from tests._support.faces import Face, FaceName, Kind, LoopThread
 from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
-from tests._support.mongo_servers import AsyncRedirectedClient, RedirectedClient
+from tests._support.mongo_servers import AsyncRedirectedClient, RedirectedClient, mongo_label
 from tests._support.mongo_servers import Session as MongoSession
 from tests._support.redis_clients import SERVER_VARIANTS, Made, close_made, fake_pair
 from tests._support.redis_servers import Pool, discovered
@@ -187,7 +187,7 @@ def _cases() -> dict[str, Case]:
     for face in faces:
         cases[f"fakeredis-{face}"] = _fake_case(face)
         cases[f"mongomock-{face}"] = partial(_mongomock_case, face)
-        cases[f"pymongo-{face}@mongodb"] = partial(_real_mongo, face)
+        cases[f"pymongo-{face}@{mongo_label()}"] = partial(_real_mongo, face)
     labels = discovered().labels or [""]  # "": skip with discovery's reason
     newest, others = labels[-1], labels[:-1]
     for face in faces:

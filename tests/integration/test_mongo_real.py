@@ -1,9 +1,14 @@
-"""dmutex against a real MongoDB, through pymongo (sync and asyncio).
+"""dmutex against a real server, through pymongo (sync and asyncio).
 
-The server is found as ``tests/_support/mongo_servers.py`` describes; where
-there is none, every server test skips with one line saying what was missing.
-The first tests here need no server: they check discovery itself (the
-order, the skip line, the database the tests confine themselves to).
+The server is found as ``tests/_support/mongo_servers.py`` describes: a
+MongoDB (``MONGODB_URL``, a container, ``mongod``) or SecantusDB, a
+MongoDB-compatible server that is not MongoDB. Where there is none, every
+server test skips with one line saying what was missing. Test ids carry the
+server's label (``secantusdb-0.7.0b3``, ``mongodb-7.0.14``). Tests that fail
+only because the server differs from mongod are strict xfail, each with its
+reason (``mongo_servers.DEVIATIONS``). The first tests here need no
+server: they check discovery itself (the order, the skip line, the labels,
+the database the tests confine themselves to).
 
 Everything runs in one database unique to the session; instances that use the
 default ``db_name`` are pointed at it by a client wrapper.
@@ -45,11 +50,15 @@ from tests._support.mongo_servers import (
     FromUrl,
     RealMongoHarness,
     RedirectedClient,
+    SecantusDB,
     Server,
     Session,
+    allowed_sources,
     check_required,
     discover,
     drop_test_database,
+    label_of,
+    no_server_reason,
     unique_db_name,
 )
 from tests.model.test_state_machine import CONFIGS, EXAMPLES, SETTINGS, machine_for
@@ -63,8 +72,10 @@ INDEX_OPTIONS_CONFLICT = 85
 def nothing_here(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     monkeypatch.delenv("MONGODB_URL", raising=False)
     monkeypatch.delenv("DMUTEX_REQUIRE_MONGODB", raising=False)
+    monkeypatch.delenv("DMUTEX_MONGODB_SERVERS", raising=False)
     monkeypatch.setattr(mongo_servers, "docker_answers", lambda: False)
     monkeypatch.setattr(mongo_servers, "find_mongod", lambda: None)
+    monkeypatch.setattr(mongo_servers, "secantus_version", lambda: None)
     return monkeypatch
 
 
@@ -75,8 +86,9 @@ def test_no_server_gives_one_line_saying_what_was_missing(
     assert found.source is None
     assert found.reason == NO_MONGODB
     assert "\n" not in found.reason
-    for named in ("MONGODB_URL", "Docker", "mongod", "PATH"):
+    for named in ("MONGODB_URL", "Docker", "mongod", "PATH", "SecantusDB"):
         assert named in found.reason
+    assert found.label == "no-server"
 
 
 def test_mongodb_url_comes_first(nothing_here: pytest.MonkeyPatch) -> None:
@@ -101,11 +113,63 @@ def test_docker_before_mongod(nothing_here: pytest.MonkeyPatch) -> None:
     assert source.image == "mongo:7"
 
 
-def test_mongod_on_path_last(nothing_here: pytest.MonkeyPatch) -> None:
+def test_mongod_before_secantusdb(nothing_here: pytest.MonkeyPatch) -> None:
     nothing_here.setattr(mongo_servers, "find_mongod", lambda: "/opt/mongo/bin/mongod")
+    nothing_here.setattr(mongo_servers, "secantus_version", lambda: "0.7.0b3")
     source = discover().source
     assert isinstance(source, Executable)
     assert source.path == Path("/opt/mongo/bin/mongod")
+
+
+def test_secantusdb_last(nothing_here: pytest.MonkeyPatch) -> None:
+    nothing_here.setattr(mongo_servers, "secantus_version", lambda: "0.7.0b3")
+    source = discover().source
+    assert isinstance(source, SecantusDB)
+    assert source.label == "secantusdb-0.7.0b3"
+
+
+def test_the_test_extra_pins_the_installed_secantusdb() -> None:
+    version = mongo_servers.secantus_version()
+    if version is None:
+        pytest.skip("SecantusDB is not installed (it comes with the test extra)")
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    assert f'"SecantusDB=={version}"' in pyproject
+
+
+def test_dmutex_mongodb_servers_limits_the_order(nothing_here: pytest.MonkeyPatch) -> None:
+    nothing_here.setenv("MONGODB_URL", "mongodb://127.0.0.1:1/")
+    nothing_here.setattr(mongo_servers, "find_mongod", lambda: "/usr/bin/mongod")
+    nothing_here.setattr(mongo_servers, "secantus_version", lambda: "0.7.0b3")
+    nothing_here.setenv("DMUTEX_MONGODB_SERVERS", "mongod, secantusdb")
+    assert allowed_sources() == ("mongod", "secantusdb")
+    assert isinstance(discover().source, Executable)
+    nothing_here.setenv("DMUTEX_MONGODB_SERVERS", "secantusdb")
+    assert isinstance(discover().source, SecantusDB)
+    nothing_here.setenv("DMUTEX_MONGODB_SERVERS", "url,docker,mongod")
+    nothing_here.setattr(mongo_servers, "find_mongod", lambda: None)
+    nothing_here.delenv("MONGODB_URL")
+    found = discover()
+    assert found.source is None
+    assert found.reason == no_server_reason(("url", "docker", "mongod"))
+    assert found.reason.endswith("DMUTEX_MONGODB_SERVERS leaves out secantusdb")
+    assert "\n" not in found.reason
+    nothing_here.setenv("DMUTEX_MONGODB_SERVERS", "none")
+    assert allowed_sources() == ()
+    assert discover().reason == (
+        "no server for the MongoDB tests: "
+        "DMUTEX_MONGODB_SERVERS leaves out url, docker, mongod, secantusdb"
+    )
+    nothing_here.setenv("DMUTEX_MONGODB_SERVERS", "mongo")
+    with pytest.raises(ValueError, match="unknown mongo"):
+        discover()
+
+
+def test_labels_come_from_build_info_and_secantusdb_says_what_it_is() -> None:
+    assert label_of({"version": "7.0.14"}) == "mongodb-7.0.14"
+    # SecantusDB's "version" imitates a mongod's; its own is secantusVersion.
+    assert label_of({"version": "8.2.11", "secantusVersion": "0.7.0b3"}) == "secantusdb-0.7.0b3"
+    assert Container().label == "mongodb-7"
+    assert Executable(Path("/nonexistent/mongod")).label == "mongodb-mongod"
 
 
 def test_no_server_skips_with_the_one_line() -> None:
@@ -183,15 +247,39 @@ def test_mongod_is_started_on_loopback_quietly_in_its_own_dbpath() -> None:
     assert "--quiet" in args
 
 
-def test_a_started_mongod_refuses_to_start_again() -> None:
+def test_secantusdb_is_started_on_loopback() -> None:
+    args = SecantusDB("0.7.0b3", python="/venv/bin/python").command(27999)
+    assert args[:3] == ["/venv/bin/python", "-I", str(mongo_servers.SECANTUS_LAUNCHER)]
+    assert args[args.index("--port") + 1] == "27999"
+    assert mongo_servers.SECANTUS_LAUNCHER.is_file()
+    # Imported here: it imports the SecantusDB package, which the rest needs not.
+    from tests._support import secantus_daemon
+
+    assert secantus_daemon.HOST == "127.0.0.1"
+    parsed = secantus_daemon.parse(["--port", "1", "--ttl-sweep-seconds", "1"])
+    assert (parsed.port, parsed.ttl_sweep_seconds, parsed.storage_path) == (1, 1.0, ":memory:")
+
+
+def test_a_secantusdb_that_exits_is_reported_and_cleaned_up() -> None:
+    false = shutil.which("false")
+    if false is None:
+        pytest.skip("no `false` executable to stand in for a broken interpreter")
+    broken = SecantusDB("0.7.0b3", python=false)
+    with pytest.raises(RuntimeError, match="SecantusDB exited with code 1 before answering"):
+        broken.start("dmutex_test_ab12")
+    assert broken._proc is None
+    assert broken._dir is None
+
+
+def test_a_started_source_refuses_to_start_again() -> None:
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     done.wait(10)
-    source = Executable(Path("/x/mongod"))
-    source._proc = done  # as if started: a second start would lose this process
-    with pytest.raises(RuntimeError, match=f"already running \\(pid {done.pid}\\)"):
-        source.start("dmutex_test_ab12")
-    assert source._proc is done
-    source._proc = None
+    for source in (SecantusDB("0.7.0b3"), Executable(Path("/x/mongod"))):
+        source._proc = done  # as if started: a second start would lose this process
+        with pytest.raises(RuntimeError, match=f"already running \\(pid {done.pid}\\)"):
+            source.start("dmutex_test_ab12")
+        assert source._proc is done
+        source._proc = None
 
 
 def test_a_mongod_that_exits_is_reported_and_cleaned_up() -> None:
@@ -213,8 +301,22 @@ def test_a_mongod_that_exits_is_reported_and_cleaned_up() -> None:
 # and lose the first process.
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test that takes the server carries its label in its id, as the Redis ones do."""
+    if "mongo_label" in metafunc.fixturenames:
+        label = mongo_servers.mongo_label()
+        metafunc.parametrize("mongo_label", [label], indirect=True, scope="session")
+
+
+@pytest.fixture(scope="session")
+def mongo_label(request: pytest.FixtureRequest) -> str:
+    """The label of the session's server ("secantusdb-0.7.0b3", "mongodb-7.0.14", "no-server")."""
+    label: str = request.param
+    return label
+
+
 @pytest.fixture
-def mongo(mongo_session: Session) -> Server:
+def mongo(mongo_session: Session, mongo_label: str) -> Server:
     """The server, with the test database empty; skips with the one line if there is none."""
     return mongo_session.fresh()
 
@@ -423,14 +525,26 @@ def test_a_conflicting_index_fails_ready_and_every_acquire(env: Env, db: Databas
     mutex = env.make("mutex")
     with pytest.raises(OperationFailure) as failed:
         ready(mutex)
-    assert failed.value.code == INDEX_OPTIONS_CONFLICT
     with pytest.raises(OperationFailure) as again:
         mutex.acquire("k", 60)
-    assert again.value.code == INDEX_OPTIONS_CONFLICT
+    assert again.value.code == failed.value.code, "the server's own error surfaces again"
     with pytest.raises(OperationFailure):
         env.make("mutex").acquire("k", 60)
     assert coll.count_documents({}) == 0, "an acquire wrote a lease although ready() failed"
     assert coll.index_information()["expiredAt_1"]["expireAfterSeconds"] == 3600
+
+
+def test_a_conflicting_ttl_index_is_index_options_conflict(env: Env, db: Database[Doc]) -> None:
+    """What mongod answers when the TTL index exists with another expiry: code 85."""
+    collection(db, "mutex").create_index(
+        [("expiredAt", 1)], name="expiredAt_1", expireAfterSeconds=3600
+    )
+    with pytest.raises(OperationFailure) as failed:
+        ready(env.make("mutex"))
+    assert (failed.value.code, (failed.value.details or {}).get("codeName")) == (
+        INDEX_OPTIONS_CONFLICT,
+        "IndexOptionsConflict",
+    )
 
 
 # --- several processes, one counter --------------------------------------------------------
