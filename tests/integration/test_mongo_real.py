@@ -422,6 +422,55 @@ def test_semaphore_and_mutex_leave_exactly_the_typescript_documents(
         assert str(uuid.UUID(p.token, version=4)) == p.token
 
 
+def ms_date(at: datetime) -> datetime:
+    """``at`` cut to whole milliseconds, as a BSON date stores it."""
+    return at.replace(microsecond=at.microsecond // 1000 * 1000)
+
+
+def typescript_lease(key: str, slot: int, token: str, expired_at: datetime) -> Doc:
+    """A lease exactly as the TypeScript dmutex writes it: string _id and value, a date."""
+    return {"_id": f"permit:{slot}:{key}", "value": token, "expiredAt": ms_date(expired_at)}
+
+
+@pytest.mark.parametrize("kind", ["mutex", "semaphore"])
+def test_typescript_written_leases_are_honoured_and_taken_over(
+    env: Env, db: Database[Doc], kind: Kind
+) -> None:
+    permits = permits_of(kind)
+    coll = collection(db, kind)  # _dmutex_svc / _dsemaphore_svc of the (redirected) "dmutex"
+    active = typescript_lease("api", 0, str(uuid.uuid4()), now() + timedelta(minutes=1))
+    # Expired but stored (the TTL monitor has not run), in every slot of "old".
+    expired = [
+        typescript_lease("old", slot, str(uuid.uuid4()), now() - timedelta(seconds=1))
+        for slot in range(permits)
+    ]
+    coll.insert_many([active, *expired])
+    face = env.make(kind, max_permits=permits)
+
+    if kind == "semaphore":
+        mine = face.acquire("api", 60)
+        assert mine is not None
+        assert mine.slot == 1, "slot 0 is the TypeScript holder's"
+    assert face.acquire("api", 60) is None, "the TypeScript lease was not honoured"
+    assert stored(coll)[active["_id"]] == active, "a refused acquire changed the foreign lease"
+
+    assert face.release_token("api", active["value"]) is True
+    assert active["_id"] not in stored(coll)
+    after = face.acquire("api", 60)
+    assert after is not None
+    assert after.slot == 0
+
+    taken = face.acquire("old", 60)
+    assert taken is not None, "an expired TypeScript lease was not taken over"
+    by_slot = {doc["_id"]: doc for doc in expired}
+    _id = f"permit:{taken.slot}:old"
+    assert stored(coll)[_id] == {"_id": _id, "value": taken.token, "expiredAt": taken.expired_at}
+    assert face.release_token("old", by_slot[_id]["value"]) is False
+    assert face.extend("old", by_slot[_id]["value"], 60) is False
+    untouched = [doc for doc in expired if doc["_id"] != _id]
+    assert [stored(coll)[doc["_id"]] for doc in untouched] == untouched
+
+
 # --- the core behaviours (spec section 3) ----------------------------------------------
 
 
