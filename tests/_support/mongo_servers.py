@@ -264,6 +264,7 @@ class Executable:
     """A ``mongod`` binary, started on a free loopback port when first needed."""
 
     path: Path
+    extra_args: tuple[str, ...] = ()
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _dir: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
 
@@ -283,6 +284,7 @@ class Executable:
             "--quiet",
             "--nounixsocket",
             "--wiredTigerCacheSizeGB", "0.25",
+            *self.extra_args,
         ]  # fmt: skip
 
     def start(self, db_name: str) -> Server:
@@ -335,6 +337,7 @@ class SecantusDB:
     """
 
     version: str
+    ttl_sweep_seconds: float = 60.0  # SecantusDB's default, and mongod's
     python: str = sys.executable  # the interpreter that has the package
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _dir: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
@@ -348,6 +351,7 @@ class SecantusDB:
         return [
             self.python, "-I", str(SECANTUS_LAUNCHER),
             "--port", str(port),
+            "--ttl-sweep-seconds", str(self.ttl_sweep_seconds),
         ]  # fmt: skip
 
     def start(self, db_name: str) -> Server:
@@ -378,6 +382,21 @@ class SecantusDB:
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
+
+
+def with_one_second_ttl_monitor(source: Source) -> Source | None:
+    """A second source of the same kind whose TTL monitor runs every second.
+
+    Only for servers the tests start: SecantusDB (``ttl_sweep_seconds``) and
+    mongod (``ttlMonitorSleepSecs``). None for ``MONGODB_URL`` (the user's
+    server keeps its settings) and for the container.
+    """
+    if isinstance(source, SecantusDB):
+        return SecantusDB(source.version, ttl_sweep_seconds=1.0, python=source.python)
+    if isinstance(source, Executable):
+        monitor = ("--setParameter", "ttlMonitorSleepSecs=1")
+        return Executable(source.path, (*source.extra_args, *monitor))
+    return None
 
 
 # --- the order ----------------------------------------------------------------------

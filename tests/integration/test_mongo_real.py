@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -31,6 +31,7 @@ from typing import Any, TypeAlias
 
 import mongomock
 import pymongo
+import pymongo.monitoring
 import pytest
 from hypothesis.stateful import run_state_machine_as_test
 from pymongo.collection import Collection
@@ -56,10 +57,12 @@ from tests._support.mongo_servers import (
     allowed_sources,
     check_required,
     discover,
+    discovered,
     drop_test_database,
     label_of,
     no_server_reason,
     unique_db_name,
+    with_one_second_ttl_monitor,
 )
 from tests.model.test_state_machine import CONFIGS, EXAMPLES, SETTINGS, machine_for
 
@@ -247,10 +250,11 @@ def test_mongod_is_started_on_loopback_quietly_in_its_own_dbpath() -> None:
     assert "--quiet" in args
 
 
-def test_secantusdb_is_started_on_loopback() -> None:
+def test_secantusdb_is_started_on_loopback_with_the_sweep_asked_for() -> None:
     args = SecantusDB("0.7.0b3", python="/venv/bin/python").command(27999)
     assert args[:3] == ["/venv/bin/python", "-I", str(mongo_servers.SECANTUS_LAUNCHER)]
     assert args[args.index("--port") + 1] == "27999"
+    assert args[args.index("--ttl-sweep-seconds") + 1] == "60.0"
     assert mongo_servers.SECANTUS_LAUNCHER.is_file()
     # Imported here: it imports the SecantusDB package, which the rest needs not.
     from tests._support import secantus_daemon
@@ -258,6 +262,18 @@ def test_secantusdb_is_started_on_loopback() -> None:
     assert secantus_daemon.HOST == "127.0.0.1"
     parsed = secantus_daemon.parse(["--port", "1", "--ttl-sweep-seconds", "1"])
     assert (parsed.port, parsed.ttl_sweep_seconds, parsed.storage_path) == (1, 1.0, ":memory:")
+
+
+def test_a_second_server_with_a_one_second_ttl_monitor_only_for_servers_started_here() -> None:
+    fast = with_one_second_ttl_monitor(SecantusDB("0.7.0b3", python="/p"))
+    assert isinstance(fast, SecantusDB)
+    assert (fast.ttl_sweep_seconds, fast.python, fast.label) == (1.0, "/p", "secantusdb-0.7.0b3")
+    mongod = with_one_second_ttl_monitor(Executable(Path("/x/mongod")))
+    assert isinstance(mongod, Executable)
+    args = mongod.command(1, "/d")
+    assert args[-2:] == ["--setParameter", "ttlMonitorSleepSecs=1"]
+    assert with_one_second_ttl_monitor(FromUrl("mongodb://127.0.0.1:1/")) is None
+    assert with_one_second_ttl_monitor(Container()) is None
 
 
 def test_a_secantusdb_that_exits_is_reported_and_cleaned_up() -> None:
@@ -563,6 +579,104 @@ def test_an_expired_but_stored_record_is_taken_over(
     assert face.release_token("k", old.token) is False
     assert stored(coll) == after_takeover, "the old holder touched the new holder's record"
     assert new.release() is True
+
+
+# --- the server's TTL monitor deletes an expired lease ---------------------------------------
+
+MONITOR_DEADLINE = 10.0  # seconds for a 1 s monitor to delete a lease that expired
+SHORT_TTL = 0.5
+
+
+@pytest.fixture(scope="module")
+def monitored(mongo_session: Session) -> Iterator[Session]:
+    """A second server of the session's kind, whose TTL monitor runs every second."""
+    source = discovered().source
+    if source is None:
+        pytest.skip(mongo_session.discovery.reason)
+    fast = with_one_second_ttl_monitor(source)
+    if fast is None:
+        pytest.skip(
+            f"{source.label}: the TTL monitor test needs a server the tests start "
+            "(mongod or SecantusDB) with a 1 s monitor"
+        )
+    session = Session(Discovery(fast), mongo_session.db_name)
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+class UpdateReplies(pymongo.monitoring.CommandListener):
+    """The replies to the ``update`` commands a client sent that wrote without error.
+
+    An upsert into a held slot gets an ``ok`` reply carrying ``writeErrors``
+    (E11000): left out.
+    """
+
+    def __init__(self) -> None:
+        self.replies: list[Mapping[str, Any]] = []
+
+    def started(self, event: pymongo.monitoring.CommandStartedEvent) -> None:
+        pass
+
+    def succeeded(self, event: pymongo.monitoring.CommandSucceededEvent) -> None:
+        if event.command_name == "update" and "writeErrors" not in event.reply:
+            self.replies.append(event.reply)
+
+    def failed(self, event: pymongo.monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind", ["mutex", "semaphore"])
+def test_after_the_ttl_monitor_deletes_a_lease_acquire_inserts_a_new_one(
+    monitored: Session, mongo_label: str, kind: Kind
+) -> None:
+    server = monitored.fresh()
+    coll = collection(monitored.admin.get_database(server.db_name), kind)
+    listener = UpdateReplies()
+    client = server.client(event_listeners=[listener])
+    try:
+        permits = permits_of(kind)
+        face = Face("sync", kind, RedirectedClient(client, server.db_name), max_permits=permits)
+        others = [face.acquire("k", 60) for _ in range(permits - 1)]
+        others.append(face.acquire("other-key", 60))
+        old = face.acquire("k", SHORT_TTL)
+        assert old is not None
+        assert all(other is not None for other in others)
+        _id = f"permit:{old.slot}:k"
+        assert stored(coll)[_id]["value"] == old.token
+        untouched = {name: doc for name, doc in stored(coll).items() if name != _id}
+        assert len(untouched) == permits
+
+        deadline = time.monotonic() + MONITOR_DEADLINE
+        while coll.find_one({"_id": _id}) is not None:
+            if time.monotonic() > deadline:
+                pytest.fail(f"the TTL monitor left the expired lease for {MONITOR_DEADLINE} s")
+            time.sleep(0.1)
+        assert stored(coll) == untouched, "the monitor deleted something else"
+
+        listener.replies.clear()
+        new = face.acquire("k", 60)
+        assert new is not None
+        assert new.slot == old.slot, "the only free slot is the deleted one"
+        assert new.token != old.token
+        # A new document: the one upsert the server accepted inserted it.
+        (reply,) = listener.replies
+        assert reply["n"] == 1
+        assert reply["nModified"] == 0
+        assert [u["_id"] for u in reply["upserted"]] == [_id]
+        after = stored(coll)
+        assert after[_id] == {"_id": _id, "value": new.token, "expiredAt": new.expired_at}
+
+        assert old.release() is False
+        assert old.extend(60) is False
+        assert face.release_token("k", old.token) is False
+        assert face.extend("k", old.token, 60) is False
+        assert stored(coll) == after, "the old token changed something"
+        assert {name: doc for name, doc in after.items() if name != _id} == untouched
+        assert new.release() is True
+    finally:
+        client.close()
 
 
 # --- ready() failing ----------------------------------------------------------------------
