@@ -31,6 +31,23 @@ def mongo_session() -> Iterator[mongo_servers.Session]:
         session.close()
 
 
+def _runs_on(item: pytest.Item, label: str) -> bool:
+    """Whether a parameter of ``item`` names server ``label`` ("label", "...@label")."""
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params.values() if callspec is not None else ()
+    return any(isinstance(p, str) and (p == label or p.endswith(f"@{label}")) for p in params)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Strict xfail, with the reason, for each test in ``mongo_servers.DEVIATIONS``."""
+    label = mongo_servers.mongo_label()
+    for item in items:
+        name = getattr(item, "originalname", item.name)
+        reason = mongo_servers.deviation(label, name)
+        if reason is not None and _runs_on(item, label):
+            item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+
+
 def redis_labels() -> list[str]:
     """The server labels to parametrize over, or ``[""]`` meaning: skip."""
     return discovered().labels or [""]

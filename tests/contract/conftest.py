@@ -19,6 +19,7 @@ import pytest
 from tests._support.backends import Backend, FakeRedis, Memory, Mongomock, RealMongo, RealRedis, Rig
 from tests._support.faces import FaceName
 from tests._support.mongo_servers import Session as MongoSession
+from tests._support.mongo_servers import mongo_label
 from tests._support.redis_clients import SERVER_VARIANTS
 from tests._support.redis_servers import Pool, discovered
 from tests.conftest import server_or_skip
@@ -51,7 +52,7 @@ def _cases() -> dict[str, tuple[FaceName, Case]]:
         cases[f"memory-{face}"] = (face, lambda servers: Memory())
         cases[f"fakeredis-{face}"] = (face, lambda servers: FakeRedis())
         cases[f"mongomock-{face}"] = (face, lambda servers: Mongomock())
-        cases[f"pymongo-{face}@mongodb"] = (face, lambda servers: RealMongo(servers.mongo))
+        cases[f"pymongo-{face}@{mongo_label()}"] = (face, lambda servers: RealMongo(servers.mongo))
         for variant in SERVER_VARIANTS:
             label = newest or "no-server"
             cases[f"{variant}-{face}@{label}"] = (face, _redis_case(newest, variant))

@@ -1,9 +1,14 @@
-"""dmutex against a real MongoDB, through pymongo (sync and asyncio).
+"""dmutex against a real server, through pymongo (sync and asyncio).
 
-The server is found as ``tests/_support/mongo_servers.py`` describes; where
-there is none, every server test skips with one line saying what was missing.
-The first tests here need no server: they check discovery itself (the
-order, the skip line, the database the tests confine themselves to).
+The server is found as ``tests/_support/mongo_servers.py`` describes: a
+MongoDB (``MONGODB_URL``, a container, ``mongod``) or SecantusDB, a
+MongoDB-compatible server that is not MongoDB. Where there is none, every
+server test skips with one line saying what was missing. Test ids carry the
+server's label (``secantusdb-0.7.0b3``, ``mongodb-7.0.14``). Tests that fail
+only because the server differs from mongod are strict xfail, each with its
+reason (``mongo_servers.DEVIATIONS``). The first tests here need no
+server: they check discovery itself (the order, the skip line, the labels,
+the database the tests confine themselves to).
 
 Everything runs in one database unique to the session; instances that use the
 default ``db_name`` are pointed at it by a client wrapper.
@@ -13,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
+import sys
 import time
 import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -24,6 +31,7 @@ from typing import Any, TypeAlias
 
 import mongomock
 import pymongo
+import pymongo.monitoring
 import pytest
 from hypothesis.stateful import run_state_machine_as_test
 from pymongo.collection import Collection
@@ -43,13 +51,18 @@ from tests._support.mongo_servers import (
     Executable,
     FromUrl,
     RedirectedClient,
+    SecantusDB,
     Server,
     Session,
+    allowed_sources,
     check_required,
     discover,
     discovered,
     drop_test_database,
+    label_of,
+    no_server_reason,
     unique_db_name,
+    with_one_second_ttl_monitor,
 )
 from tests.model.test_state_machine import CONFIGS, EXAMPLES, SETTINGS, machine_for
 
@@ -62,8 +75,10 @@ INDEX_OPTIONS_CONFLICT = 85
 def nothing_here(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     monkeypatch.delenv("MONGODB_URL", raising=False)
     monkeypatch.delenv("DMUTEX_REQUIRE_MONGODB", raising=False)
+    monkeypatch.delenv("DMUTEX_MONGODB_SERVERS", raising=False)
     monkeypatch.setattr(mongo_servers, "docker_answers", lambda: False)
     monkeypatch.setattr(mongo_servers, "find_mongod", lambda: None)
+    monkeypatch.setattr(mongo_servers, "secantus_version", lambda: None)
     return monkeypatch
 
 
@@ -74,8 +89,9 @@ def test_no_server_gives_one_line_saying_what_was_missing(
     assert found.source is None
     assert found.reason == NO_MONGODB
     assert "\n" not in found.reason
-    for named in ("MONGODB_URL", "Docker", "mongod", "PATH"):
+    for named in ("MONGODB_URL", "Docker", "mongod", "PATH", "SecantusDB"):
         assert named in found.reason
+    assert found.label == "no-server"
 
 
 def test_mongodb_url_comes_first(nothing_here: pytest.MonkeyPatch) -> None:
@@ -100,11 +116,63 @@ def test_docker_before_mongod(nothing_here: pytest.MonkeyPatch) -> None:
     assert source.image == "mongo:7"
 
 
-def test_mongod_on_path_last(nothing_here: pytest.MonkeyPatch) -> None:
+def test_mongod_before_secantusdb(nothing_here: pytest.MonkeyPatch) -> None:
     nothing_here.setattr(mongo_servers, "find_mongod", lambda: "/opt/mongo/bin/mongod")
+    nothing_here.setattr(mongo_servers, "secantus_version", lambda: "0.7.0b3")
     source = discover().source
     assert isinstance(source, Executable)
     assert source.path == Path("/opt/mongo/bin/mongod")
+
+
+def test_secantusdb_last(nothing_here: pytest.MonkeyPatch) -> None:
+    nothing_here.setattr(mongo_servers, "secantus_version", lambda: "0.7.0b3")
+    source = discover().source
+    assert isinstance(source, SecantusDB)
+    assert source.label == "secantusdb-0.7.0b3"
+
+
+def test_the_test_extra_pins_the_installed_secantusdb() -> None:
+    version = mongo_servers.secantus_version()
+    if version is None:
+        pytest.skip("SecantusDB is not installed (it comes with the test extra)")
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    assert f'"SecantusDB=={version}"' in pyproject
+
+
+def test_dmutex_mongodb_servers_limits_the_order(nothing_here: pytest.MonkeyPatch) -> None:
+    nothing_here.setenv("MONGODB_URL", "mongodb://127.0.0.1:1/")
+    nothing_here.setattr(mongo_servers, "find_mongod", lambda: "/usr/bin/mongod")
+    nothing_here.setattr(mongo_servers, "secantus_version", lambda: "0.7.0b3")
+    nothing_here.setenv("DMUTEX_MONGODB_SERVERS", "mongod, secantusdb")
+    assert allowed_sources() == ("mongod", "secantusdb")
+    assert isinstance(discover().source, Executable)
+    nothing_here.setenv("DMUTEX_MONGODB_SERVERS", "secantusdb")
+    assert isinstance(discover().source, SecantusDB)
+    nothing_here.setenv("DMUTEX_MONGODB_SERVERS", "url,docker,mongod")
+    nothing_here.setattr(mongo_servers, "find_mongod", lambda: None)
+    nothing_here.delenv("MONGODB_URL")
+    found = discover()
+    assert found.source is None
+    assert found.reason == no_server_reason(("url", "docker", "mongod"))
+    assert found.reason.endswith("DMUTEX_MONGODB_SERVERS leaves out secantusdb")
+    assert "\n" not in found.reason
+    nothing_here.setenv("DMUTEX_MONGODB_SERVERS", "none")
+    assert allowed_sources() == ()
+    assert discover().reason == (
+        "no server for the MongoDB tests: "
+        "DMUTEX_MONGODB_SERVERS leaves out url, docker, mongod, secantusdb"
+    )
+    nothing_here.setenv("DMUTEX_MONGODB_SERVERS", "mongo")
+    with pytest.raises(ValueError, match="unknown mongo"):
+        discover()
+
+
+def test_labels_come_from_build_info_and_secantusdb_says_what_it_is() -> None:
+    assert label_of({"version": "7.0.14"}) == "mongodb-7.0.14"
+    # SecantusDB's "version" imitates a mongod's; its own is secantusVersion.
+    assert label_of({"version": "8.2.11", "secantusVersion": "0.7.0b3"}) == "secantusdb-0.7.0b3"
+    assert Container().label == "mongodb-7"
+    assert Executable(Path("/nonexistent/mongod")).label == "mongodb-mongod"
 
 
 def test_no_server_skips_with_the_one_line() -> None:
@@ -182,6 +250,54 @@ def test_mongod_is_started_on_loopback_quietly_in_its_own_dbpath() -> None:
     assert "--quiet" in args
 
 
+def test_secantusdb_is_started_on_loopback_with_the_sweep_asked_for() -> None:
+    args = SecantusDB("0.7.0b3", python="/venv/bin/python").command(27999)
+    assert args[:3] == ["/venv/bin/python", "-I", str(mongo_servers.SECANTUS_LAUNCHER)]
+    assert args[args.index("--port") + 1] == "27999"
+    assert args[args.index("--ttl-sweep-seconds") + 1] == "60.0"
+    assert mongo_servers.SECANTUS_LAUNCHER.is_file()
+    # Imported here: it imports the SecantusDB package, which the rest needs not.
+    from tests._support import secantus_daemon
+
+    assert secantus_daemon.HOST == "127.0.0.1"
+    parsed = secantus_daemon.parse(["--port", "1", "--ttl-sweep-seconds", "1"])
+    assert (parsed.port, parsed.ttl_sweep_seconds, parsed.storage_path) == (1, 1.0, ":memory:")
+
+
+def test_a_second_server_with_a_one_second_ttl_monitor_only_for_servers_started_here() -> None:
+    fast = with_one_second_ttl_monitor(SecantusDB("0.7.0b3", python="/p"))
+    assert isinstance(fast, SecantusDB)
+    assert (fast.ttl_sweep_seconds, fast.python, fast.label) == (1.0, "/p", "secantusdb-0.7.0b3")
+    mongod = with_one_second_ttl_monitor(Executable(Path("/x/mongod")))
+    assert isinstance(mongod, Executable)
+    args = mongod.command(1, "/d")
+    assert args[-2:] == ["--setParameter", "ttlMonitorSleepSecs=1"]
+    assert with_one_second_ttl_monitor(FromUrl("mongodb://127.0.0.1:1/")) is None
+    assert with_one_second_ttl_monitor(Container()) is None
+
+
+def test_a_secantusdb_that_exits_is_reported_and_cleaned_up() -> None:
+    false = shutil.which("false")
+    if false is None:
+        pytest.skip("no `false` executable to stand in for a broken interpreter")
+    broken = SecantusDB("0.7.0b3", python=false)
+    with pytest.raises(RuntimeError, match="SecantusDB exited with code 1 before answering"):
+        broken.start("dmutex_test_ab12")
+    assert broken._proc is None
+    assert broken._dir is None
+
+
+def test_a_started_source_refuses_to_start_again() -> None:
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait(10)
+    for source in (SecantusDB("0.7.0b3"), Executable(Path("/x/mongod"))):
+        source._proc = done  # as if started: a second start would lose this process
+        with pytest.raises(RuntimeError, match=f"already running \\(pid {done.pid}\\)"):
+            source.start("dmutex_test_ab12")
+        assert source._proc is done
+        source._proc = None
+
+
 def test_a_mongod_that_exits_is_reported_and_cleaned_up() -> None:
     false = shutil.which("false")
     if false is None:
@@ -196,18 +312,27 @@ def test_a_mongod_that_exits_is_reported_and_cleaned_up() -> None:
 # --- a real server --------------------------------------------------------------------
 
 
+# mongo_session is tests/conftest.py's, the one the contract suite uses too:
+# a second session fixture here would start the same source a second time
+# and lose the first process.
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test that takes the server carries its label in its id, as the Redis ones do."""
+    if "mongo_label" in metafunc.fixturenames:
+        label = mongo_servers.mongo_label()
+        metafunc.parametrize("mongo_label", [label], indirect=True, scope="session")
+
+
 @pytest.fixture(scope="session")
-def mongo_session() -> Iterator[Session]:
-    """The session's MongoDB (started on first use) and its unique database."""
-    session = Session(discovered())
-    try:
-        yield session
-    finally:
-        session.close()
+def mongo_label(request: pytest.FixtureRequest) -> str:
+    """The label of the session's server ("secantusdb-0.7.0b3", "mongodb-7.0.14", "no-server")."""
+    label: str = request.param
+    return label
 
 
 @pytest.fixture
-def mongo(mongo_session: Session) -> Server:
+def mongo(mongo_session: Session, mongo_label: str) -> Server:
     """The server, with the test database empty; skips with the one line if there is none."""
     return mongo_session.fresh()
 
@@ -313,6 +438,55 @@ def test_semaphore_and_mutex_leave_exactly_the_typescript_documents(
         assert str(uuid.UUID(p.token, version=4)) == p.token
 
 
+def ms_date(at: datetime) -> datetime:
+    """``at`` cut to whole milliseconds, as a BSON date stores it."""
+    return at.replace(microsecond=at.microsecond // 1000 * 1000)
+
+
+def typescript_lease(key: str, slot: int, token: str, expired_at: datetime) -> Doc:
+    """A lease exactly as the TypeScript dmutex writes it: string _id and value, a date."""
+    return {"_id": f"permit:{slot}:{key}", "value": token, "expiredAt": ms_date(expired_at)}
+
+
+@pytest.mark.parametrize("kind", ["mutex", "semaphore"])
+def test_typescript_written_leases_are_honoured_and_taken_over(
+    env: Env, db: Database[Doc], kind: Kind
+) -> None:
+    permits = permits_of(kind)
+    coll = collection(db, kind)  # _dmutex_svc / _dsemaphore_svc of the (redirected) "dmutex"
+    active = typescript_lease("api", 0, str(uuid.uuid4()), now() + timedelta(minutes=1))
+    # Expired but stored (the TTL monitor has not run), in every slot of "old".
+    expired = [
+        typescript_lease("old", slot, str(uuid.uuid4()), now() - timedelta(seconds=1))
+        for slot in range(permits)
+    ]
+    coll.insert_many([active, *expired])
+    face = env.make(kind, max_permits=permits)
+
+    if kind == "semaphore":
+        mine = face.acquire("api", 60)
+        assert mine is not None
+        assert mine.slot == 1, "slot 0 is the TypeScript holder's"
+    assert face.acquire("api", 60) is None, "the TypeScript lease was not honoured"
+    assert stored(coll)[active["_id"]] == active, "a refused acquire changed the foreign lease"
+
+    assert face.release_token("api", active["value"]) is True
+    assert active["_id"] not in stored(coll)
+    after = face.acquire("api", 60)
+    assert after is not None
+    assert after.slot == 0
+
+    taken = face.acquire("old", 60)
+    assert taken is not None, "an expired TypeScript lease was not taken over"
+    by_slot = {doc["_id"]: doc for doc in expired}
+    _id = f"permit:{taken.slot}:old"
+    assert stored(coll)[_id] == {"_id": _id, "value": taken.token, "expiredAt": taken.expired_at}
+    assert face.release_token("old", by_slot[_id]["value"]) is False
+    assert face.extend("old", by_slot[_id]["value"], 60) is False
+    untouched = [doc for doc in expired if doc["_id"] != _id]
+    assert [stored(coll)[doc["_id"]] for doc in untouched] == untouched
+
+
 # --- the core behaviours (spec section 3) ----------------------------------------------
 
 
@@ -407,6 +581,104 @@ def test_an_expired_but_stored_record_is_taken_over(
     assert new.release() is True
 
 
+# --- the server's TTL monitor deletes an expired lease ---------------------------------------
+
+MONITOR_DEADLINE = 10.0  # seconds for a 1 s monitor to delete a lease that expired
+SHORT_TTL = 0.5
+
+
+@pytest.fixture(scope="module")
+def monitored(mongo_session: Session) -> Iterator[Session]:
+    """A second server of the session's kind, whose TTL monitor runs every second."""
+    source = discovered().source
+    if source is None:
+        pytest.skip(mongo_session.discovery.reason)
+    fast = with_one_second_ttl_monitor(source)
+    if fast is None:
+        pytest.skip(
+            f"{source.label}: the TTL monitor test needs a server the tests start "
+            "(mongod or SecantusDB) with a 1 s monitor"
+        )
+    session = Session(Discovery(fast), mongo_session.db_name)
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+class UpdateReplies(pymongo.monitoring.CommandListener):
+    """The replies to the ``update`` commands a client sent that wrote without error.
+
+    An upsert into a held slot gets an ``ok`` reply carrying ``writeErrors``
+    (E11000): left out.
+    """
+
+    def __init__(self) -> None:
+        self.replies: list[Mapping[str, Any]] = []
+
+    def started(self, event: pymongo.monitoring.CommandStartedEvent) -> None:
+        pass
+
+    def succeeded(self, event: pymongo.monitoring.CommandSucceededEvent) -> None:
+        if event.command_name == "update" and "writeErrors" not in event.reply:
+            self.replies.append(event.reply)
+
+    def failed(self, event: pymongo.monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind", ["mutex", "semaphore"])
+def test_after_the_ttl_monitor_deletes_a_lease_acquire_inserts_a_new_one(
+    monitored: Session, mongo_label: str, kind: Kind
+) -> None:
+    server = monitored.fresh()
+    coll = collection(monitored.admin.get_database(server.db_name), kind)
+    listener = UpdateReplies()
+    client = server.client(event_listeners=[listener])
+    try:
+        permits = permits_of(kind)
+        face = Face("sync", kind, RedirectedClient(client, server.db_name), max_permits=permits)
+        others = [face.acquire("k", 60) for _ in range(permits - 1)]
+        others.append(face.acquire("other-key", 60))
+        old = face.acquire("k", SHORT_TTL)
+        assert old is not None
+        assert all(other is not None for other in others)
+        _id = f"permit:{old.slot}:k"
+        assert stored(coll)[_id]["value"] == old.token
+        untouched = {name: doc for name, doc in stored(coll).items() if name != _id}
+        assert len(untouched) == permits
+
+        deadline = time.monotonic() + MONITOR_DEADLINE
+        while coll.find_one({"_id": _id}) is not None:
+            if time.monotonic() > deadline:
+                pytest.fail(f"the TTL monitor left the expired lease for {MONITOR_DEADLINE} s")
+            time.sleep(0.1)
+        assert stored(coll) == untouched, "the monitor deleted something else"
+
+        listener.replies.clear()
+        new = face.acquire("k", 60)
+        assert new is not None
+        assert new.slot == old.slot, "the only free slot is the deleted one"
+        assert new.token != old.token
+        # A new document: the one upsert the server accepted inserted it.
+        (reply,) = listener.replies
+        assert reply["n"] == 1
+        assert reply["nModified"] == 0
+        assert [u["_id"] for u in reply["upserted"]] == [_id]
+        after = stored(coll)
+        assert after[_id] == {"_id": _id, "value": new.token, "expiredAt": new.expired_at}
+
+        assert old.release() is False
+        assert old.extend(60) is False
+        assert face.release_token("k", old.token) is False
+        assert face.extend("k", old.token, 60) is False
+        assert stored(coll) == after, "the old token changed something"
+        assert {name: doc for name, doc in after.items() if name != _id} == untouched
+        assert new.release() is True
+    finally:
+        client.close()
+
+
 # --- ready() failing ----------------------------------------------------------------------
 
 
@@ -416,14 +688,26 @@ def test_a_conflicting_index_fails_ready_and_every_acquire(env: Env, db: Databas
     mutex = env.make("mutex")
     with pytest.raises(OperationFailure) as failed:
         ready(mutex)
-    assert failed.value.code == INDEX_OPTIONS_CONFLICT
     with pytest.raises(OperationFailure) as again:
         mutex.acquire("k", 60)
-    assert again.value.code == INDEX_OPTIONS_CONFLICT
+    assert again.value.code == failed.value.code, "the server's own error surfaces again"
     with pytest.raises(OperationFailure):
         env.make("mutex").acquire("k", 60)
     assert coll.count_documents({}) == 0, "an acquire wrote a lease although ready() failed"
     assert coll.index_information()["expiredAt_1"]["expireAfterSeconds"] == 3600
+
+
+def test_a_conflicting_ttl_index_is_index_options_conflict(env: Env, db: Database[Doc]) -> None:
+    """What mongod answers when the TTL index exists with another expiry: code 85."""
+    collection(db, "mutex").create_index(
+        [("expiredAt", 1)], name="expiredAt_1", expireAfterSeconds=3600
+    )
+    with pytest.raises(OperationFailure) as failed:
+        ready(env.make("mutex"))
+    assert (failed.value.code, (failed.value.details or {}).get("codeName")) == (
+        INDEX_OPTIONS_CONFLICT,
+        "IndexOptionsConflict",
+    )
 
 
 # --- several processes, one counter --------------------------------------------------------
