@@ -256,14 +256,61 @@ def mongod_version(path: Path) -> str | None:
     return match.group(1) if done.returncode == 0 and match else None
 
 
+class _Process:
+    """One server process the tests start: its own folder, a log, stopped by pid."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+
+    def start(
+        self,
+        label: str,
+        name: str,
+        command: Callable[[str, int], list[str]],
+        what: str,
+        env: Callable[[str], Mapping[str, str]] | None = None,
+    ) -> tuple[str, str]:
+        """Run ``command(folder, port)`` on a free loopback port; return its URL and label.
+
+        ``name`` names the folder and the log; ``what`` the server in errors.
+        A process that does not answer is stopped and its folder removed.
+        """
+        _not_running(self._proc, label)
+        self._dir = tempfile.TemporaryDirectory(prefix=f"dmutex-{name}-")
+        folder, port = self._dir.name, free_port()
+        log_path = os.path.join(folder, f"{name}.log")
+        with open(log_path, "wb") as log:
+            self._proc = subprocess.Popen(
+                command(folder, port),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=None if env is None else env(folder),
+            )
+        url = f"mongodb://127.0.0.1:{port}/?directConnection=true"
+        try:
+            return url, _wait_for_process(self._proc, url, log_path, what)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop the process by its pid and remove its folder."""
+        if self._proc is not None:
+            stop_process(self._proc, timeout=20)
+            self._proc = None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+
 @dataclass
 class Executable:
     """A ``mongod`` binary, started on a free loopback port when first needed."""
 
     path: Path
     extra_args: tuple[str, ...] = ()
-    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-    _dir: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
+    _process: _Process = field(default_factory=lambda: _Process(), repr=False)
 
     @functools.cached_property
     def label(self) -> str:
@@ -285,32 +332,17 @@ class Executable:
         ]  # fmt: skip
 
     def start(self, db_name: str) -> Server:
-        _not_running(self._proc, self.label)
-        self._dir = tempfile.TemporaryDirectory(prefix="dmutex-mongod-")
-        port = free_port()
-        dbpath = os.path.join(self._dir.name, "db")
-        os.mkdir(dbpath)
-        log_path = os.path.join(self._dir.name, "mongod.log")
-        with open(log_path, "wb") as log:
-            self._proc = subprocess.Popen(
-                self.command(port, dbpath), stdout=log, stderr=subprocess.STDOUT
-            )
-        url = f"mongodb://127.0.0.1:{port}/?directConnection=true"
-        try:
-            label = _wait_for_process(self._proc, url, log_path, str(self.path))
-        except BaseException:
-            self.stop()
-            raise
+        def command(folder: str, port: int) -> list[str]:
+            dbpath = os.path.join(folder, "db")
+            os.mkdir(dbpath)
+            return self.command(port, dbpath)
+
+        url, label = self._process.start(self.label, "mongod", command, str(self.path))
         return Server(label, url, str(self.path), db_name)
 
     def stop(self) -> None:
         """Stop the process by its pid and remove its directory."""
-        if self._proc is not None:
-            stop_process(self._proc, timeout=20)
-            self._proc = None
-        if self._dir is not None:
-            self._dir.cleanup()
-            self._dir = None
+        self._process.stop()
 
 
 def secantus_version() -> str | None:
@@ -336,8 +368,7 @@ class SecantusDB:
     version: str
     ttl_sweep_seconds: float = 60.0  # SecantusDB's default, and mongod's
     python: str = sys.executable  # the interpreter that has the package
-    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-    _dir: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
+    _process: _Process = field(default_factory=lambda: _Process(), repr=False)
 
     @property
     def label(self) -> str:
@@ -352,33 +383,20 @@ class SecantusDB:
         ]  # fmt: skip
 
     def start(self, db_name: str) -> Server:
-        _not_running(self._proc, self.label)
-        self._dir = tempfile.TemporaryDirectory(prefix="dmutex-secantusdb-")
-        port = free_port()
-        log_path = os.path.join(self._dir.name, "secantusdb.log")
         # WiredTiger runs in memory; the directory SecantusDB still makes
-        # goes under TMPDIR, which is ours and removed at stop.
-        env = {**os.environ, "TMPDIR": self._dir.name}
-        with open(log_path, "wb") as log:
-            self._proc = subprocess.Popen(
-                self.command(port), stdout=log, stderr=subprocess.STDOUT, env=env
-            )
-        url = f"mongodb://127.0.0.1:{port}/?directConnection=true"
-        try:
-            label = _wait_for_process(self._proc, url, log_path, SECANTUS_DISTRIBUTION)
-        except BaseException:
-            self.stop()
-            raise
+        # goes under TMPDIR, which is the process's own folder, removed at stop.
+        url, label = self._process.start(
+            self.label,
+            "secantusdb",
+            lambda folder, port: self.command(port),
+            SECANTUS_DISTRIBUTION,
+            env=lambda folder: {**os.environ, "TMPDIR": folder},
+        )
         return Server(label, url, f"{SECANTUS_DISTRIBUTION} {self.version}", db_name)
 
     def stop(self) -> None:
         """Stop the process by its pid and remove its directory."""
-        if self._proc is not None:
-            stop_process(self._proc, timeout=20)
-            self._proc = None
-        if self._dir is not None:
-            self._dir.cleanup()
-            self._dir = None
+        self._process.stop()
 
 
 def with_one_second_ttl_monitor(source: Source) -> Source | None:

@@ -283,19 +283,19 @@ def test_a_secantusdb_that_exits_is_reported_and_cleaned_up() -> None:
     broken = SecantusDB("0.7.0b3", python=false)
     with pytest.raises(RuntimeError, match="SecantusDB exited with code 1 before answering"):
         broken.start("dmutex_test_ab12")
-    assert broken._proc is None
-    assert broken._dir is None
+    assert broken._process._proc is None
+    assert broken._process._dir is None
 
 
 def test_a_started_source_refuses_to_start_again() -> None:
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     done.wait(10)
     for source in (SecantusDB("0.7.0b3"), Executable(Path("/x/mongod"))):
-        source._proc = done  # as if started: a second start would lose this process
+        source._process._proc = done  # as if started: a second start would lose this process
         with pytest.raises(RuntimeError, match=f"already running \\(pid {done.pid}\\)"):
             source.start("dmutex_test_ab12")
-        assert source._proc is done
-        source._proc = None
+        assert source._process._proc is done
+        source._process._proc = None
 
 
 def test_a_mongod_that_exits_is_reported_and_cleaned_up() -> None:
@@ -305,8 +305,8 @@ def test_a_mongod_that_exits_is_reported_and_cleaned_up() -> None:
     broken = Executable(Path(false))
     with pytest.raises(RuntimeError, match="exited with code 1 before answering"):
         broken.start("dmutex_test_ab12")
-    assert broken._proc is None
-    assert broken._dir is None
+    assert broken._process._proc is None
+    assert broken._process._dir is None
 
 
 # --- a real server --------------------------------------------------------------------
