@@ -10,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
+from decimal import Decimal
+from fractions import Fraction
 from typing import Any
 
 import pytest
 
 from dmutex import (
+    MAX_PERMITS,
     AmbiguousClientError,
     AsyncDMutex,
     AsyncDSemaphore,
@@ -33,7 +36,7 @@ from tests._support.doubles import (
 )
 
 CLASSES: list[Any] = [DMutex, DSemaphore, AsyncDMutex, AsyncDSemaphore]
-BAD_SECONDS: list[tuple[object, type[Exception]]] = [
+BAD_SECONDS: list[Any] = [  # (value, error) pairs
     (True, TypeError),
     (False, TypeError),
     ("5", TypeError),
@@ -46,6 +49,12 @@ BAD_SECONDS: list[tuple[object, type[Exception]]] = [
     (-math.inf, ValueError),
     (1e12, ValueError),  # expiry past the year 9999: no backend can store it
     (1e306, ValueError),  # so large that seconds * 1000 overflows a float
+    # Beyond the largest float: float() overflows (issue 10, hole 6).
+    (10**400, ValueError),
+    (-(10**400), ValueError),
+    (Fraction(10**400, 3), ValueError),
+    pytest.param(10**5000, ValueError, id="10**5000"),  # too many digits for int -> str
+    (Decimal("1.5"), TypeError),  # not a numbers.Real
 ]
 
 
@@ -89,6 +98,10 @@ def test_default_ttl_seconds(cls: Any, value: object, error: type[Exception]) ->
         (2.0, TypeError),
         ("2", TypeError),
         (None, TypeError),
+        # An upper bound, so that no script blocks Redis for long (hole 5).
+        (MAX_PERMITS + 1, ValueError),
+        pytest.param(10**400, ValueError, id="10**400"),
+        pytest.param(10**5000, ValueError, id="10**5000"),
     ],
 )
 def test_max_permits(cls: Any, value: object, error: type[Exception]) -> None:
@@ -97,8 +110,12 @@ def test_max_permits(cls: Any, value: object, error: type[Exception]) -> None:
 
 
 @pytest.mark.parametrize("cls", CLASSES)
-@pytest.mark.parametrize(("value", "error"), [("", ValueError), (None, TypeError), (7, TypeError)])
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [("", ValueError), (None, TypeError), (7, TypeError), ("a\ud800", ValueError)],
+)
 def test_service_name(cls: Any, value: object, error: type[Exception]) -> None:
+    """Also a name that UTF-8 cannot encode (a lone surrogate), whichever backend."""
     client = RecordingRedis()
     options: dict[str, Any] = {"max_permits": 1} if cls in (DSemaphore, AsyncDSemaphore) else {}
     check_error(error, lambda: cls(value, client, **options), client.calls)
@@ -117,6 +134,15 @@ def test_service_name(cls: Any, value: object, error: type[Exception]) -> None:
         {"db_name": "a.b"},
         {"db_name": "a/b"},
         {"db_name": "x" * 64},
+        # What pymongo's own checks refuse later, as InvalidName (hole 6).
+        {"service_name": "a."},
+        {"service_name": "a..b"},
+        {"collection_name": ".x"},
+        {"collection_name": "x."},
+        # A namespace f"{db}.{collection}" over MongoDB's 255 bytes.
+        {"service_name": "s" * 300},
+        {"collection_name": "c" * 249},
+        {"collection_name": "é" * 125},
     ],
 )
 def test_invalid_mongodb_names(cls: Any, options: dict[str, Any]) -> None:
@@ -178,6 +204,8 @@ BAD_KEYS: list[tuple[object, type[Exception]]] = [
     (None, TypeError),
     (5, TypeError),
     (b"key", TypeError),
+    ("\ud800", ValueError),  # UTF-8 cannot encode it; it failed inside the client
+    ("ok\udfff", ValueError),
 ]
 
 

@@ -13,19 +13,48 @@ BackendName = Literal["mongodb", "redis"]
 
 _BACKENDS: tuple[BackendName, ...] = ("mongodb", "redis")
 
+MAX_PERMITS = 1024
+"""The largest ``max_permits`` a semaphore may have.
+
+On Redis every operation that looks for a token runs one script over all of
+a lock's slot keys, and the server serves nobody else meanwhile. Measured on
+a 2-core VM with Redis 7.0 (SLOWLOG, 200 calls each), a full semaphore's
+acquire at 1,024 permits ran 0.41 ms (median; 0.62 ms at most), as did a
+release by an unknown token; at 4,096 permits, 2.1 ms (5.9 ms at most).
+"""
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut short: huge ints have thousands of digits (or too many to print)."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an int of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
 
 def check_str(name: str, value: object, *, allow_empty: bool = False) -> str:
-    """Return ``value`` if it is a ``str`` (non-empty unless ``allow_empty``)."""
+    """Return ``value`` if it is a ``str`` that UTF-8 can encode (non-empty unless ``allow_empty``).
+
+    Every name ends up as UTF-8 bytes on the wire; a lone surrogate such as
+    ``"\ud800"`` cannot be encoded, and would fail inside the client.
+    """
     if not isinstance(value, str):
         raise ArgumentTypeError(f"{name} must be a str, not {type(value).__name__}")
     if not value and not allow_empty:
         raise InvalidArgumentError(f"{name} must not be empty")
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError as error:
+            raise InvalidArgumentError(
+                f"{name} {value!r} cannot be encoded as UTF-8 ({error.reason} at {error.start})"
+            ) from None
     return value
 
 
 def check_key(key: object) -> str:
-    """Return a lock key: a non-empty ``str``."""
-    if type(key) is str and key:  # the common case, on every operation
+    """Return a lock key: a non-empty ``str`` that UTF-8 can encode."""
+    if type(key) is str and key and key.isascii():  # the common case, on every operation
         return key
     return check_str("key", key)
 
@@ -39,7 +68,10 @@ def _real(name: str, value: object) -> float:
     # bool is an int subclass; True seconds is always a mistake.
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"{name} must be an int or float, not {type(value).__name__}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int or Fraction beyond the largest float
+        raise InvalidArgumentError(f"{name} must be finite, not {_shown(value)}") from None
     if not math.isfinite(number):
         raise InvalidArgumentError(f"{name} must be finite, not {number}")
     return number
@@ -67,12 +99,14 @@ def check_retry_delay(value: object) -> float:
 
 
 def check_max_permits(value: object) -> int:
-    """Return a permit count: an ``int`` >= 1."""
+    """Return a permit count: an ``int`` from 1 to :data:`MAX_PERMITS`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ArgumentTypeError(f"max_permits must be an int, not {type(value).__name__}")
     permits = int(value)
     if permits < 1:
-        raise InvalidArgumentError(f"max_permits must be >= 1, not {permits}")
+        raise InvalidArgumentError(f"max_permits must be >= 1, not {_shown(permits)}")
+    if permits > MAX_PERMITS:
+        raise InvalidArgumentError(f"max_permits must be <= {MAX_PERMITS}, not {_shown(permits)}")
     return permits
 
 
@@ -123,13 +157,28 @@ def check_db_name(value: object) -> str:
     return name
 
 
-def check_collection_name(value: str, origin: str) -> str:
-    """Return a MongoDB collection name that the server will accept.
+# MongoDB's longest namespace, f"{db_name}.{collection_name}", in UTF-8 bytes.
+_MAX_NAMESPACE_BYTES = 255
+
+
+def check_collection_name(value: str, origin: str, db_name: str) -> str:
+    """Return a MongoDB collection name that the server (and pymongo) will accept.
 
     ``origin`` says where the name came from, for the error message.
     """
     if not value:
         raise InvalidArgumentError(f"{origin} gives an empty collection name")
+    if value.startswith(".") or value.endswith(".") or ".." in value:
+        raise InvalidArgumentError(
+            f"{origin} gives collection name {value!r}: it must not start or end with '.' "
+            "or contain '..'"
+        )
+    namespace = len(db_name.encode()) + 1 + len(value.encode())
+    if namespace > _MAX_NAMESPACE_BYTES:
+        raise InvalidArgumentError(
+            f"{origin} gives collection name {value[:40]!r}...: with db_name {db_name!r} the "
+            f"namespace is {namespace} bytes, over MongoDB's {_MAX_NAMESPACE_BYTES}"
+        )
     if "$" in value or "\x00" in value:
         raise InvalidArgumentError(
             f"{origin} gives collection name {value!r}, which contains '$' or NUL"

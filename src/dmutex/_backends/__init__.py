@@ -41,7 +41,7 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
         (refuse_sync if asynchronous else refuse_asyncio)(client, name, "client")
         return RedisStore(client, options.key_prefix, options.max_permits, clock)
     check_db_name(options.db_name)
-    check_collection_name(options.collection_name, options.collection_origin)
+    check_collection_name(options.collection_name, options.collection_origin, options.db_name)
     database = method(client, "get_database")(options.db_name)
     collection = method(database, "get_collection")(options.collection_name)
     (refuse_sync if asynchronous else refuse_asyncio)(collection, "update_one", "collection")

@@ -1,0 +1,405 @@
+"""The holes the fault probes found, each pinned by a deterministic test.
+
+Issue 10 lists eight; the randomised suites beside this file (proxy, pause,
+restart, cancellation, parameters) look for them by chance, these tests
+make each one happen on purpose:
+
+- hole 1: a cancellation that lands while ``run()``'s release, ``__aexit__``'s
+  release, or an acquire's request is in flight;
+- hole 2: an acquire whose reply is lost and that the client re-sends, as
+  redis-py and valkey-py do after a connection error (and pymongo's retryable
+  writes where the server does not deduplicate them);
+- hole 7: a sync client given to an asyncio class;
+- hole 8: a release whose reply is lost and that the client re-sends.
+
+Holes 3 and 4 are pinned in ``tests/integration/test_redis_layout.py``,
+holes 5 and 6 in ``tests/test_bad_input.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import mongomock
+import pymongo
+import pytest
+import redis
+import redis.asyncio
+import valkey
+
+from dmutex import (
+    AsyncDMutex,
+    AsyncDMutexLock,
+    AsyncDSemaphore,
+    DMutex,
+    DSemaphore,
+    InMemoryBackend,
+    RedisArg,
+    RedisReply,
+    UnsupportedClientError,
+)
+
+# --- hole 2 and 8: a reply lost, the command re-sent ---------------------------------
+
+
+class ResendingRedis:
+    """redis-py underneath; each script request is sent twice, the first reply lost.
+
+    That is what redis-py's retry does when a connection drops after the
+    server executed a command: it sends the same command again and returns
+    the second reply.
+    """
+
+    def __init__(self, inner: redis.Redis) -> None:
+        # redis-py leaves execute_command unannotated; this is its sync signature.
+        self._send: Callable[..., RedisReply] = inner.execute_command
+        self.resent = 0
+
+    def execute_command(self, *args: RedisArg) -> RedisReply:
+        if args[0] in ("EVALSHA", "EVAL"):
+            try:
+                self._send(*args)  # executed; its reply never arrives
+            except redis.exceptions.NoScriptError:
+                pass  # not executed either: the re-sent copy meets the same answer
+            else:
+                self.resent += 1
+        return self._send(*args)
+
+
+class AsyncResendingRedis:
+    """The asyncio twin of :class:`ResendingRedis`."""
+
+    def __init__(self, inner: redis.asyncio.Redis) -> None:
+        self._send: Callable[..., Awaitable[object]] = inner.execute_command
+        self.resent = 0
+
+    async def execute_command(self, *args: RedisArg) -> object:
+        if args[0] in ("EVALSHA", "EVAL"):
+            try:
+                await self._send(*args)
+            except redis.exceptions.NoScriptError:
+                pass
+            else:
+                self.resent += 1
+        return await self._send(*args)
+
+
+@pytest.fixture
+def admin(redis_url: str) -> Iterator[redis.Redis]:
+    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+        yield client
+
+
+def permit_keys(admin: redis.Redis) -> dict[str, str]:
+    return {str(name): str(admin.get(name)) for name in admin.keys("*permit:*")}
+
+
+@pytest.mark.parametrize("permits", [1, 2, 5])
+def test_a_re_sent_redis_acquire_returns_its_lease_and_takes_one_slot(
+    redis_url: str, admin: redis.Redis, permits: int
+) -> None:
+    """Before the fix: a mutex said None on a free key; a semaphore took two slots."""
+    with redis.Redis.from_url(redis_url) as inner:
+        client = ResendingRedis(inner)
+        lock = (
+            DSemaphore("svc", client, max_permits=permits) if permits > 1 else DMutex("svc", client)
+        )
+        handle = lock.acquire("k")
+        assert client.resent >= 1
+        assert handle is not None, "the first copy took the key: the re-sent one must say so"
+        assert permit_keys(admin) == {f"{lock_prefix(permits)}permit:0:k": handle.token}
+        # Hole 8, decided: the first copy of a release deletes the key, the
+        # re-sent copy finds nothing and answers False. The permit is released
+        # either way; False never means "still yours".
+        assert handle.release() is False
+        assert permit_keys(admin) == {}
+
+
+def lock_prefix(permits: int) -> str:
+    return "_dmutex_svc:" if permits == 1 else "_dsemaphore_svc:"
+
+
+@pytest.mark.parametrize("permits", [1, 3])
+def test_a_re_sent_async_redis_acquire_returns_its_lease(
+    redis_url: str, admin: redis.Redis, permits: int
+) -> None:
+    async def scenario() -> None:
+        inner = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            client = AsyncResendingRedis(inner)
+            lock: AsyncDMutex | AsyncDSemaphore = (
+                AsyncDSemaphore("svc", client, max_permits=permits)
+                if permits > 1
+                else AsyncDMutex("svc", client)
+            )
+            handle = await lock.acquire("k")
+            assert client.resent >= 1
+            assert handle is not None
+            assert permit_keys(admin) == {f"{lock_prefix(permits)}permit:0:k": handle.token}
+            assert await handle.extend(30) is True, "extend is idempotent: True both times"
+            assert await handle.release() is False
+            assert permit_keys(admin) == {}
+        finally:
+            await inner.aclose()
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+class ResendingCollection:
+    """A MongoDB collection whose writes are applied twice, the first reply lost."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.resent = 0
+
+    def create_index(self, *args: Any, **kwargs: Any) -> object:
+        return self._inner.create_index(*args, **kwargs)
+
+    def distinct(self, *args: Any, **kwargs: Any) -> object:
+        return self._inner.distinct(*args, **kwargs)
+
+    def update_one(self, *args: Any, **kwargs: Any) -> object:
+        return self._twice(self._inner.update_one, args, kwargs)
+
+    def delete_one(self, *args: Any, **kwargs: Any) -> object:
+        return self._twice(self._inner.delete_one, args, kwargs)
+
+    def insert_one(self, *args: Any, **kwargs: Any) -> object:
+        return self._inner.insert_one(*args, **kwargs)
+
+    def _twice(self, call: Callable[..., object], args: Any, kwargs: Any) -> object:
+        try:
+            call(*args, **kwargs)
+        except pymongo.errors.DuplicateKeyError:
+            pass  # the first copy was refused: the second meets the same state
+        else:
+            self.resent += 1
+        return call(*args, **kwargs)
+
+
+class ResendingMongo:
+    """A client whose every collection is a :class:`ResendingCollection`."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.collections: list[ResendingCollection] = []
+
+    def get_database(self, name: str, /) -> Any:
+        return ResendingMongo(self._inner.get_database(name))
+
+    def get_collection(self, name: str, /) -> Any:
+        collection = ResendingCollection(self._inner.get_collection(name))
+        self.collections.append(collection)
+        return collection
+
+
+@pytest.mark.parametrize("permits", [1, 3])
+def test_a_re_sent_mongodb_acquire_returns_its_lease_and_takes_one_slot(permits: int) -> None:
+    """On mongomock; the same filter runs on the real-server suite (test_mongo_real)."""
+    inner: mongomock.MongoClient[dict[str, object]] = mongomock.MongoClient()
+    client = ResendingMongo(inner)
+    lock = DSemaphore("svc", client, max_permits=permits) if permits > 1 else DMutex("svc", client)
+    handle = lock.acquire("k")
+    assert handle is not None, "the first copy took the slot: the re-sent one must say so"
+    collection = inner.get_database("dmutex").get_collection(
+        "_dmutex_svc" if permits == 1 else "_dsemaphore_svc"
+    )
+    documents = list(collection.find())
+    assert [(d["_id"], d["value"]) for d in documents] == [
+        (f"permit:{getattr(handle, 'slot', 0)}:k", handle.token)
+    ]
+    assert handle.release() is False, "hole 8, decided: the re-sent copy found nothing"
+    assert list(collection.find()) == []
+
+
+# --- hole 1: cancellation while a request is in flight ---------------------------------
+
+
+class GatedRedis:
+    """An asyncio Redis double (fakeredis semantics) that can hold one command mid-flight.
+
+    ``hold()`` makes the next script request (EVALSHA, or the EVAL after a
+    NOSCRIPT) execute on the server and then wait for ``gate`` before
+    returning its reply: the moment a cancellation can land between "done on
+    the server" and "reply read". ``scripts`` counts the scripts executed.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._hold = False
+        self.arrived = asyncio.Event()
+        self.gate = asyncio.Event()
+        self.scripts = 0
+
+    def hold(self) -> None:
+        self._hold = True
+        self.arrived.clear()
+        self.gate.clear()
+
+    async def execute_command(self, *args: RedisArg) -> object:
+        reply = await self._inner.execute_command(*args)  # NOSCRIPT raises here
+        if args[0] in ("EVALSHA", "EVAL"):
+            self.scripts += 1
+            if self._hold:
+                self._hold = False
+                self.arrived.set()
+                await self.gate.wait()
+        return reply
+
+
+@pytest.fixture
+def fake_async() -> Any:
+    fakeredis = pytest.importorskip("fakeredis")
+    return fakeredis.FakeAsyncRedis(decode_responses=True)
+
+
+async def keys_left(client: Any) -> list[str]:
+    names: list[str] = await client.keys("*permit:*")
+    return names
+
+
+def test_run_cancelled_during_its_release_still_releases(fake_async: Any) -> None:
+    """Before the fix the release was abandoned: the key kept its full TTL."""
+
+    async def scenario() -> None:
+        client = GatedRedis(fake_async)
+        mutex = AsyncDMutex("svc", client)
+
+        async def work(lock: AsyncDMutexLock) -> str:
+            client.hold()  # the next request is the release
+            return "done"
+
+        task = asyncio.create_task(mutex.run("k", work))
+        await client.arrived.wait()  # acquired, called back; the release is held mid-flight
+        task.cancel()
+        await asyncio.sleep(0)
+        assert not task.done(), "the release is still in flight: run() waits for it"
+        client.gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await keys_left(fake_async) == []
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+def test_async_with_cancelled_in_body_and_again_during_release(fake_async: Any) -> None:
+    """``__aexit__`` releases to the end even if a second cancellation lands meanwhile."""
+
+    async def scenario() -> None:
+        client = GatedRedis(fake_async)
+        mutex = AsyncDMutex("svc", client)
+        inside = asyncio.Event()
+
+        async def body() -> None:
+            lock = await mutex.acquire("k")
+            assert lock is not None
+            async with lock:
+                client.hold()
+                inside.set()
+                await asyncio.sleep(3600)  # cancelled here first
+
+        task = asyncio.create_task(body())
+        await inside.wait()
+        task.cancel()  # lands in the body; __aexit__ starts the release
+        await client.arrived.wait()
+        task.cancel()  # lands while the release is held mid-flight
+        await asyncio.sleep(0)
+        assert not task.done()
+        client.gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert client.scripts == 2, "the acquire and the release"
+        assert await keys_left(fake_async) == []
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+@pytest.mark.parametrize("permits", [1, 3])
+def test_an_acquire_cancelled_after_the_server_took_the_key_releases_it(
+    fake_async: Any, permits: int
+) -> None:
+    """The request reached the server, the reply did not reach the caller: released by token."""
+
+    async def scenario() -> None:
+        client = GatedRedis(fake_async)
+        lock: AsyncDMutex | AsyncDSemaphore = (
+            AsyncDSemaphore("svc", client, max_permits=permits)
+            if permits > 1
+            else AsyncDMutex("svc", client)
+        )
+        client.hold()
+        task = asyncio.create_task(lock.acquire("k"))
+        await client.arrived.wait()
+        assert len(await keys_left(fake_async)) == 1, "the server took the key"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await keys_left(fake_async) == []
+        assert client.scripts == 2, "the acquire, then its release by token"
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+def test_a_cancellation_before_any_request_sends_nothing() -> None:
+    """Cancelled while waiting between retries: no request was in flight, none is sent."""
+
+    async def scenario() -> None:
+        backend = InMemoryBackend()
+        holder = AsyncDMutex("svc", backend)
+        held = await holder.acquire("k", ttl=60)
+        assert held is not None
+        waiter = AsyncDMutex("svc", backend)
+        task = asyncio.create_task(waiter.acquire_with_retry("k", timeout=60, retry_delay=30))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert [token for token, _ in backend.snapshot().values()] == [held.token]
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+# --- hole 7: a sync client given to an asyncio class ------------------------------------
+
+
+@pytest.mark.parametrize("make", ["redis", "valkey", "cluster", "pymongo"])
+def test_an_asyncio_class_refuses_a_sync_client_before_any_request(
+    make: str, redis_url: str, admin: redis.Redis
+) -> None:
+    """Before the fix: AsyncDMutex sent the SET, then refused the reply; the key stayed 300 s."""
+    client: Any
+    if make == "redis":
+        client = redis.Redis.from_url(redis_url)
+    elif make == "valkey":
+        client = valkey.Valkey.from_url(redis_url)
+    elif make == "cluster":
+        client = redis.cluster.RedisCluster.__new__(redis.cluster.RedisCluster)
+    else:
+        client = pymongo.MongoClient("mongodb://127.0.0.1:1", connect=False)
+    calls_before = admin.info("commandstats")
+    makers: list[Callable[[], object]] = [
+        lambda: AsyncDMutex("svc", client),
+        lambda: AsyncDSemaphore("svc", client, max_permits=2),
+    ]
+    for make_lock in makers:
+        with pytest.raises(UnsupportedClientError, match="sync"):
+            make_lock()
+    after = admin.info("commandstats")
+    sent = {
+        name: s["calls"] - calls_before.get(name, {"calls": 0})["calls"]
+        for name, s in after.items()
+    }
+    assert {name: n for name, n in sent.items() if n and name != "cmdstat_info"} == {}
+    assert permit_keys(admin) == {}
+    if make in ("redis", "valkey"):
+        client.close()
+
+
+def test_the_sync_classes_still_take_those_clients(redis_url: str) -> None:
+    with redis.Redis.from_url(redis_url) as client:
+        lock = DMutex("svc", client).acquire(str(uuid.uuid4()))
+        assert lock is not None
+        assert lock.release() is True
