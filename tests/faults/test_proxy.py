@@ -3,7 +3,8 @@
 Clients reach the server through :class:`~tests._support.fault_proxy.FaultProxy`,
 which drops requests, drops replies after the server executed the request,
 delays requests and tears connections mid-message, at points a seeded
-random generator picks. The clients keep their default retry policy:
+random generator picks (2%, 5%, 5% and 1% of the requests). The clients keep
+their default retry policy:
 
 - redis-py 8.1 (``redis.Redis`` and ``redis.asyncio.Redis``) re-sends a
   command up to 10 times after a ``ConnectionError`` or ``TimeoutError``,
@@ -11,35 +12,42 @@ random generator picks. The clients keep their default retry policy:
   reply is therefore a re-sent request, which the server executes again.
 - pymongo against a standalone server (SecantusDB here, which runs without
   the replica-set advertisement) retries reads, never writes: a lost reply to
-  an upsert or a delete is an ``AutoReconnect`` for the caller.
+  an upsert or a delete is an ``AutoReconnect`` for the caller. Each
+  worker's client has a proxy of its own, which lets the request after each
+  fault through (the clean-up a failed acquire sends reaches the server) and
+  never faults the driver's ``hello`` handshakes and heartbeats.
 
-Several workers, each with its own client, run cycles of acquire (or, when the
-shared key is held, ``acquire_with_retry``), a little work, and release; a
-``DMutex`` and a ``DSemaphore(max_permits=3)``. One worker of each run has a
-key of its own, which nobody else touches. The test checks:
+Several workers, each with its own client, run rounds of cycles: acquire
+(or, when the shared key is held, ``acquire_with_retry``), a little work,
+release; on a ``DMutex`` and on a ``DSemaphore(max_permits=3)``. One worker
+of each run has a key of its own, which nobody else touches. The test checks:
 
 - **no overlap**: an in-process tracker records every holder from the moment
   acquire returned its handle until release is called; at no instant does a
   key have more unexpired holders than its limit;
-- **no orphan**: a permit in storage that no holder has. Between rounds of
-  cycles every worker is idle, so every permit still stored then is an
-  orphan; the worker with its own key checks it after each cycle, and every
-  worker checks after ``release()`` returned (True or False) that its token
-  holds no permit. Each orphan is counted once, then deleted so that later
-  cycles start clean. After the last round, with faults off, storage must
-  hold no permit;
-- **every record expires**: on Redis, a sampler through a clean client reads
-  the PTTL of every key under the service's prefix during the run; on
-  MongoDB, every document must have an ``expiredAt`` date;
+- **no orphan** (a stored permit that no holder has): between rounds every
+  worker is idle, so every permit still stored is one, and so is whatever
+  the worker with its own key finds on it after a cycle; after ``release()``
+  returned, True or False, its token must hold no permit; and a token seen
+  in storage that no acquire returned is one (:class:`Run` says when that
+  last check applies). Each orphan found is counted once, then deleted so
+  that the next cycles start clean. After the last round, with faults off,
+  storage must hold no permit;
+- **every record expires**: on Redis a sampler thread, through a clean client
+  on the server's own port, reads the PTTL of every key under the service's
+  prefix throughout the run; on MongoDB every document must have an
+  ``expiredAt`` date;
 - **every failure is an exception**: ``acquire()`` on the worker's own free
   key returning None is a defect (a "wrong None"); exceptions must be the
-  client's connection errors, counted by type.
+  client's connection errors, and are counted by type.
 
-Each test prints one summary line (``pytest -s`` shows it): cycles, faults
-injected by kind, exceptions by type, wrong Nones, orphans, overlaps.
-Everything is bounded: a round of cycles has a deadline, the proxy stops by
-itself, sockets time out after a few seconds. ``DMUTEX_FAULT_SEED`` changes
-the seed (the interleaving of threads still varies from run to run).
+Each run prints one summary line (``pytest -s`` shows it): cycles, faults
+injected by kind, exceptions by type, wrong Nones, orphans, overlaps, and
+its duration. Everything is bounded: no round starts after 20 s, a round
+has a deadline, the proxy stops by itself, sockets time out after a few
+seconds. ``DMUTEX_FAULT_SEED`` changes the seed (the interleaving of the
+workers still varies from run to run). A first test checks the proxy
+itself: one INCR through each fault, as the client and the server see it.
 """
 
 from __future__ import annotations
@@ -62,7 +70,9 @@ import pymongo.errors
 import pytest
 import redis
 import redis.asyncio
+import redis.backoff
 import redis.exceptions
+import redis.retry
 from pymongo.collection import Collection
 
 from dmutex import (
@@ -103,14 +113,14 @@ REDIS_ROUND = 10  # cycles per worker between two idle checks
 REDIS_WORK = 0.002  # the most a holder works, in seconds
 
 MONGO_TIMEOUT_MS = 3_000  # serverSelection, connect and socket timeouts
-MONGO_TTL = 3.0
+MONGO_TTL = 10.0  # longer than a round: an orphan is still there at the idle check
 MONGO_WORKERS = {"mutex": 2, "semaphore": 4}
 MONGO_CYCLES = 150  # per test: SecantusDB is slow
 MONGO_ROUND = 5
 MONGO_WORK = 0.01  # a request takes a few ms here: holders overlap in time
 
 RETRY_DELAY = 0.01
-RETRY_TIMEOUT = 5.0  # longer than a TTL: an orphan runs out before a waiter gives up
+RETRY_TIMEOUT = 5.0  # longer than a Redis TTL: a waiter outlasts an orphan there
 RELEASE_ATTEMPTS = 3  # a release that raised is tried again: the lease is still ours
 REDIS_SAMPLE_EVERY = 0.02  # seconds between two samples of every key's PTTL
 MONGO_SAMPLE_EVERY = 0.25  # of every document's expiredAt (SecantusDB is slow)
@@ -243,6 +253,11 @@ class Run:
         self.started = time.monotonic()
         self.deadline = self.started + ROUNDS_DEADLINE
 
+    def abandon(self, token: str) -> None:
+        """The test gave up releasing ``token``: its permit is no orphan of the library's."""
+        with self._lock:
+            self.abandoned.add(token)
+
     def claimed(self, token: str) -> None:
         """An acquire returned a handle with ``token``."""
         with self._lock:
@@ -321,18 +336,24 @@ class Run:
         )
 
     def check(self, proxies: list[FaultProxy]) -> None:
-        """The assertions every test makes at the end."""
+        """The assertions every test makes at the end; one failure naming every problem."""
         for proxy in proxies:
             assert proxy.errors == [], proxy.errors
         assert sum(proxy.injected for proxy in proxies) > 0, "no fault was injected"
-        assert self.tally.cycles > 0
-        assert self.tally.acquired > 0
-        assert self.tracker.overlaps == 0, f"{self.tracker.overlaps} overlaps"
-        assert self.tally.wrong_none == 0, f"{self.tally.wrong_none} wrong None from acquire()"
-        assert self.stale == 0, f"{self.stale} tokens still held a permit after release()"
+        assert self.tally.acquired > 0, "no cycle acquired anything"
         orphans = self.orphan_tokens()
-        assert not orphans, f"{len(orphans)} orphaned permits: {sorted(orphans.values())}"
-        assert not self.untimed, f"records without an expiry: {sorted(self.untimed)}"
+        problems = [
+            f"{what}: {count}"
+            for what, count in (
+                ("overlaps", self.tracker.overlaps),
+                ("wrong None from acquire() on a free key", self.tally.wrong_none),
+                ("tokens still holding a permit after release()", self.stale),
+                ("orphaned permits", len(orphans)),
+                ("records without an expiry", len(self.untimed)),
+            )
+            if count
+        ]
+        assert not problems, "; ".join(problems) + f" (orphans: {sorted(orphans.values())})"
 
 
 # --- the workers ----------------------------------------------------------------------------
@@ -395,7 +416,7 @@ class SyncWorker:
             self.run.after_release(self.key, handle.token)
             return
         self.tally.release_gave_up += 1
-        self.run.abandoned.add(handle.token)
+        self.run.abandon(handle.token)
 
 
 class AsyncWorker:
@@ -456,7 +477,7 @@ class AsyncWorker:
             await asyncio.to_thread(self.run.after_release, self.key, handle.token)
             return
         self.tally.release_gave_up += 1
-        self.run.abandoned.add(handle.token)
+        self.run.abandon(handle.token)
 
 
 def rounds_needed(cycles: int, workers: int, per_round: int) -> int:
@@ -575,6 +596,52 @@ def redis_target_server(redis_pool: Pool) -> Server:
     with redis.Redis(host=server.host, port=server.port, password=server.password) as client:
         client.flushdb()
     return server
+
+
+# What each fault does to one command, seen from a client that does not retry and
+# from the server: (raises, the server executed it). A cut tears either side.
+ONE_COMMAND = {
+    Fault.PASS: (False, {1}),
+    Fault.DROP_REQUEST: (True, {0}),
+    Fault.DROP_REPLY: (True, {1}),
+    Fault.DELAY: (False, {1}),
+    Fault.CUT: (True, {0, 1}),
+}
+
+
+@pytest.mark.parametrize("fault", list(Fault), ids=[f.value for f in Fault])
+def test_the_proxy_injects_each_fault(redis_target_server: Server, fault: Fault) -> None:
+    """With one fault at rate 1, an INCR meets it: the client's error and the server agree."""
+    server = redis_target_server
+    rates = Rates(
+        drop_request=1.0 if fault is Fault.DROP_REQUEST else 0.0,
+        drop_reply=1.0 if fault is Fault.DROP_REPLY else 0.0,
+        delay=1.0 if fault is Fault.DELAY else 0.0,
+        cut=1.0 if fault is Fault.CUT else 0.0,
+    )
+    raises, executed = ONE_COMMAND[fault]
+    no_retry = redis.retry.Retry(redis.backoff.NoBackoff(), 0)
+    with (
+        FaultProxy((server.host, server.port), rates, seed=SEED) as proxy,
+        redis.Redis(
+            host=proxy.host, port=proxy.port, socket_timeout=REDIS_TIMEOUT, retry=no_retry
+        ) as client,
+        redis.Redis(host=server.host, port=server.port, password=server.password) as clean,
+    ):
+        client.ping()  # connected, faults off
+        before = proxy.counts
+        with proxy.faults():
+            if raises:
+                with pytest.raises(redis.exceptions.ConnectionError):
+                    client.incr("counter")
+            else:
+                assert client.incr("counter") == 1
+        after = proxy.counts
+        assert {f: after[f] - before[f] for f in Fault if after[f] != before[f]} == {fault: 1}
+        assert int(clean.get("counter") or 0) in executed
+        assert client.ping() is True  # faults off: a new connection goes through
+        assert proxy.injected == (0 if fault is Fault.PASS else 1)
+        assert proxy.errors == []
 
 
 def make_sync_lock(
