@@ -322,16 +322,17 @@ def _one_label(pool: Pool) -> str:
 
 
 @pytest.fixture(params=CASES, ids=[c.id for c in CASES])
-def side(
-    request: pytest.FixtureRequest, redis_pool: Pool, mongo_session: Session
-) -> Iterator[Side]:
+def side(request: pytest.FixtureRequest) -> Iterator[Side]:
+    """The case's server, seen by the test; only that backend's session fixture is used."""
     case: Case = request.param
     service = f"pause-{uuid.uuid4().hex[:8]}"  # fresh keys: nothing to flush
     made: Side
     if case.backend == "redis":
-        made = RedisSide(redis_pool.server(_one_label(redis_pool)).url, case, service)
+        pool: Pool = request.getfixturevalue("redis_pool")
+        made = RedisSide(pool.server(_one_label(pool)).url, case, service)
     else:
-        server = mongo_session.fresh()
+        session: Session = request.getfixturevalue("mongo_session")
+        server = session.fresh()
         made = MongoSide(server.url, server.db_name, case, service)
     try:
         yield made

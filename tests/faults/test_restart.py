@@ -86,8 +86,7 @@ from dmutex import (
     DSemaphorePermit,
     __version__,
 )
-from tests._support import fault_servers
-from tests._support.mongo_servers import secantus_version
+from tests._support import fault_servers, mongo_servers
 
 Kind: TypeAlias = Literal["mutex", "semaphore"]
 FaceName: TypeAlias = Literal["sync", "async"]
@@ -871,7 +870,9 @@ def durable_redis() -> Iterator[fault_servers.DurableRedis]:
 
 @pytest.fixture(scope="module")
 def durable_secantus() -> Iterator[fault_servers.DurableSecantusDB]:
-    if secantus_version() is None:
+    if "secantusdb" not in mongo_servers.allowed_sources():
+        pytest.skip("DMUTEX_MONGODB_SERVERS leaves out secantusdb")
+    if mongo_servers.secantus_version() is None:
         pytest.skip("SecantusDB is not installed")
     with fault_servers.DurableSecantusDB() as server:
         server.start()
@@ -905,6 +906,6 @@ def test_secantusdb_killed_and_restarted_under_load(
     try:
         rig.monitor.drop_database(MONGO_DB)
         run = drive(rig, kind, random.Random(f"{SEED}-mongodb-{kind}"))
-        check(run, rig, kind, f"secantusdb-{secantus_version()}")
+        check(run, rig, kind, f"secantusdb-{mongo_servers.secantus_version()}")
     finally:
         rig.close()
