@@ -1,0 +1,454 @@
+"""A holder paused past its TTL cannot touch the lease that replaced it.
+
+A process is stopped by SIGSTOP while it holds a lease (a garbage-collection
+pause, a VM migration, a laptop lid): its lease runs out, another holder takes
+the key, and then the process is continued by SIGCONT. It does not know that
+time passed, so it goes on as if it still held the lease: it extends it and
+releases it, by handle and by token. All four calls must return False and
+leave the new holder's record as it was: the same token, and an expiry not
+moved later (``PTTL`` on Redis, ``expiredAt`` on the MongoDB test server).
+
+How: the holder is a child process (``spawn``) that acquires with a
+0.5 s TTL, reports its token and slot, and waits on an event. The test stops
+it, checks that the kernel shows it stopped, polls the server until the
+lease has expired, takes the key with a long TTL, reads the new record, then
+continues the child and sets the event. The child's extend asks for a TTL
+longer than the new holder's, so a wrong extend would show as a later expiry.
+For a semaphore of two permits the test holds the other permit first, so the
+child and then the new holder must use the same slot.
+
+Covered: Redis (one server of the pool, 7.0 where there is one) and the
+MongoDB test server (SecantusDB here), each with DMutex and
+DSemaphore(max_permits=2), each from a sync and an asyncio holder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import multiprocessing.queues
+import multiprocessing.synchronize
+import os
+import queue
+import signal
+import time
+import traceback
+import uuid
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Literal, TypeAlias
+
+import pymongo
+import pytest
+import redis
+import redis.asyncio
+
+from dmutex import (
+    AsyncDMutex,
+    AsyncDMutexLock,
+    AsyncDSemaphore,
+    AsyncDSemaphorePermit,
+    DMutex,
+    DMutexLock,
+    DSemaphore,
+    DSemaphorePermit,
+)
+from tests._support.mongo_servers import Session
+from tests._support.redis_servers import Pool
+
+Backend: TypeAlias = Literal["redis", "mongodb"]
+Kind: TypeAlias = Literal["mutex", "semaphore"]
+FaceName: TypeAlias = Literal["sync", "async"]
+Doc: TypeAlias = dict[str, Any]
+Reports: TypeAlias = "multiprocessing.queues.Queue[tuple[str, object]]"
+
+KEY = "nightly-report"
+PERMITS = 2  # the semaphore's; a mutex has one
+TTL = 0.5  # the paused holder's lease
+NEW_TTL = 20.0  # the new holder's
+STALE_TTL = 60.0  # what the paused holder's extend asks for: longer than NEW_TTL
+FILL_TTL = 30.0  # the semaphore's other permit, held by the test throughout
+START_TIMEOUT = 60.0  # spawning and importing on a busy 2-core machine
+STEP_TIMEOUT = 20.0  # any one wait of the test or of the child
+POLL = 0.01
+WANTED_REDIS = "redis-7.0"
+CALLS = ("extend by handle", "extend by token", "release by handle", "release by token")
+
+
+@dataclass(frozen=True)
+class Case:
+    backend: Backend
+    kind: Kind
+    face: FaceName
+
+    @property
+    def id(self) -> str:
+        return f"{self.backend}-{self.kind}-{self.face}"
+
+    @property
+    def permits(self) -> int:
+        return PERMITS if self.kind == "semaphore" else 1
+
+
+CASES = [
+    Case(backend, kind, face)
+    for backend in ("redis", "mongodb")
+    for kind in ("mutex", "semaphore")
+    for face in ("sync", "async")
+]
+
+
+# --- the child: acquire, report, wait, then act on the stale lease -------------------------
+
+
+SyncLease: TypeAlias = DMutexLock | DSemaphorePermit
+AsyncLease: TypeAlias = AsyncDMutexLock | AsyncDSemaphorePermit
+
+
+def _sync_instance(
+    kind: Kind, client: Any, service: str, db_name: str | None
+) -> DMutex | DSemaphore:
+    if kind == "mutex":
+        if db_name is None:
+            return DMutex(service, client)
+        return DMutex(service, client, db_name=db_name)
+    if db_name is None:
+        return DSemaphore(service, client, max_permits=PERMITS)
+    return DSemaphore(service, client, max_permits=PERMITS, db_name=db_name)
+
+
+def _async_instance(
+    kind: Kind, client: Any, service: str, db_name: str | None
+) -> AsyncDMutex | AsyncDSemaphore:
+    if kind == "mutex":
+        if db_name is None:
+            return AsyncDMutex(service, client)
+        return AsyncDMutex(service, client, db_name=db_name)
+    if db_name is None:
+        return AsyncDSemaphore(service, client, max_permits=PERMITS)
+    return AsyncDSemaphore(service, client, max_permits=PERMITS, db_name=db_name)
+
+
+def _slot(lease: SyncLease | AsyncLease) -> int:
+    return lease.slot if isinstance(lease, (DSemaphorePermit, AsyncDSemaphorePermit)) else 0
+
+
+def _sync_holder(
+    case: Case,
+    url: str,
+    db_name: str | None,
+    service: str,
+    reports: Reports,
+    go: multiprocessing.synchronize.Event,
+) -> dict[str, bool]:
+    client: Any = (
+        redis.Redis.from_url(url)
+        if case.backend == "redis"
+        else pymongo.MongoClient(url, serverSelectionTimeoutMS=10_000)
+    )
+    try:
+        instance = _sync_instance(case.kind, client, service, db_name)
+        lease = instance.acquire(KEY, ttl=TTL)
+        assert lease is not None, "the key should be free for the holder"
+        reports.put(("acquired", (lease.token, _slot(lease))))
+        assert go.wait(STEP_TIMEOUT), "the test never let the holder go on"
+        # Continued: the holder acts as if no time had passed.
+        results = {
+            "extend by handle": lease.extend(STALE_TTL),
+            "extend by token": instance.extend(KEY, lease.token, STALE_TTL),
+            "release by handle": lease.release(),
+        }
+        if isinstance(instance, DSemaphore):
+            results["release by token"] = instance.release(KEY, lease.token)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # unlock(): by token
+                results["release by token"] = instance.unlock(KEY, lease.token)
+        return results
+    finally:
+        client.close()
+
+
+async def _async_holder(
+    case: Case,
+    url: str,
+    db_name: str | None,
+    service: str,
+    reports: Reports,
+    go: multiprocessing.synchronize.Event,
+) -> dict[str, bool]:
+    client: Any = (
+        redis.asyncio.Redis.from_url(url)
+        if case.backend == "redis"
+        else pymongo.AsyncMongoClient(url, serverSelectionTimeoutMS=10_000)
+    )
+    try:
+        instance = _async_instance(case.kind, client, service, db_name)
+        lease = await instance.acquire(KEY, ttl=TTL)
+        assert lease is not None, "the key should be free for the holder"
+        reports.put(("acquired", (lease.token, _slot(lease))))
+        # Blocking the loop is fine: nothing else runs on it.
+        assert go.wait(STEP_TIMEOUT), "the test never let the holder go on"
+        results = {
+            "extend by handle": await lease.extend(STALE_TTL),
+            "extend by token": await instance.extend(KEY, lease.token, STALE_TTL),
+            "release by handle": await lease.release(),
+        }
+        if isinstance(instance, AsyncDSemaphore):
+            results["release by token"] = await instance.release(KEY, lease.token)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # unlock(): by token
+                results["release by token"] = await instance.unlock(KEY, lease.token)
+        return results
+    finally:
+        if case.backend == "redis":
+            await client.aclose()
+        else:
+            await client.close()
+
+
+def paused_holder(
+    case: Case,
+    url: str,
+    db_name: str | None,
+    service: str,
+    reports: Reports,
+    go: multiprocessing.synchronize.Event,
+) -> None:
+    """The child (module level: spawn imports this module to find it)."""
+    try:
+        if case.face == "sync":
+            results = _sync_holder(case, url, db_name, service, reports, go)
+        else:
+            results = asyncio.run(_async_holder(case, url, db_name, service, reports, go))
+    except BaseException:
+        reports.put(("error", traceback.format_exc()))
+        raise
+    reports.put(("results", results))
+
+
+# --- the parent side: what the server holds ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Record:
+    """A slot's record as the server holds it: the token, and its expiry."""
+
+    token: str | None
+    expiry: float | datetime | None  # Redis: PTTL in ms; MongoDB: expiredAt
+
+
+class RedisSide:
+    """The test's view of a Redis server: its own client, and the slot keys."""
+
+    def __init__(self, url: str, case: Case, service: str) -> None:
+        self.url = url
+        self.case = case
+        self.service = service
+        self.db_name: str | None = None
+        self.client = redis.Redis.from_url(url)
+
+    def instance(self) -> DMutex | DSemaphore:
+        return _sync_instance(self.case.kind, self.client, self.service, None)
+
+    def _name(self, slot: int) -> str:
+        prefix = "_dmutex_" if self.case.kind == "mutex" else "_dsemaphore_"
+        return f"{prefix}{self.service}:permit:{slot}:{KEY}"
+
+    def record(self, slot: int) -> Record:
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.get(self._name(slot))
+            pipe.pttl(self._name(slot))
+            value, pttl = pipe.execute()
+        token = value.decode() if isinstance(value, bytes) else None
+        return Record(token, float(pttl) if token is not None else None)
+
+    def expired(self, slot: int, token: str) -> bool:
+        # Redis deletes the key once its expiry has passed.
+        return self.record(slot).token != token
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class MongoSide:
+    """The test's view of the MongoDB test server: a tz-aware client, the slot documents."""
+
+    def __init__(self, url: str, db_name: str, case: Case, service: str) -> None:
+        self.url = url
+        self.case = case
+        self.service = service
+        self.db_name: str | None = db_name
+        self.client: pymongo.MongoClient[Doc] = pymongo.MongoClient(
+            url, tz_aware=True, serverSelectionTimeoutMS=10_000
+        )
+        prefix = "_dmutex_" if case.kind == "mutex" else "_dsemaphore_"
+        self.collection = self.client.get_database(db_name).get_collection(f"{prefix}{service}")
+
+    def instance(self) -> DMutex | DSemaphore:
+        return _sync_instance(self.case.kind, self.client, self.service, self.db_name)
+
+    def record(self, slot: int) -> Record:
+        doc = self.collection.find_one({"_id": f"permit:{slot}:{KEY}"})
+        if doc is None:
+            return Record(None, None)
+        return Record(doc.get("value"), doc.get("expiredAt"))
+
+    def expired(self, slot: int, token: str) -> bool:
+        # The document stays until the TTL monitor's next pass; expired is expiredAt <= now.
+        found = self.record(slot)
+        if found.token != token:
+            return True
+        assert isinstance(found.expiry, datetime)
+        return found.expiry < datetime.now(timezone.utc)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+Side: TypeAlias = RedisSide | MongoSide
+
+
+def _one_label(pool: Pool) -> str:
+    labels = pool.labels
+    if WANTED_REDIS in labels:
+        return WANTED_REDIS
+    if not labels:
+        pytest.skip(pool.discovery.reason)
+    return labels[-1]
+
+
+@pytest.fixture(params=CASES, ids=[c.id for c in CASES])
+def side(request: pytest.FixtureRequest) -> Iterator[Side]:
+    """The case's server, seen by the test; only that backend's session fixture is used."""
+    case: Case = request.param
+    service = f"pause-{uuid.uuid4().hex[:8]}"  # fresh keys: nothing to flush
+    made: Side
+    if case.backend == "redis":
+        pool: Pool = request.getfixturevalue("redis_pool")
+        made = RedisSide(pool.server(_one_label(pool)).url, case, service)
+    else:
+        session: Session = request.getfixturevalue("mongo_session")
+        server = session.fresh()
+        made = MongoSide(server.url, server.db_name, case, service)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def _state(pid: int) -> str | None:
+    """The process state letter from /proc ("T" when stopped), or None without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+def _until(condition: Any, what: str, timeout: float = STEP_TIMEOUT) -> None:
+    """Poll ``condition()`` until it is true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not after {timeout} s")
+        time.sleep(POLL)
+
+
+def _report(reports: Reports, expected: str, timeout: float) -> object:
+    try:
+        kind, payload = reports.get(timeout=timeout)
+    except queue.Empty:
+        pytest.fail(f"the holder sent no {expected!r} report within {timeout} s")
+    if kind == "error":
+        pytest.fail(f"the holder raised:\n{payload}")
+    assert kind == expected
+    return payload
+
+
+# --- the test ------------------------------------------------------------------------------
+
+
+def test_a_holder_paused_past_its_ttl_cannot_touch_its_successor(side: Side) -> None:
+    """Stopped past its TTL and continued, the old holder's four calls return False and
+    the new holder's record keeps its token and its expiry."""
+    case = side.case
+    instance = side.instance()
+    filler = None
+    if case.kind == "semaphore":
+        # Hold the other permit, so that the child and the taker meet in one slot.
+        filler = instance.acquire(KEY, ttl=FILL_TTL)
+        assert filler is not None
+
+    ctx = multiprocessing.get_context("spawn")
+    reports: Reports = ctx.Queue()
+    go = ctx.Event()
+    child = ctx.Process(
+        target=paused_holder,
+        args=(case, side.url, side.db_name, side.service, reports, go),
+        daemon=True,
+    )
+    child.start()
+    stopped = False
+    try:
+        acquired = _report(reports, "acquired", START_TIMEOUT)
+        assert isinstance(acquired, tuple)
+        token, slot = acquired
+        if filler is not None:
+            assert slot != _slot(filler), "the holder got the permit the test holds"
+        assert child.pid is not None
+        os.kill(child.pid, signal.SIGSTOP)
+        stopped = True
+        if _state(child.pid) is not None:
+            _until(lambda: _state(child.pid or 0) in ("T", "t"), "the holder stopped")
+        _until(lambda: side.expired(slot, token), "the paused holder's lease expired")
+
+        taker = instance.acquire(KEY, ttl=NEW_TTL)
+        assert taker is not None, "the expired lease should be free to take over"
+        assert _slot(taker) == slot, "the taker should get the expired slot"
+        before = side.record(slot)
+        assert before.token == taker.token
+
+        os.kill(child.pid, signal.SIGCONT)
+        stopped = False
+        go.set()
+        results = _report(reports, "results", STEP_TIMEOUT)
+        child.join(STEP_TIMEOUT)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            if stopped and child.pid is not None:
+                os.kill(child.pid, signal.SIGCONT)
+            child.terminate()
+            child.join(5)
+            if child.is_alive():
+                child.kill()
+                child.join(5)
+        child.close()
+        reports.close()
+        reports.join_thread()
+
+    after = side.record(slot)
+    assert isinstance(results, dict)
+    assert set(results) == set(CALLS)
+    problems = [
+        f"{call} returned {results[call]!r}" for call in CALLS if results[call] is not False
+    ]
+    if after.token != taker.token:
+        problems.append(f"the new holder's token became {after.token!r}")
+    if case.backend == "redis":
+        # PTTL only falls as time passes; a stale extend would raise it to ~60 s.
+        assert isinstance(before.expiry, float)
+        if not isinstance(after.expiry, float) or not 0 < after.expiry <= before.expiry:
+            problems.append(f"PTTL went from {before.expiry} to {after.expiry} ms")
+    elif after.expiry != before.expiry:
+        problems.append(f"expiredAt went from {before.expiry} to {after.expiry}")
+    if filler is not None:
+        if side.record(_slot(filler)).token != filler.token:
+            problems.append("the other permit's record lost its token")
+        assert filler.release() is True
+    assert not problems, f"{case.id}: " + "; ".join(problems)
+    assert taker.release() is True
