@@ -32,6 +32,7 @@ import random
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 import bson
@@ -200,9 +201,10 @@ class _MongoCore:
         checked = check_collection_name(name)
         return self.inner.get_database(database).get_collection(checked)
 
-    def stored(self) -> int:
-        """How many documents the collections handed out hold (expired or not)."""
-        return sum(core.inner.count_documents({}) for core in self.collections)
+    def active(self, now: float) -> int:
+        """How many documents of the collections handed out are active at ``now`` (epoch s)."""
+        when = {"expiredAt": {"$gt": datetime.fromtimestamp(now, timezone.utc)}}
+        return sum(core.inner.count_documents(when) for core in self.collections)
 
     def reset(self) -> None:
         """Empty every collection handed out: the server is free again."""
