@@ -5,18 +5,22 @@ free server would and records every request that reaches it in a
 :class:`Recorder`, so that a test can tell whether an operation that raised
 had sent anything first.
 
-- Redis: :class:`RecordingRedis` / :class:`AsyncRecordingRedis` are fakeredis
-  clients (so real ``redis.Redis`` / ``redis.asyncio.Redis`` instances, with
-  fakeredis's Lua) whose ``execute_command`` records each command before
-  running it. A command that cannot be encoded fails in redis-py's encoder,
-  as it would on the wire.
-- MongoDB: :class:`RecordingMongo` / :class:`AsyncRecordingMongo` over
-  mongomock. ``get_database`` / ``get_collection`` do no I/O, as pymongo's do:
-  they are recorded as *lookups*, not requests, and apply pymongo's own
-  name checks (raising pymongo's ``InvalidName`` as pymongo does). Every
-  collection method is a request: recorded, then its arguments and namespace
-  are BSON/UTF-8 encoded as the driver would (so a lone surrogate fails
-  there, as in pymongo), then mongomock answers.
+- Redis: :func:`recording_redis` / :func:`async_recording_redis` are
+  fakeredis clients (real ``redis.Redis`` / ``redis.asyncio.Redis``
+  instances, untouched, with fakeredis's Lua) whose connections record each
+  command they send (the connection handshake included). A command that
+  cannot be encoded fails in redis-py's encoder, as it would on the wire.
+- MongoDB: :class:`RecordingMongo`, a real ``pymongo.MongoClient`` or
+  ``AsyncMongoClient`` that never connects. ``get_database`` /
+  ``get_collection`` are pymongo's (with its name checks: ``InvalidName``),
+  recorded as *lookups*: they do no I/O. Every collection method is a
+  request: recorded, then its arguments and namespace are BSON/UTF-8 encoded
+  as the driver would (so a lone surrogate fails there, as in pymongo), then
+  mongomock answers.
+
+Both keep the client's own types, so that dmutex sees what an application
+would pass it (a sync redis-py or pymongo client given to an asyncio class
+is recognisable as one).
 
 The cancellation wrapper (``tests/faults/test_cancellation.py``):
 :class:`DelayingRedis` awaits a random short sleep before and after handing
@@ -38,8 +42,8 @@ from typing import Any
 import bson
 import fakeredis
 import mongomock
+import pymongo
 import redis.asyncio
-from pymongo.errors import InvalidName
 
 # --- recording doubles --------------------------------------------------------------
 
@@ -52,204 +56,126 @@ class Recorder:
     lookups: list[tuple[object, ...]] = field(default_factory=list)
 
 
-class RecordingRedis(fakeredis.FakeRedis):
-    """A sync redis-py client on a fake server that records every command first."""
+def recording_redis(recorder: Recorder, server: fakeredis.FakeServer) -> fakeredis.FakeRedis:
+    """A sync redis-py client on ``server`` that records each command its connection sends."""
 
-    def __init__(self, recorder: Recorder, server: fakeredis.FakeServer) -> None:
-        super().__init__(server=server)
+    class Connection(fakeredis.FakeRedisConnection):
+        def send_command(self, *args: Any, **options: Any) -> None:
+            recorder.requests.append(args)
+            # redis-py leaves send_command unannotated: called as a Callable.
+            send: Callable[..., None] = super().send_command
+            send(*args, **options)
+
+    return fakeredis.FakeRedis(server=server, connection_class=Connection)
+
+
+def async_recording_redis(
+    recorder: Recorder, server: fakeredis.FakeServer
+) -> fakeredis.FakeAsyncRedis:
+    """A ``redis.asyncio`` client on ``server`` that records each command its connection sends."""
+
+    class Connection(fakeredis.FakeAsyncRedisConnection):
+        async def send_command(self, *args: Any, **options: Any) -> None:
+            recorder.requests.append(args)
+            # redis-py leaves send_command unannotated: called as a Callable.
+            send: Callable[..., Awaitable[None]] = super().send_command
+            await send(*args, **options)
+
+    return fakeredis.FakeAsyncRedis(server=server, connection_class=Connection)
+
+
+# The collection methods a request can go through; each is intercepted.
+REQUEST_METHODS = (
+    "create_index", "insert_one", "update_one", "update_many", "delete_one", "delete_many",
+    "find_one", "find_one_and_update", "distinct",
+)  # fmt: skip
+# Never connected to: the client only lends its real pymongo types and name checks.
+_NOWHERE = "mongodb://127.0.0.1:9/?connect=false"
+
+
+class RecordingMongo:
+    """A real pymongo client, sync or asyncio, whose requests reach mongomock and are recorded.
+
+    :attr:`client` is a ``pymongo.MongoClient`` (``AsyncMongoClient`` if
+    ``asynchronous``) that never connects. Its ``get_database`` and its
+    databases' ``get_collection`` are pymongo's own, with pymongo's name checks,
+    recorded as lookups. The collections they return are pymongo's, with each
+    method of :data:`REQUEST_METHODS` replaced on the instance: it records
+    the request, encodes the namespace and the arguments as the driver would
+    (UTF-8, BSON), and answers with mongomock, as a free server would.
+    """
+
+    def __init__(self, recorder: Recorder, *, asynchronous: bool) -> None:
         self.recorder = recorder
+        self.asynchronous = asynchronous
+        self.client: pymongo.MongoClient[dict[str, Any]] | pymongo.AsyncMongoClient[dict[str, Any]]
+        if asynchronous:
+            self.client = pymongo.AsyncMongoClient(_NOWHERE, connect=False)
+        else:
+            self.client = pymongo.MongoClient(_NOWHERE, connect=False)
+        self.mock: mongomock.MongoClient[dict[str, Any]] = mongomock.MongoClient()
+        self.stores: list[mongomock.Collection[dict[str, Any]]] = []
+        setattr(self.client, "get_database", self._wrap_get_database(self.client.get_database))  # noqa: B010
 
-    def execute_command(self, *args: Any, **options: Any) -> Any:
-        self.recorder.requests.append(args)
-        # redis-py leaves execute_command unannotated: called as a Callable.
-        execute: Callable[..., Any] = super().execute_command
-        return execute(*args, **options)
+    def _wrap_get_database(self, real: Callable[..., Any]) -> Callable[..., Any]:
+        def get_database(name: Any, *args: Any, **options: Any) -> Any:
+            self.recorder.lookups.append(("get_database", name))
+            database = real(name, *args, **options)
+            setattr(database, "get_collection", self._wrap_get_collection(database))  # noqa: B010
+            return database
 
+        return get_database
 
-class AsyncRecordingRedis(fakeredis.FakeAsyncRedis):
-    """A ``redis.asyncio`` client on a fake server that records every command first."""
+    def _wrap_get_collection(self, database: Any) -> Callable[..., Any]:
+        real: Callable[..., Any] = database.get_collection
 
-    def __init__(self, recorder: Recorder, server: fakeredis.FakeServer) -> None:
-        super().__init__(server=server)
-        self.recorder = recorder
+        def get_collection(name: Any, *args: Any, **options: Any) -> Any:
+            self.recorder.lookups.append(("get_collection", name))
+            collection = real(name, *args, **options)
+            store = self.mock.get_database(database.name).get_collection(name)
+            self.stores.append(store)
+            for method in REQUEST_METHODS:
+                setattr(collection, method, self._request(store, f"{database.name}.{name}", method))
+            return collection
 
-    async def execute_command(self, *args: Any, **options: Any) -> Any:
-        self.recorder.requests.append(args)
-        # redis-py leaves execute_command unannotated: called as a Callable.
-        execute: Callable[..., Awaitable[Any]] = super().execute_command
-        return await execute(*args, **options)
+        return get_collection
 
+    def _request(
+        self, store: mongomock.Collection[dict[str, Any]], namespace: str, method: str
+    ) -> Callable[..., Any]:
+        recorder = self.recorder
 
-def check_database_name(name: object) -> str:
-    """pymongo's checks of a database name (``pymongo.database_shared._check_name``)."""
-    if not isinstance(name, str):
-        raise TypeError(f"name must be an instance of str, not {type(name)}")
-    if not name:
-        raise InvalidName("database name cannot be the empty string")
-    for char in (" ", ".", "$", "/", "\\", "\x00", '"'):
-        if char in name:
-            raise InvalidName(f"database names cannot contain the character {char!r}")
-    return name
+        def answer(args: tuple[Any, ...], options: dict[str, Any]) -> Any:
+            recorder.requests.append((method, *args))
+            # What pymongo does before a byte leaves: the namespace and the
+            # command are encoded (UTF-8, strict; BSON).
+            namespace.encode("utf-8")
+            bson.encode({"args": list(args), "options": options})
+            return getattr(store, method)(*args, **options)
 
+        if not self.asynchronous:
+            return lambda *args, **options: answer(args, options)
 
-def check_collection_name(name: object) -> str:
-    """pymongo's checks of a collection name (``Collection.__init__``)."""
-    if not isinstance(name, str):
-        raise TypeError(f"name must be an instance of str, not {type(name)}")
-    if not name or ".." in name:
-        raise InvalidName("collection names cannot be empty")
-    if "$" in name and not name.startswith(("oplog.$main", "$cmd")):
-        raise InvalidName(f"collection names must not contain '$': {name!r}")
-    if name[0] == "." or name[-1] == ".":
-        raise InvalidName(f"collection names must not start or end with '.': {name!r}")
-    if "\x00" in name:
-        raise InvalidName("collection names must not contain the null character")
-    return name
+        async def coroutine(*args: Any, **options: Any) -> Any:
+            return answer(args, options)
 
-
-class _CollectionCore:
-    """Records a request, encodes it as the driver would, then asks mongomock."""
-
-    def __init__(
-        self, inner: mongomock.Collection[Any], namespace: str, recorder: Recorder
-    ) -> None:
-        self.inner = inner
-        self.namespace = namespace
-        self.recorder = recorder
-
-    def _request(self, name: str, args: tuple[Any, ...], options: dict[str, Any]) -> Any:
-        self.recorder.requests.append((name, *args))
-        # What pymongo does before a byte leaves: the namespace and the
-        # command are encoded (UTF-8, strict; BSON).
-        self.namespace.encode("utf-8")
-        bson.encode({"args": list(args), "options": options})
-        return getattr(self.inner, name)(*args, **options)
-
-
-class RecordingMongoCollection(_CollectionCore):
-    """A sync collection: every method is one recorded request."""
-
-    def create_index(self, *args: Any, **options: Any) -> Any:
-        return self._request("create_index", args, options)
-
-    def insert_one(self, *args: Any, **options: Any) -> Any:
-        return self._request("insert_one", args, options)
-
-    def update_one(self, *args: Any, **options: Any) -> Any:
-        return self._request("update_one", args, options)
-
-    def update_many(self, *args: Any, **options: Any) -> Any:
-        return self._request("update_many", args, options)
-
-    def delete_one(self, *args: Any, **options: Any) -> Any:
-        return self._request("delete_one", args, options)
-
-    def delete_many(self, *args: Any, **options: Any) -> Any:
-        return self._request("delete_many", args, options)
-
-    def find_one(self, *args: Any, **options: Any) -> Any:
-        return self._request("find_one", args, options)
-
-    def find_one_and_update(self, *args: Any, **options: Any) -> Any:
-        return self._request("find_one_and_update", args, options)
-
-    def distinct(self, *args: Any, **options: Any) -> Any:
-        return self._request("distinct", args, options)
-
-
-class AsyncRecordingMongoCollection(_CollectionCore):
-    """An asyncio collection: every coroutine method is one recorded request."""
-
-    async def create_index(self, *args: Any, **options: Any) -> Any:
-        return self._request("create_index", args, options)
-
-    async def insert_one(self, *args: Any, **options: Any) -> Any:
-        return self._request("insert_one", args, options)
-
-    async def update_one(self, *args: Any, **options: Any) -> Any:
-        return self._request("update_one", args, options)
-
-    async def update_many(self, *args: Any, **options: Any) -> Any:
-        return self._request("update_many", args, options)
-
-    async def delete_one(self, *args: Any, **options: Any) -> Any:
-        return self._request("delete_one", args, options)
-
-    async def delete_many(self, *args: Any, **options: Any) -> Any:
-        return self._request("delete_many", args, options)
-
-    async def find_one(self, *args: Any, **options: Any) -> Any:
-        return self._request("find_one", args, options)
-
-    async def find_one_and_update(self, *args: Any, **options: Any) -> Any:
-        return self._request("find_one_and_update", args, options)
-
-    async def distinct(self, *args: Any, **options: Any) -> Any:
-        return self._request("distinct", args, options)
-
-
-class _MongoCore:
-    """A client that is its own lookups: ``get_database`` then ``get_collection``."""
-
-    def __init__(self, recorder: Recorder) -> None:
-        self.recorder = recorder
-        self.inner: mongomock.MongoClient[dict[str, Any]] = mongomock.MongoClient()
-        self.collections: list[_CollectionCore] = []
-
-    def _collection(self, database: str, name: object) -> mongomock.Collection[Any]:
-        self.recorder.lookups.append(("get_collection", name))
-        checked = check_collection_name(name)
-        return self.inner.get_database(database).get_collection(checked)
+        return coroutine
 
     def active(self, now: float) -> int:
-        """How many documents of the collections handed out are active at ``now`` (epoch s)."""
+        """How many lease documents are active at ``now`` (epoch seconds)."""
         when = {"expiredAt": {"$gt": datetime.fromtimestamp(now, timezone.utc)}}
-        return sum(core.inner.count_documents(when) for core in self.collections)
+        return sum(store.count_documents(when) for store in self.stores)
 
     def reset(self) -> None:
         """Empty every collection handed out: the server is free again."""
-        for core in self.collections:
-            core.inner.delete_many({})
+        for store in self.stores:
+            store.delete_many({})
 
-
-class RecordingMongo(_MongoCore):
-    """A sync Mongo-shaped client over mongomock that records what reaches it."""
-
-    def get_database(self, name: object) -> RecordingMongoDatabase:
-        self.recorder.lookups.append(("get_database", name))
-        return RecordingMongoDatabase(self, check_database_name(name))
-
-
-class RecordingMongoDatabase:
-    def __init__(self, client: RecordingMongo, name: str) -> None:
-        self._client = client
-        self._name = name
-
-    def get_collection(self, name: object) -> RecordingMongoCollection:
-        inner = self._client._collection(self._name, name)
-        made = RecordingMongoCollection(inner, f"{self._name}.{name}", self._client.recorder)
-        self._client.collections.append(made)
-        return made
-
-
-class AsyncRecordingMongo(_MongoCore):
-    """The asyncio twin of :class:`RecordingMongo` (lookups sync, requests coroutines)."""
-
-    def get_database(self, name: object) -> AsyncRecordingMongoDatabase:
-        self.recorder.lookups.append(("get_database", name))
-        return AsyncRecordingMongoDatabase(self, check_database_name(name))
-
-
-class AsyncRecordingMongoDatabase:
-    def __init__(self, client: AsyncRecordingMongo, name: str) -> None:
-        self._client = client
-        self._name = name
-
-    def get_collection(self, name: object) -> AsyncRecordingMongoCollection:
-        inner = self._client._collection(self._name, name)
-        made = AsyncRecordingMongoCollection(inner, f"{self._name}.{name}", self._client.recorder)
-        self._client.collections.append(made)
-        return made
+    async def close(self) -> None:
+        if isinstance(self.client, pymongo.AsyncMongoClient):
+            await self.client.close()
+        else:
+            self.client.close()
 
 
 # --- the delaying wrapper -----------------------------------------------------------

@@ -56,11 +56,10 @@ from dmutex import (
     SystemClock,
 )
 from tests._support.fault_clients import (
-    AsyncRecordingMongo,
-    AsyncRecordingRedis,
     Recorder,
     RecordingMongo,
-    RecordingRedis,
+    async_recording_redis,
+    recording_redis,
 )
 
 MAX_PERMITS: int = getattr(dmutex, "MAX_PERMITS", 1024)
@@ -300,12 +299,12 @@ def make_world(kind: str, asynchronous: bool) -> World:
     if kind.startswith("redis"):
         server = fakeredis.FakeServer()
         inspector = fakeredis.FakeRedis(server=server, decode_responses=True)
-        client: RecordingRedis | AsyncRecordingRedis
+        client: fakeredis.FakeRedis | fakeredis.FakeAsyncRedis
         if face_async:
-            client = AsyncRecordingRedis(recorder, server)
+            client = async_recording_redis(recorder, server)
             closer: Callable[[], object] = client.aclose
         else:
-            client = RecordingRedis(recorder, server)
+            client = recording_redis(recorder, server)
             closer = client.close
         return World(
             kind,
@@ -316,8 +315,15 @@ def make_world(kind: str, asynchronous: bool) -> World:
             closers=[closer, inspector.close],
         )
     if kind.startswith("mongodb"):
-        mongo = AsyncRecordingMongo(recorder) if face_async else RecordingMongo(recorder)
-        return World(kind, mongo, recorder, reset=lambda key: mongo.reset(), active=mongo.active)
+        mongo = RecordingMongo(recorder, asynchronous=face_async)
+        return World(
+            kind,
+            mongo.client,
+            recorder,
+            reset=lambda key: mongo.reset(),
+            active=mongo.active,
+            closers=[mongo.close],
+        )
     backend = InMemoryBackend(clock=ManualClock())
 
     def forget(key: object) -> None:
