@@ -280,7 +280,7 @@ def test_a_recording_backend_does_record() -> None:
     """The doubles above would notice a call: a good one is recorded."""
     target, client = recorded(DMutex)
     target.acquire("k")
-    assert client.count("SET") == 1
+    assert client.count("EVALSHA") == 1
 
 
 @pytest.mark.parametrize("cls", CLASSES)

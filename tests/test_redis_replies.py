@@ -23,14 +23,24 @@ class Scripted:
         return reply
 
 
-@pytest.mark.parametrize("reply", [True, "OK", b"OK"])
-def test_set_ok_in_any_decoding_grants(reply: object) -> None:
-    assert DMutex("svc", Scripted(reply)).acquire("k") is not None
+@pytest.mark.parametrize("reply", [0, "0", b"0"])
+def test_mutex_slot_zero_in_any_decoding_grants(reply: object) -> None:
+    """A mutex acquires by script too (so that a re-sent copy is recognised): 0 is its slot."""
+    client = Scripted(reply)
+    assert DMutex("svc", client).acquire("k") is not None
+    assert [command[0] for command in client.commands] == ["EVALSHA"]
 
 
-@pytest.mark.parametrize("reply", [None, False])
-def test_set_nil_is_contention(reply: object) -> None:
+@pytest.mark.parametrize("reply", [-1, "-1", b"-1"])
+def test_mutex_minus_one_is_contention(reply: object) -> None:
     assert DMutex("svc", Scripted(reply)).acquire("k") is None
+
+
+@pytest.mark.parametrize("reply", [True, "OK", b"OK", None, False, 1])
+def test_impossible_mutex_acquire_reply_raises_not_contention(reply: object) -> None:
+    """SET's replies are not the script's: a client that gives one raises."""
+    with pytest.raises(DMutexError, match="unexpected reply"):
+        DMutex("svc", Scripted(reply, 0)).acquire("k")
 
 
 @pytest.mark.parametrize(("reply", "slot"), [(2, 2), (b"1", 1), ("0", 0)])

@@ -309,13 +309,16 @@ def create_indexes(collection: str) -> dict[str, Any]:
 
 
 def take(collection: str, slot_id: str, token: str, now_ms: int, ttl_ms: int) -> dict[str, Any]:
-    """The acquire upsert of one slot."""
+    """The acquire upsert of one slot: free, expired, or already holding ``token``."""
     return {
         "update": collection,
         "ordered": True,
         "updates": [
             {
-                "q": {"_id": slot_id, "expiredAt": {"$lte": at(now_ms)}},
+                "q": {
+                    "_id": slot_id,
+                    "$or": [{"expiredAt": {"$lte": at(now_ms)}}, {"value": token}],
+                },
                 "u": {"$set": {"value": token, "expiredAt": at(now_ms + ttl_ms)}},
                 "multi": False,
                 "upsert": True,
@@ -356,7 +359,7 @@ def check_dates(request: Request) -> None:
     for update in request.doc["updates"]:
         sent = update["u"]["$set"]["expiredAt"]
         assert type(sent) is datetime
-        for operator in update["q"]["expiredAt"].values():
+        for operator in expiry_condition(update["q"]).values():
             assert type(operator) is datetime
 
 
@@ -473,7 +476,7 @@ def test_mutex_acquire_is_one_upsert(
     assert body(request) == take("_dmutex_svc", "permit:0:job", token, START_MS, ttl_ms)
     check_dates(request)
     sent = request.doc["updates"][0]
-    assert sent["u"]["$set"]["expiredAt"] - sent["q"]["expiredAt"]["$lte"] == timedelta(
+    assert sent["u"]["$set"]["expiredAt"] - expiry_condition(sent["q"])["$lte"] == timedelta(
         milliseconds=ttl_ms
     )
     reply = {"free": inserted(request), "expired-but-stored": MATCHED, "held": duplicate(request)}
@@ -521,6 +524,19 @@ def first_try(wire: Wire, key: str, ttl_ms: int) -> tuple[Request, str, int]:
     assert body(request) == take("_dsemaphore_svc", permit_id(slot, key), token, START_MS, ttl_ms)
     check_dates(request)
     return request, token, slot
+
+
+def cleanup_of(wire: Wire, collection: str, key: str, token: str, permits: int) -> None:
+    """An acquire that raised releases by its token: one delete over every slot (answered n=0)."""
+    request = wire.receive("delete")
+    ids = {"$in": [permit_id(i, key) for i in range(permits)]}
+    query = {"_id": ids, "value": token, "expiredAt": {"$gt": at(START_MS)}}
+    assert body(request) == {
+        "delete": collection,
+        "ordered": True,
+        "deletes": [{"q": query, "limit": 1}],
+    }
+    request.ok(n=0)
 
 
 def distinct_of(wire: Wire, key: str, permits: int) -> Request:
@@ -809,38 +825,44 @@ def test_acquire_raises_on_any_other_error(
     ready_counted(wire, face, "_dmutex_svc" if kind == "mutex" else "_dsemaphore_svc")
     mark = len(wire.commands.names)
     future = go(face.acquire, "k")
-    wire.receive("update").ok(reply)
+    request = wire.receive("update")
+    request.ok(reply)
+    collection = "_dmutex_svc" if kind == "mutex" else "_dsemaphore_svc"
+    cleanup_of(wire, collection, "k", token_of(request), 1 if kind == "mutex" else 3)
     with pytest.raises(error, match=re.escape(message[:20])) as raised:
         future()
     assert isinstance(raised.value, pymongo.errors.OperationFailure)
     assert raised.value.code == code
-    # Raised at once: the semaphore did not go on to distinct.
-    assert wire.commands.since(mark) == ["update"]
+    # Raised at once: the semaphore did not go on to distinct; the delete is
+    # the failed acquire releasing by its token, in case it took a slot.
+    assert wire.commands.since(mark) == ["update", "delete"]
 
 
 def test_distinct_failure_raises(wire: Wire) -> None:
     sem, mark = start_semaphore(wire, 3)
     future = go(sem.acquire, "k")
-    request, _, _ = first_try(wire, "k", 300_000)
+    request, token, _ = first_try(wire, "k", 300_000)
     request.ok(duplicate(request))
     wire.receive("distinct").ok(command_error(13, "Unauthorized", "not authorized: distinct"))
+    cleanup_of(wire, "_dsemaphore_svc", "k", token, 3)
     with pytest.raises(pymongo.errors.OperationFailure, match="not authorized: distinct") as raised:
         future()
     assert raised.value.code == 13
-    assert wire.commands.since(mark) == ["update", "distinct"]
+    assert wire.commands.since(mark) == ["update", "distinct", "delete"]
 
 
 def test_race_lost_then_other_error_raises(wire: Wire) -> None:
     sem, mark = start_semaphore(wire, 3)
     future = go(sem.acquire, "k")
-    request, _, _ = first_try(wire, "k", 300_000)
+    request, token, _ = first_try(wire, "k", 300_000)
     request.ok(duplicate(request))
     wire.receive("distinct").ok(values=[])
     wire.receive("update").ok(write_error(2, BAD_VALUE))
+    cleanup_of(wire, "_dsemaphore_svc", "k", token, 3)
     with pytest.raises(pymongo.errors.WriteError, match="immutable field") as raised:
         future()
     assert raised.value.code == 2
-    assert wire.commands.since(mark) == ["update", "distinct", "update"]
+    assert wire.commands.since(mark) == ["update", "distinct", "update", "delete"]
 
 
 WRITE_CONCERN_ERROR = {
@@ -876,10 +898,13 @@ def test_write_concern_error_raises(wire: Wire, operation: str) -> None:
         request = wire.receive("update")
         success = inserted(request) if operation == "acquire" else MATCHED
         request.ok({**success, "writeConcernError": WRITE_CONCERN_ERROR})
+        if operation == "acquire":  # it may have taken the slot: released by its token
+            cleanup_of(wire, "_dmutex_svc", "k", token_of(request), 1)
     with pytest.raises(pymongo.errors.WriteConcernError, match="replication timed out") as raised:
         future_result()
     assert raised.value.code == 64
-    assert wire.commands.since(mark) == ["delete" if operation == "release" else "update"]
+    sent = {"acquire": ["update", "delete"], "release": ["delete"], "extend": ["update"]}
+    assert wire.commands.since(mark) == sent[operation]
 
 
 HANGUPS = ["ready", "acquire", "distinct", "release", "extend"]
@@ -906,10 +931,11 @@ def test_a_hang_up_raises(wire: Wire, where: str) -> None:
         "extend": lambda: handle is not None and handle.extend(5),
     }
     future_result = go(operations[where])
+    # A hung-up acquire may have taken its slot: it releases by its token.
     expected = {
         "ready": ["createIndexes"],
-        "acquire": ["update"],
-        "distinct": ["update", "distinct"],
+        "acquire": ["update", "delete"],
+        "distinct": ["update", "distinct", "delete"],
     }
     if where == "ready":
         wire.receive("createIndexes").hangup()
@@ -917,6 +943,11 @@ def test_a_hang_up_raises(wire: Wire, where: str) -> None:
         request = wire.receive("update")
         request.ok(duplicate(request))
         wire.receive("distinct").hangup()
+        cleanup_of(wire, "_dsemaphore_svc", "k", token_of(request), 2)
+    elif where == "acquire":
+        request = wire.receive("update")
+        request.hangup()
+        cleanup_of(wire, "_dsemaphore_svc", "k", token_of(request), 2)
     else:
         wire.receive("delete" if where == "release" else "update").hangup()
     with pytest.raises(pymongo.errors.ConnectionFailure):
@@ -987,7 +1018,15 @@ def without_token(document: dict[str, Any]) -> dict[str, Any]:
     for update in copy.get("updates", []):
         if "value" in update["u"].get("$set", {}):
             update["u"]["$set"]["value"] = "<token>"
+        for condition in update["q"].get("$or", []):
+            if "value" in condition:
+                condition["value"] = "<token>"
     return copy
+
+
+def expiry_condition(query: dict[str, Any]) -> Any:
+    """The ``expiredAt`` condition of a query: at its top, or an acquire's first ``$or`` arm."""
+    return query["expiredAt"] if "expiredAt" in query else query["$or"][0]["expiredAt"]
 
 
 def body_dict(document: Any) -> Any:
@@ -1054,7 +1093,7 @@ def test_naive_and_tz_aware_clients_send_the_same_commands(wire: Wire) -> None:
     naive = session_on(wire, wire.client(tz_aware=False))
     assert aware == naive
     # And they are the dates of this clock, not shifted by a local offset.
-    assert aware[1]["updates"][0]["q"]["expiredAt"] == {"$lte": at(START_MS)}
+    assert expiry_condition(aware[1]["updates"][0]["q"]) == {"$lte": at(START_MS)}
     assert aware[1]["updates"][0]["u"]["$set"]["expiredAt"] == at(START_MS + 12_500)
     assert aware[4]["updates"][0]["u"]["$set"]["expiredAt"] == at(START_MS + 3000)
     assert [next(iter(document)) for document in aware] == [

@@ -289,7 +289,7 @@ def test_untagged_semaphore_grants_at_most_max_permits(
 def test_untagged_acquire_takes_one_request_when_empty_and_n_when_full(
     client: redis.cluster.RedisCluster,
 ) -> None:
-    """Untagged key, 5 permits: acquire = 1 ``SET NX`` per slot tried, lowest first."""
+    """Untagged key, 5 permits: acquire = one one-key script per slot tried, lowest first."""
     counter = Counting(client)
     assert is_cluster_client(counter)
     sem = DSemaphore("svc", counter, max_permits=5)
@@ -298,9 +298,9 @@ def test_untagged_acquire_takes_one_request_when_empty_and_n_when_full(
         permit = sem.acquire(UNTAGGED, ttl=TTL)
         assert permit is not None
         assert permit.slot == held
-        assert counter.take() == ["SET"] * (held + 1)
+        assert counter.take() == ["EVALSHA"] * (held + 1)
     assert sem.acquire(UNTAGGED, ttl=TTL) is None
-    assert counter.take() == ["SET"] * 5
+    assert counter.take() == ["EVALSHA"] * 5
 
 
 @pytest.mark.parametrize("permits", [2, 3, 8])
@@ -312,12 +312,12 @@ def test_untagged_full_lock_with_n_permits_takes_n_requests(
     counter = Counting(client)
     sem = DSemaphore("svc", counter, max_permits=permits)
     assert sem.acquire(UNTAGGED, ttl=TTL) is not None
-    assert counter.take() == ["SET"]
+    assert counter.take() == ["EVALSHA"]
     for _ in range(permits - 1):
         assert sem.acquire(UNTAGGED, ttl=TTL) is not None
     counter.take()
     assert sem.acquire(UNTAGGED, ttl=TTL) is None
-    assert counter.take() == ["SET"] * permits
+    assert counter.take() == ["EVALSHA"] * permits
 
 
 def test_untagged_release_and_extend_request_counts(
@@ -407,9 +407,9 @@ def test_mutex_takes_one_request_per_operation(client: redis.cluster.RedisCluste
     mutex = DMutex("svc", counter)
     lock = mutex.acquire("job-2", ttl=TTL)
     assert lock is not None
-    assert counter.take() == ["SET"]
+    assert counter.take() == ["EVALSHA"]
     assert mutex.acquire("job-2", ttl=TTL) is None
-    assert counter.take() == ["SET"]
+    assert counter.take() == ["EVALSHA"]
     assert lock.extend(ttl=TTL)
     assert counter.take() == ["EVALSHA"]
     assert lock.release()

@@ -59,8 +59,6 @@ def test_semaphore_and_mutex_leave_exactly_the_typescript_keys(
         "_dsemaphore_orders:permit:1:api": tokens[1],
         "_dsemaphore_orders:permit:2:api": tokens[2],
         "_dmutex_orders:permit:0:job": lock.token,
-        # Beside them, not in their place: where the next acquire starts looking.
-        "_dsemaphore_orders:hint:api": "0",
     }
     for name in server.keys("*"):
         assert 59_000 < server.pttl(name) <= 60_000
@@ -69,17 +67,18 @@ def test_semaphore_and_mutex_leave_exactly_the_typescript_keys(
 def test_ttl_is_sent_as_px_milliseconds_rounded_up(recording: Recording) -> None:
     lock = DMutex("svc", recording).acquire("job", ttl=12.3451)
     assert lock is not None
-    assert recording.commands == [
-        ("SET", "_dmutex_svc:permit:0:job", lock.token, "PX", math.ceil(12345.1), "NX")
-    ]
+    name, sha, *rest = recording.commands[-1]
+    # EVALSHA, or EVAL with the script's text where the server had not cached it yet.
+    assert (name, sha) in {("EVALSHA", ACQUIRE.sha), ("EVAL", ACQUIRE.text)}
+    assert rest == [1, "_dmutex_svc:permit:0:job", lock.token, math.ceil(12345.1)]
     sem = DSemaphore("svc", recording, max_permits=2)
     permit = sem.acquire("api", ttl=0.0005)
     assert permit is not None
-    name, sha, numkeys, *rest = recording.commands[-1]
-    # EVALSHA, or EVAL with the script's text where the server had not cached it yet.
+    name, sha, *rest = recording.commands[-1]
     assert (name, sha) in {("EVALSHA", ACQUIRE.sha), ("EVAL", ACQUIRE.text)}
-    # On a single server the script builds the slot key names from the prefix.
-    assert (numkeys, rest) == (0, [permit.token, 1, "_dsemaphore_svc:", "api", 2])
+    # Every slot key declared, in slot order; then the token and PX.
+    keys = ["_dsemaphore_svc:permit:0:api", "_dsemaphore_svc:permit:1:api"]
+    assert rest == [2, *keys, permit.token, 1]
 
 
 def test_key_prefix_replaces_the_default(server: redis.Redis) -> None:
@@ -129,32 +128,76 @@ def test_the_server_expires_the_lease(server: redis.Redis) -> None:
         assert server.get("_dmutex_svc:permit:0:job") == new.token
 
 
-@pytest.mark.parametrize("hint", ["abc", "-1", "1.5", "3", "999", "", "1e3"])
-def test_a_bad_hint_only_changes_where_the_search_starts(server: redis.Redis, hint: str) -> None:
-    """The hint key is advice: garbage or out-of-range values start the search at slot 0."""
+def test_no_write_touches_a_name_outside_the_lock_s_slot_keys(server: redis.Redis) -> None:
+    """Key prefixes are free-form, so one service's names can be another's slot keys.
+
+    ``DSemaphore("s")`` on lock ``"permit:0:job"`` once wrote a hint record at
+    ``_dsemaphore_s:hint:permit:0:job``, which is slot 0 of ``DSemaphore("s:hint")``'s
+    lock ``"job"``, overwriting that holder's token. dmutex now writes slot keys
+    only: the other service's record keeps its token and its expiry.
+    """
     with redis.Redis.from_url(_url(server)) as client:
-        sem = DSemaphore("svc", client, max_permits=3)
-        server.set("_dsemaphore_svc:hint:api", hint)
-        permits = [sem.acquire("api") for _ in range(4)]
-        assert permits[3] is None
-        assert sorted(p.slot for p in permits[:3] if p is not None) == [0, 1, 2]
-        assert sorted(server.keys("_dsemaphore_svc:permit:*")) == [
-            f"_dsemaphore_svc:permit:{i}:api" for i in range(3)
-        ]
+        theirs = DSemaphore("s:hint", client, max_permits=1)
+        held = theirs.acquire("job", ttl=60)
+        assert held is not None
+        name = "_dsemaphore_s:hint:permit:0:job"
+        assert server.get(name) == held.token
+        mine = DSemaphore("s", client, max_permits=2)
+        for _ in range(20):
+            permits = [mine.acquire("permit:0:job") for _ in range(2)]
+            assert all(p is not None for p in permits)
+            assert all(p.release() for p in permits if p is not None)
+            assert mine.release("permit:0:job", str(uuid.uuid4())) is False
+        assert server.get(name) == held.token
+        assert 0 < server.pttl(name) <= 60_000
+        assert theirs.acquire("job") is None, "still held: no second holder got in"
+        assert sorted(server.keys("*")) == [name]
 
 
-def test_the_search_wraps_past_held_slots_to_a_free_one(server: redis.Redis) -> None:
-    """A hint at a held slot (say, written by a holder that a TypeScript service outlived)."""
-    with redis.Redis.from_url(_url(server)) as client:
-        sem = DSemaphore("svc", client, max_permits=4)
-        for slot in (1, 2, 3):
-            server.set(f"_dsemaphore_svc:permit:{slot}:api", f"ts-{slot}", px=60_000)
-        server.set("_dsemaphore_svc:hint:api", "2")
-        permit = sem.acquire("api")
-        assert permit is not None
-        assert permit.slot == 0
-        assert sem.acquire("api") is None
-        assert server.get("_dsemaphore_svc:hint:api") == "1"
-        assert permit.release() is True
-        assert server.get("_dsemaphore_svc:hint:api") == "0", "the freed slot is tried first"
-        assert 0 < server.pttl("_dsemaphore_svc:hint:api") <= 300_000
+def _touched(command: str) -> list[str]:
+    """The keys a command a script ran touches (MONITOR's text; the test keys have no spaces)."""
+    name, *args = [part.strip('"') for part in command.split(" ")]
+    if name.upper() == "MGET":
+        return args
+    return args[:1]
+
+
+def test_every_key_a_script_touches_is_declared(redis_url: str) -> None:
+    """MONITOR shows each command a script runs: its keys are among the request's KEYS.
+
+    Redis documents that a script must declare every key it touches; clusters,
+    proxies, ACL key patterns and stricter Redis-compatible servers rely on it.
+    """
+    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+        monitor = client.monitor()
+        with monitor:
+            sem = DSemaphore("svc", client, max_permits=3)
+            mutex = DMutex("svc", client)
+            for lock in (sem, mutex):
+                handles = [lock.acquire("api"), lock.acquire("api"), lock.acquire("api")]
+                for handle in handles:
+                    if handle is not None:
+                        assert handle.extend(5) is True
+                        assert handle.release() is True
+            permit = sem.acquire("api")
+            assert permit is not None
+            assert sem.extend("api", permit.token, 5) is True
+            assert sem.release("api", permit.token) is True
+            assert sem.release("api", permit.token) is False
+            client.echo("done")
+            declared: set[str] = set()
+            scripted = 0
+            while True:
+                seen = monitor.next_command()
+                command: str = seen["command"]
+                if command == "ECHO done":
+                    break
+                parts = command.split(" ")
+                if parts[0] in ("EVALSHA", "EVAL"):
+                    declared = set(parts[3 : 3 + int(parts[2])])
+                elif seen.get("client_type") == "lua":
+                    scripted += 1
+                    keys = _touched(command)
+                    assert keys, command
+                    assert set(keys) <= declared, f"{command!r} touches an undeclared key"
+    assert scripted >= 20, "MONITOR showed the commands the scripts ran"

@@ -15,7 +15,7 @@ from .._validate import check_collection_name, check_db_name
 from .memory import InMemoryBackend, MemoryStore
 from .mongo import MongoStore
 from .redis import RedisStore
-from .shapes import defines, detect, method, refuse_asyncio
+from .shapes import defines, detect, method, refuse_asyncio, refuse_sync
 from .store import Store
 
 
@@ -37,16 +37,14 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
         return MemoryStore(client, options.key_prefix, options.max_permits)
     clock = SystemClock() if options.clock is None else options.clock
     if found == "redis":
-        if not asynchronous:
-            name = "execute_command" if defines(client, "execute_command") else "set"
-            refuse_asyncio(client, name, "client")
+        name = "execute_command" if defines(client, "execute_command") else "eval"
+        (refuse_sync if asynchronous else refuse_asyncio)(client, name, "client")
         return RedisStore(client, options.key_prefix, options.max_permits, clock)
     check_db_name(options.db_name)
     check_collection_name(options.collection_name, options.collection_origin)
     database = method(client, "get_database")(options.db_name)
     collection = method(database, "get_collection")(options.collection_name)
-    if not asynchronous:
-        refuse_asyncio(collection, "update_one", "collection")
+    (refuse_sync if asynchronous else refuse_asyncio)(collection, "update_one", "collection")
     return MongoStore(collection, options.max_permits, clock)
 
 

@@ -9,7 +9,9 @@ Guarantees: a slot is taken by an upsert whose filter matches the slot's
 document only if it has expired (or matches nothing, so the upsert inserts
 it). While the document is active the filter matches nothing and the insert
 collides with the existing ``_id``: duplicate key (code 11000), which is the
-one error that means "held". Release and extend match on ``value`` (the
+one error that means "held". The filter also matches a document that holds
+the caller's own token, so a re-sent copy of an acquire whose reply was lost
+succeeds as the first copy did. Release and extend match on ``value`` (the
 token) and on ``expiredAt`` being in the future, so a holder whose lease
 expired can neither remove nor prolong the record of whoever took it over.
 
@@ -88,8 +90,16 @@ class MongoStore:
         yield Call(self._create_index, ([("expiredAt", 1)],), {"expireAfterSeconds": 0})
 
     def _take(self, slot: int, key: str, token: str, now: int, expires: int) -> Steps[bool]:
-        """Upsert slot ``slot`` if free or expired; False on duplicate key (held)."""
-        selector = {"_id": self._id(slot, key), "expiredAt": {"$lte": expiry_datetime(now)}}
+        """Upsert slot ``slot`` if free, expired or ours; False on duplicate key (held).
+
+        "Ours": the document already holds ``token``, because an earlier copy
+        of this very request was applied and its reply lost. The upsert then
+        matches it and the acquire succeeds, as the first copy did.
+        """
+        selector = {
+            "_id": self._id(slot, key),
+            "$or": [{"expiredAt": {"$lte": expiry_datetime(now)}}, {"value": token}],
+        }
         update = {"$set": {"value": token, "expiredAt": expiry_datetime(expires)}}
         try:
             yield Call(self._update, (selector, update), {"upsert": True})

@@ -4,11 +4,20 @@ Layout (shared with the TypeScript dmutex): slot ``i`` of lock ``key`` is the
 string key ``f"{key_prefix}permit:{i}:{key}"``, its value the holder's token,
 its expiry set with ``PX`` in milliseconds. Redis deletes a key whose expiry
 has passed, so "active" is simply "the key exists and holds the token".
+dmutex writes nothing else.
 
 Guarantees, on one Redis server: at most ``max_permits`` keys of a lock exist
 at any instant, because each is created only by ``SET ... NX``; release and
 extend compare the token and act in one atomic script, so a holder whose lease
-expired and was taken over cannot touch the new holder's key.
+expired and was taken over cannot touch the new holder's key. Every script
+declares, in ``KEYS``, every key it touches, and writes only slot keys that
+are absent or hold the caller's own token.
+
+An acquire is idempotent: the token is fixed before the first send, and a
+script that finds the token already in a slot returns that slot. So when a
+client re-sends an acquire whose reply was lost (redis-py and valkey-py do,
+after a connection error), the copy answers with the lease the first one
+took, instead of reporting contention or taking a second slot.
 
 Limits:
 
@@ -16,6 +25,9 @@ Limits:
   the expiry, so a lease lasts ``ttl`` plus up to a millisecond, and
   ``expired_at`` (computed with this process's clock before the request is
   sent) is an estimate that is never later than the server's.
+- A release whose reply was lost and re-sent answers False (the first copy
+  deleted the key): after ``release()`` returns, True or False, the token
+  holds no slot.
 - Replication is asynchronous. A key written on a primary that fails before
   the write reaches a replica is lost on failover, and a second holder can
   then be granted the same slot. See the README's section on failover.
@@ -35,85 +47,58 @@ from .._errors import DMutexError
 from .cluster import same_hash_slot
 from .shapes import defines, is_cluster_client, method
 
-# Every script works in one of two modes. On a cluster, KEYS are the slot keys
-# to look at (all in one hash slot). On a single server there are no KEYS: the
-# script builds the slot key names itself from the prefix and lock key in
-# ARGV, so a request stays a few bytes long whatever max_permits is, and it
-# keeps a hint key, f"{prefix}hint:{key}", saying which slot to try first.
-# The hint only orders the search: a slot is taken by SET NX on its own key,
-# the TypeScript layout's record, so a wrong, missing or foreign hint costs
-# time, never correctness. It expires with the leases that wrote it.
+# KEYS of every script: slot keys of one lock, in slot order, all in one hash
+# slot on a cluster. Slot numbers are positions in KEYS (0-based, KEYS is
+# 1-based), so a script never builds a key name: what it touches is what the
+# request declares, as Redis, ACL key patterns, proxies and clusters require.
 
-# ARGV: token, ttl ms [, prefix, lock key, slot count]. Returns the slot
-# taken, or -1 when every slot is held.
+# ARGV: token, ttl ms. Returns the 0-based position of the key that holds the
+# token (taken now, or by an earlier copy of this request), or -1 when every
+# key is held by another token. MGET reads every slot in one server-side
+# call; SET NX, not SET, because MGET also answers nil for a key of another
+# type, which is not free.
 _ACQUIRE = """\
 local token, ttl = ARGV[1], ARGV[2]
-if #KEYS > 0 then
-  for i = 1, #KEYS do
-    if redis.call('SET', KEYS[i], token, 'PX', ttl, 'NX') then return i - 1 end
-  end
+if #KEYS == 1 then
+  if redis.call('SET', KEYS[1], token, 'PX', ttl, 'NX') then return 0 end
+  if redis.call('GET', KEYS[1]) == token then return 0 end
   return -1
 end
-local prefix, key, n = ARGV[3], ARGV[4], tonumber(ARGV[5])
-local hint = prefix .. 'hint:' .. key
-local start = tonumber(redis.call('GET', hint)) or 0
-if start ~= math.floor(start) or start < 0 or start >= n then start = 0 end
-for j = 0, n - 1 do
-  local i = (start + j) % n
-  if redis.call('SET', prefix .. 'permit:' .. i .. ':' .. key, token, 'PX', ttl, 'NX') then
-    redis.call('SET', hint, (i + 1) % n, 'PX', ttl)
-    return i
-  end
+local values = redis.call('MGET', unpack(KEYS))
+for i = 1, #KEYS do
+  if values[i] == token then return i - 1 end
+end
+for i = 1, #KEYS do
+  if not values[i] and redis.call('SET', KEYS[i], token, 'PX', ttl, 'NX') then return i - 1 end
 end
 return -1
 """
 
-# ARGV: token [, prefix, lock key, first slot, last slot]. Deletes the slot
-# key holding the token and returns 1, or returns 0. On a single server the
-# freed slot becomes the hint, for as long as the lease had left.
+# ARGV: token. Deletes the key that holds the token and returns 1, or 0.
 _RELEASE = """\
 local token = ARGV[1]
-if #KEYS > 0 then
-  for i = 1, #KEYS do
-    if redis.call('GET', KEYS[i]) == token then
-      redis.call('DEL', KEYS[i])
-      return 1
-    end
-  end
+if #KEYS == 1 then
+  if redis.call('GET', KEYS[1]) == token then return redis.call('DEL', KEYS[1]) end
   return 0
 end
-local prefix, key = ARGV[2], ARGV[3]
-for i = tonumber(ARGV[4]), tonumber(ARGV[5]) do
-  local name = prefix .. 'permit:' .. i .. ':' .. key
-  if redis.call('GET', name) == token then
-    local left = redis.call('PTTL', name)
-    redis.call('DEL', name)
-    if left > 0 then redis.call('SET', prefix .. 'hint:' .. key, i, 'PX', left) end
-    return 1
-  end
+local values = redis.call('MGET', unpack(KEYS))
+for i = 1, #KEYS do
+  if values[i] == token then return redis.call('DEL', KEYS[i]) end
 end
 return 0
 """
 
-# ARGV: token, ttl ms [, prefix, lock key, first slot, last slot]. Sets the
-# expiry of the slot key holding the token to now + ttl and returns 1, or 0.
+# ARGV: token, ttl ms. Sets the expiry of the key that holds the token to
+# now + ttl and returns 1, or 0.
 _EXTEND = """\
 local token, ttl = ARGV[1], ARGV[2]
-local function extend(name)
-  if redis.call('GET', name) == token then
-    redis.call('PEXPIRE', name, ttl)
-    return true
-  end
-  return false
-end
-if #KEYS > 0 then
-  for i = 1, #KEYS do
-    if extend(KEYS[i]) then return 1 end
-  end
+if #KEYS == 1 then
+  if redis.call('GET', KEYS[1]) == token then return redis.call('PEXPIRE', KEYS[1], ttl) end
   return 0
 end
-for i = tonumber(ARGV[5]), tonumber(ARGV[6]) do
-  if extend(ARGV[3] .. 'permit:' .. i .. ':' .. ARGV[4]) then return 1 end
+local values = redis.call('MGET', unpack(KEYS))
+for i = 1, #KEYS do
+  if values[i] == token then return redis.call('PEXPIRE', KEYS[i], ttl) end
 end
 return 0
 """
@@ -164,15 +149,6 @@ def _as_int(reply: object, low: int, high: int) -> int:
     return value
 
 
-def _set_succeeded(reply: object) -> bool:
-    """Whether ``SET ... NX`` set the key: OK (in any decoding) or nil."""
-    if reply is None or reply is False:
-        return False
-    if reply is True or reply in ("OK", b"OK"):
-        return True
-    raise DMutexError(f"unexpected reply from Redis to SET: {reply!r}")
-
-
 # --- the store ------------------------------------------------------------------------
 
 
@@ -184,6 +160,9 @@ class RedisStore:
     ``EVAL`` once when the server answers ``NOSCRIPT``; and ``set`` + ``eval``
     (the ioredis shape), where scripts run by ``EVAL``.
 
+    Every operation is one script, a mutex's acquire too: a plain ``SET NX``
+    could not tell a re-sent copy of itself from contention.
+
     On a cluster client, a lock whose slot keys fall into different hash
     slots is handled one key per request (see :meth:`acquire`); wrap the lock
     key in a hash tag, ``"{orders}"``, to keep one request per operation.
@@ -194,23 +173,30 @@ class RedisStore:
     def __init__(self, client: object, prefix: str, max_permits: int, clock: Clock) -> None:
         self._prefix = prefix
         self._permits = max_permits
-        self._standalone = not is_cluster_client(client)
+        self._cluster = is_cluster_client(client)
         # Detection checked the client's shape; pick its path once.
         self._execute: Callable[..., object] | None = None
         self._eval: Callable[..., object] | None = None
-        self._set: Callable[..., object] | None = None
         if defines(client, "execute_command"):
             self._execute = method(client, "execute_command")
         else:
-            self._eval, self._set = method(client, "eval"), method(client, "set")
+            self._eval = method(client, "eval")
         self._clock = clock
 
     @property
     def clock(self) -> Clock:
         return self._clock
 
-    def _name(self, slot: int, key: str) -> str:
-        return f"{self._prefix}permit:{slot}:{key}"
+    def _groups(self, key: str) -> list[list[str]]:
+        """Every slot key of ``key``, in slot order, in groups one script may touch.
+
+        One group, except on a cluster when the keys span hash slots: then
+        one group per key.
+        """
+        names = [f"{self._prefix}permit:{slot}:{key}" for slot in range(self._permits)]
+        if self._cluster and not same_hash_slot(names):
+            return [[name] for name in names]
+        return [names]
 
     def _run(self, script: _Script, keys: Sequence[str], args: tuple[object, ...]) -> Steps[object]:
         """Run ``script`` in one request (two the first time on a fresh server)."""
@@ -225,14 +211,6 @@ class RedisStore:
         # EVAL caches the script, so the next EVALSHA on this server succeeds.
         return (yield Call(self._execute, ("EVAL", script.text, len(keys), *keys, *args)))
 
-    def _set_nx(self, name: str, token: str, ttl_ms: int) -> Steps[bool]:
-        if self._execute is None:
-            assert self._set is not None  # detection: no execute_command means set + eval
-            reply = yield Call(self._set, (name, token), {"px": ttl_ms, "nx": True})
-        else:
-            reply = yield Call(self._execute, ("SET", name, token, "PX", ttl_ms, "NX"))
-        return _set_succeeded(reply)
-
     def ready(self) -> Steps[None]:
         """Nothing to prepare: Redis needs no index."""
         yield from ()
@@ -240,64 +218,42 @@ class RedisStore:
     def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Lease | None]:
         """Take a free slot of ``key``, or return None when all are held.
 
-        One request: ``SET NX`` for a single permit, else one script that
-        tries the slots, starting from the hint on a single server and from
-        slot 0 on a cluster. On a cluster with the slot keys in different hash
-        slots, one ``SET NX`` per slot until one succeeds (at most
-        ``max_permits``).
+        One request: one script over every slot key. On a cluster with the
+        slot keys in different hash slots, one request per slot until one
+        succeeds (at most ``max_permits``).
         """
         expires = now_ms(self._clock) + ttl_ms
-        permits = self._permits
-        if permits == 1 and self._execute is not None:  # the mutex path, inlined
-            reply = yield Call(
-                self._execute, ("SET", f"{self._prefix}permit:0:{key}", token, "PX", ttl_ms, "NX")
-            )
-            return Lease(key, token, 0, expires) if reply is True or _set_succeeded(reply) else None
-        if permits == 1:
-            taken = yield from self._set_nx(self._name(0, key), token, ttl_ms)
-            return Lease(key, token, 0, expires) if taken else None
-        if self._standalone:
-            args = (token, ttl_ms, self._prefix, key, permits)
-            reply = yield from self._run(ACQUIRE, (), args)
-        else:
-            names = [self._name(slot, key) for slot in range(permits)]
-            if not same_hash_slot(names):
-                for slot, name in enumerate(names):
-                    if (yield from self._set_nx(name, token, ttl_ms)):
-                        return Lease(key, token, slot, expires)
-                return None
-            reply = yield from self._run(ACQUIRE, names, (token, ttl_ms))
-        slot = _as_int(reply, -1, permits - 1)
-        return Lease(key, token, slot, expires) if slot >= 0 else None
+        if self._permits == 1:  # the mutex path, one frame shorter
+            name = f"{self._prefix}permit:0:{key}"
+            reply = yield from self._run(ACQUIRE, (name,), (token, ttl_ms))
+            return Lease(key, token, 0, expires) if _as_int(reply, -1, 0) == 0 else None
+        first = 0
+        for group in self._groups(key):
+            reply = yield from self._run(ACQUIRE, group, (token, ttl_ms))
+            position = _as_int(reply, -1, len(group) - 1)
+            if position >= 0:
+                return Lease(key, token, first + position, expires)
+            first += len(group)
+        return None
 
     def _holder(
         self, script: _Script, key: str, slot: int | None, head: tuple[object, ...]
     ) -> Steps[bool]:
-        """Run a compare-token script on the slot(s) that may hold the token.
+        """Run a compare-token script on the slot key(s) that may hold the token.
 
-        ``head`` is the script's leading arguments (the token, and the TTL for
-        extend). Returns whether a slot held it.
+        ``head`` is the script's arguments (the token, and the TTL for
+        extend). Returns whether a key held it.
         """
-        permits = self._permits
-        if self._standalone and permits > 1:
-            first, last = (0, permits - 1) if slot is None else (slot, slot)
-            args = (*head, self._prefix, key, first, last)
-            return _as_int((yield from self._run(script, (), args)), 0, 1) == 1
-        if slot is not None or permits == 1:
-            name = self._name(slot or 0, key)
+        if slot is not None or self._permits == 1:
+            name = f"{self._prefix}permit:{slot or 0}:{key}"
             return _as_int((yield from self._run(script, (name,), head)), 0, 1) == 1
-        names = [self._name(number, key) for number in range(permits)]
-        groups = [names] if same_hash_slot(names) else [[name] for name in names]
-        for group in groups:
-            if _as_int((yield from self._run(script, group, head)), 0, 1):
+        for group in self._groups(key):
+            if _as_int((yield from self._run(script, group, head)), 0, 1) == 1:
                 return True
         return False
 
     def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
         """Delete the slot key that holds ``token``, in one atomic script."""
-        if self._permits == 1:  # the mutex path, one frame shorter
-            name = f"{self._prefix}permit:0:{key}"
-            return _as_int((yield from self._run(RELEASE, (name,), (token,))), 0, 1) == 1
         return (yield from self._holder(RELEASE, key, slot, (token,)))
 
     def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:

@@ -120,6 +120,31 @@ def refuse_asyncio(target: object, name: str, what: str) -> None:
         )
 
 
+# Packages whose plain (non-coroutine) client methods do their I/O before they
+# return: redis-py, valkey-py and pymongo, outside their asyncio modules.
+_SYNC_PACKAGES = ("redis", "valkey", "pymongo")
+_ASYNC_MODULES = ("asyncio", "asynchronous")
+
+
+def refuse_sync(target: object, name: str, what: str) -> None:
+    """Refuse a sync ``target`` (a client or a collection) for an asyncio class.
+
+    Known before any call when ``target.name`` is a plain function of
+    redis-py, valkey-py or pymongo outside their asyncio modules: such a call
+    sends its request before it returns, so the reply check would come too
+    late. Other clients are judged by their first reply (:func:`wrong_face`).
+    """
+    fn = getattr(type(target), name, None)
+    if fn is None or inspect.iscoroutinefunction(fn):
+        return
+    parts = str(getattr(fn, "__module__", "") or "").split(".")
+    if parts[0] in _SYNC_PACKAGES and not set(parts) & set(_ASYNC_MODULES):
+        raise UnsupportedClientError(
+            f"{_described(target)} is a sync {what}: use DMutex / DSemaphore, or pass "
+            "its asyncio counterpart (redis.asyncio, valkey.asyncio, pymongo.AsyncMongoClient)"
+        )
+
+
 def wrong_face(fn: object, result: object, *, callback: bool = False) -> UnsupportedClientError:
     """The error for a call that answered the other face's way.
 

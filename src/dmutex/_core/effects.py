@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
-from typing import TypeAlias, TypeVar
+from typing import TypeAlias, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -23,11 +23,16 @@ class Call:
     A sync driver calls it and needs a plain value back; an async driver needs
     an awaitable and awaits it. Either refuses the other kind as a client of
     the wrong face. One is made per request, so it is a plain slotted class.
+
+    ``complete`` marks a request that must not be abandoned half-way (a
+    release): an async driver lets it finish even if its task is cancelled
+    meanwhile, and raises the cancellation after. See :func:`completing`.
     """
 
     fn: Callable[..., object]
     args: tuple[object, ...] = ()
     kwargs: Mapping[str, object] | None = None
+    complete: bool = False
 
 
 @dataclass(slots=True)
@@ -47,3 +52,20 @@ class Sleep:
 
 Effect: TypeAlias = Call | Callback | Sleep
 Steps: TypeAlias = Generator[Effect, object, T]
+
+
+def completing(steps: Steps[T]) -> Steps[T]:
+    """``steps`` with every request marked :attr:`Call.complete`."""
+    value: object = None
+    error: BaseException | None = None
+    while True:
+        try:
+            effect = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as done:
+            return cast(T, done.value)
+        if isinstance(effect, Call):
+            effect = Call(effect.fn, effect.args, effect.kwargs, True)
+        try:
+            value, error = (yield effect), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the wrapped steps
+            value, error = None, exc

@@ -13,10 +13,16 @@ Rules of this module:
    :meth:`Engine.prepare` only hands out the steps.
 5. No lock is ever held across a ``yield``. The one lock here guards the
    deprecated ``lock()`` token memory, a plain dict.
+6. Nothing is left held by nobody. An acquire that raises (a connection
+   error, a cancellation) may have taken its permit on the server before
+   the reply was lost, so it releases by its token before re-raising. Every
+   release is marked to run to completion (``completing``), so that a
+   cancellation cannot cut it short.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -30,7 +36,7 @@ from .._validate import (
     check_token,
     check_ttl,
 )
-from .effects import Callback, Sleep, Steps
+from .effects import Callback, Sleep, Steps, completing
 from .lease import Lease, new_token, now_ms, ttl_to_ms
 
 H = TypeVar("H")
@@ -69,7 +75,20 @@ class Engine:
     def acquire(self, key: str, ttl: float | None) -> Steps[Lease | None]:
         """Try once to take a permit; None only when all permits are active."""
         check_key(key)
-        return self._store.acquire(key, new_token(), self.ttl_ms(ttl))
+        return self._attempt(key, self.ttl_ms(ttl))
+
+    def _attempt(self, key: str, ttl_ms: int) -> Steps[Lease | None]:
+        token = new_token()
+        try:
+            return (yield from self._store.acquire(key, token, ttl_ms))
+        except GeneratorExit:
+            raise  # closed: no effect may be yielded any more
+        except BaseException:
+            # Rule 6. The token is new, so this releases nothing but what
+            # the failed request took; its own failure changes nothing.
+            with contextlib.suppress(Exception):
+                yield from completing(self._store.release(key, token, None))
+            raise
 
     def acquire_with_retry(
         self, key: str, ttl: float | None, timeout: float, retry_delay: float
@@ -88,7 +107,7 @@ class Engine:
     ) -> Steps[Lease | None]:
         deadline = self.clock.monotonic() + timeout
         while True:
-            lease = yield from self._store.acquire(key, new_token(), ttl_ms)
+            lease = yield from self._attempt(key, ttl_ms)
             if lease is not None:
                 return lease
             remaining = deadline - self.clock.monotonic()
@@ -127,7 +146,7 @@ class Engine:
 
     def release(self, lease: Lease) -> Steps[bool]:
         """Release the permit of ``lease`` if it is still active."""
-        return self._store.release(lease.key, lease.token, lease.slot)
+        return completing(self._store.release(lease.key, lease.token, lease.slot))
 
     def extend(self, lease: Lease, ttl: float | None) -> Steps[bool]:
         """Set the expiry of ``lease`` to now + ttl if it is still active."""
@@ -144,7 +163,7 @@ class Engine:
         """Release the active permit of ``key`` that holds ``token``."""
         check_key(key)
         check_token(token)
-        return self._store.release(key, token, None)
+        return completing(self._store.release(key, token, None))
 
     def extend_token(self, key: str, token: str, ttl: float | None) -> Steps[bool]:
         """Extend the active permit of ``key`` that holds ``token``."""

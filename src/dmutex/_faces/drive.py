@@ -45,6 +45,15 @@ def _discard(value: object) -> None:
         value.close()
 
 
+def _prepare_or_close(ready: Callable[[], None], steps: Steps[T]) -> None:
+    """Prepare the store; if that fails, close ``steps``, none of whose requests was sent."""
+    try:
+        ready()
+    except BaseException:
+        steps.close()
+        raise
+
+
 class SyncDriver:
     """Runs steps to completion in the calling thread."""
 
@@ -81,7 +90,7 @@ class SyncDriver:
                     # request, and as exhaustive (assert_never) for mypy.
                     if isinstance(effect, Call):
                         if not prepared:
-                            self.ready()
+                            _prepare_or_close(self.ready, steps)
                             prepared = True
                         fn, kwargs = effect.fn, effect.kwargs
                         value = fn(*effect.args, **kwargs) if kwargs else fn(*effect.args)
@@ -107,7 +116,16 @@ class SyncDriver:
 
 
 class AsyncDriver:
-    """Runs steps to completion in the running event loop."""
+    """Runs steps to completion in the running event loop.
+
+    Cancellation: a request marked :attr:`~dmutex._core.effects.Call.complete`
+    (a release) is *shielded*: it runs to the end even if the task is
+    cancelled meanwhile, the steps go on with its result, and the
+    cancellation is raised when they end. A task cancelled while it waits on
+    any other request has the ``CancelledError`` thrown into the steps, so
+    that they can undo what the request may have done; every effect after
+    that is shielded.
+    """
 
     __slots__ = ("_clock", "_gate", "_prepare", "_ready")
 
@@ -133,32 +151,69 @@ class AsyncDriver:
     async def _loop(self, steps: Steps[T], *, prepared: bool) -> T:
         value: object = None
         error: BaseException | None = None
-        while True:
-            try:
-                effect = steps.send(value) if error is None else steps.throw(error)
-            except StopIteration as done:
-                return cast(T, done.value)
-            value, error = None, None
-            try:
-                match effect:
-                    case Call(fn, args, kwargs):
-                        if not prepared:
-                            await self.ready()
-                            prepared = True
-                        result = fn(*args, **(kwargs or {}))
-                        if not inspect.isawaitable(result):
-                            raise wrong_face(fn, result)
+        cancelled: asyncio.CancelledError | None = None
+        try:
+            while True:
+                try:
+                    effect = steps.send(value) if error is None else steps.throw(error)
+                except StopIteration as done:
+                    if cancelled is not None:
+                        raise cancelled from None
+                    return cast(T, done.value)
+                value, error = None, None
+                try:
+                    shielded = cancelled is not None
+                    match effect:
+                        case Call(fn, args, kwargs, complete):
+                            shielded = shielded or complete
+                            if not prepared:
+                                try:
+                                    await self.ready()
+                                except BaseException:
+                                    steps.close()  # no request of these steps was sent
+                                    raise
+                                prepared = True
+                            result = fn(*args, **(kwargs or {}))
+                            if not inspect.isawaitable(result):
+                                raise wrong_face(fn, result)
+                        case Callback(fn, handle):
+                            result = fn(handle)
+                            if not inspect.isawaitable(result):
+                                raise wrong_face(fn, result, callback=True)
+                        case Sleep(seconds):
+                            result = self._clock.sleep_async(seconds)
+                        case _:
+                            assert_never(effect)
+                    if shielded:
+                        task = asyncio.ensure_future(result)
+                        cancelled = await _wait_out(task) or cancelled
+                        value = task.result()
+                    else:
                         value = await result
-                    case Callback(fn, handle):
-                        result = fn(handle)
-                        if not inspect.isawaitable(result):
-                            raise wrong_face(fn, result, callback=True)
-                        value = await result
-                    case Sleep(seconds):
-                        await self._clock.sleep_async(seconds)
-                    case _:
-                        assert_never(effect)
-            except GeneratorExit:
-                raise  # this coroutine is being closed: nothing may run any more
-            except BaseException as exc:  # noqa: BLE001 - handed to the algorithm
-                error = exc
+                except GeneratorExit:
+                    raise  # this coroutine is being closed: nothing may run any more
+                except asyncio.CancelledError as exc:
+                    # Thrown into the steps once, so that they can undo the
+                    # request; what they do about it runs shielded.
+                    error = cancelled = cancelled or exc
+                except BaseException as exc:  # noqa: BLE001 - handed to the algorithm
+                    error = exc
+        except BaseException as exc:
+            if cancelled is not None and exc is not cancelled:
+                raise cancelled from exc  # the cancellation outranks what the cleanup raised
+            raise
+
+
+async def _wait_out(task: asyncio.Future[object]) -> asyncio.CancelledError | None:
+    """Wait until ``task`` is done, even if the caller is cancelled meanwhile.
+
+    Returns the caller's cancellation if one arrived (the task runs on,
+    untouched: ``asyncio.wait`` never cancels what it waits for), else None.
+    """
+    cancelled: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.wait((task,))
+        except asyncio.CancelledError as exc:
+            cancelled = cancelled or exc
+    return cancelled
