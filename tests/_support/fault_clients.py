@@ -24,9 +24,10 @@ is recognisable as one).
 
 The cancellation wrapper (``tests/faults/test_cancellation.py``):
 :class:`DelayingRedis` awaits a random short sleep before and after handing
-each command to a real asyncio client, and notes in which phase a
-cancellation landed: before the request was sent, while it was in flight,
-or after the server had answered but before the reply was returned.
+each command to a real asyncio client, and says which phase each command is
+in, so that a test can tell where a cancellation landed: before the request
+was sent, while it was in flight, or after the server had answered but
+before the reply was returned.
 """
 
 from __future__ import annotations
@@ -190,10 +191,10 @@ class DelayingRedis:
     """An asyncio Redis-shaped client that sleeps before and after each command.
 
     Delegates ``execute_command`` to a real ``redis.asyncio.Redis``. Each sleep
-    lasts ``uniform(0, max_delay)`` seconds from ``rng``. ``on_send(args)`` is
-    called as a command is handed to the real client; when a cancellation
-    lands inside a command, ``on_cancel(phase, args)`` is called with the
-    phase (one of :data:`PHASES`) before the ``CancelledError`` goes on.
+    lasts ``uniform(0, max_delay)`` seconds from ``rng``. ``on_phase(phase)``
+    is called as each phase of a command begins (one of :data:`PHASES`), and
+    with None when the command is over, however it ended; ``on_send(args)``
+    as the command is handed to the real client.
     """
 
     def __init__(
@@ -202,28 +203,28 @@ class DelayingRedis:
         rng: random.Random,
         max_delay: float,
         on_send: Callable[[tuple[object, ...]], None],
-        on_cancel: Callable[[str, tuple[object, ...]], None],
+        on_phase: Callable[[str | None], None],
     ) -> None:
         # redis-py leaves execute_command unannotated: called as a Callable.
         self._execute: Callable[..., Awaitable[Any]] = inner.execute_command
         self._rng = rng
         self._max_delay = max_delay
         self._on_send = on_send
-        self._on_cancel = on_cancel
+        self._on_phase = on_phase
         self.sent: Counter[str] = Counter()
         """Commands handed to the real client, by name."""
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
-        phase = PHASES[0]
+        before, in_flight, after = PHASES
         try:
+            self._on_phase(before)
             await asyncio.sleep(self._rng.uniform(0, self._max_delay))
-            phase = PHASES[1]
+            self._on_phase(in_flight)
             self.sent[str(args[0])] += 1
             self._on_send(args)
             reply = await self._execute(*args, **options)
-            phase = PHASES[2]
+            self._on_phase(after)
             await asyncio.sleep(self._rng.uniform(0, self._max_delay))
-        except asyncio.CancelledError:
-            self._on_cancel(phase, args)
-            raise
+        finally:
+            self._on_phase(None)
         return reply
