@@ -135,7 +135,9 @@ def refuse_sync(target: object, name: str, what: str) -> None:
     late. Other clients are judged by their first reply (:func:`wrong_face`).
     """
     fn = getattr(type(target), name, None)
-    if fn is None or inspect.iscoroutinefunction(fn):
+    # motor wraps pymongo's sync methods (their __module__ is pymongo's) into
+    # ones that return Futures; every motor object has get_io_loop.
+    if fn is None or inspect.iscoroutinefunction(fn) or defines(target, "get_io_loop"):
         return
     parts = str(getattr(fn, "__module__", "") or "").split(".")
     if parts[0] in _SYNC_PACKAGES and not set(parts) & set(_ASYNC_MODULES):
