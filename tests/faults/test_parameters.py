@@ -34,13 +34,14 @@ import math
 import reprlib
 import string
 import warnings
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
 import fakeredis
+import mongomock
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -61,6 +62,18 @@ from tests._support.fault_clients import (
     async_recording_redis,
     recording_redis,
 )
+from tests._support.mongo_clients import frozen_ttl_monitor
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _mongomock_ttl_monitor_held_still() -> Iterator[None]:
+    """mongomock's TTL imitation calls ``datetime.utcnow()``, deprecated since Python 3.12
+    (an error under this suite's warning filter); the doubles answer as a free server, so
+    holding it still changes nothing they answer."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mongomock, "utcnow", frozen_ttl_monitor)
+        yield
+
 
 MAX_PERMITS: int = getattr(dmutex, "MAX_PERMITS", 1024)
 NAMESPACE_LIMIT = 255  # bytes of "db.collection" that MongoDB accepts
