@@ -35,8 +35,8 @@ def _shown(value: object) -> str:
 def check_str(name: str, value: object, *, allow_empty: bool = False) -> str:
     """Return ``value`` if it is a ``str`` that UTF-8 can encode (non-empty unless ``allow_empty``).
 
-    Every name ends up as UTF-8 bytes on the wire; a lone surrogate such as
-    ``"\\ud800"`` cannot be encoded, and would fail inside the client.
+    Every name ends up as UTF-8 bytes on the wire; a lone surrogate (such as
+    U+D800 alone) cannot be encoded, and would fail inside the client.
     """
     if not isinstance(value, str):
         raise ArgumentTypeError(f"{name} must be a str, not {type(value).__name__}")
