@@ -110,25 +110,19 @@ AsyncLease: TypeAlias = AsyncDMutexLock | AsyncDSemaphorePermit
 def _sync_instance(
     kind: Kind, client: Any, service: str, db_name: str | None
 ) -> DMutex | DSemaphore:
+    database = db_name or "dmutex"  # the default; Redis ignores it
     if kind == "mutex":
-        if db_name is None:
-            return DMutex(service, client)
-        return DMutex(service, client, db_name=db_name)
-    if db_name is None:
-        return DSemaphore(service, client, max_permits=PERMITS)
-    return DSemaphore(service, client, max_permits=PERMITS, db_name=db_name)
+        return DMutex(service, client, db_name=database)
+    return DSemaphore(service, client, max_permits=PERMITS, db_name=database)
 
 
 def _async_instance(
     kind: Kind, client: Any, service: str, db_name: str | None
 ) -> AsyncDMutex | AsyncDSemaphore:
+    database = db_name or "dmutex"  # the default; Redis ignores it
     if kind == "mutex":
-        if db_name is None:
-            return AsyncDMutex(service, client)
-        return AsyncDMutex(service, client, db_name=db_name)
-    if db_name is None:
-        return AsyncDSemaphore(service, client, max_permits=PERMITS)
-    return AsyncDSemaphore(service, client, max_permits=PERMITS, db_name=db_name)
+        return AsyncDMutex(service, client, db_name=database)
+    return AsyncDSemaphore(service, client, max_permits=PERMITS, db_name=database)
 
 
 def _slot(lease: SyncLease | AsyncLease) -> int:
