@@ -54,6 +54,8 @@ def parameters(function: Any) -> list[tuple[str, Any, Any, Any]]:
 
 
 SYNC_ONLY = {"__enter__": "__aenter__", "__exit__": "__aexit__"}
+# Methods that never wait, so are plain functions on the async face too.
+PLAIN_ON_BOTH = {"__init__", "on_lost", "raise_if_lost"}
 
 
 @pytest.mark.parametrize(("sync", "async_"), PAIRS)
@@ -66,7 +68,8 @@ def test_same_methods_with_same_parameters(sync: type[Any], async_: type[Any]) -
             assert isinstance(other, property), name
             continue
         assert parameters(member) == parameters(other), name
-        if name == "__init__":
+        if name in PLAIN_ON_BOTH:
+            assert not inspect.iscoroutinefunction(other), f"{async_.__name__}.{name} is async"
             continue
         assert not inspect.iscoroutinefunction(member), f"{sync.__name__}.{name} is async"
         assert inspect.iscoroutinefunction(other), f"{async_.__name__}.{name} is not async"
@@ -75,17 +78,21 @@ def test_same_methods_with_same_parameters(sync: type[Any], async_: type[Any]) -
             assert inspect.iscoroutinefunction(getattr(async_, async_name)), async_name
 
 
+# Issue 11's names: renewal, loss and fencing.
+LIFECYCLE = ("fence", "auto_renew", "lost", "raise_if_lost", "on_lost", "wait_lost")
 COMMON = ("ready", "acquire", "acquire_with_retry", "run", "run_with_retry", "extend")
 SPEC_NAMES: dict[type[Any], tuple[str, ...]] = {
     DMutex: (*COMMON, "lock", "unlock"),
     AsyncDMutex: (*COMMON, "lock", "unlock"),
     DSemaphore: (*COMMON, "release"),
     AsyncDSemaphore: (*COMMON, "release"),
-    DMutexLock: ("key", "token", "expired_at", "release", "extend"),
-    AsyncDMutexLock: ("key", "token", "expired_at", "release", "extend"),
-    DSemaphorePermit: ("key", "token", "expired_at", "slot", "release", "extend"),
-    AsyncDSemaphorePermit: ("key", "token", "expired_at", "slot", "release", "extend"),
-}
+    DMutexLock: ("key", "token", "expired_at", "release", "extend", *LIFECYCLE),
+    AsyncDMutexLock: ("key", "token", "expired_at", "release", "extend", *LIFECYCLE),
+    DSemaphorePermit: ("key", "token", "expired_at", "slot", "release", "extend", *LIFECYCLE),
+    AsyncDSemaphorePermit: (
+        "key", "token", "expired_at", "slot", "release", "extend", *LIFECYCLE,
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("cls", SPEC_NAMES, ids=lambda cls: cls.__name__)

@@ -30,6 +30,7 @@ from ._errors import (
     ArgumentTypeError,
     DMutexError,
     InvalidArgumentError,
+    LeaseLostError,
     UnsupportedClientError,
 )
 from ._faces.aio import (
@@ -66,6 +67,7 @@ __all__ = [
     "DSemaphorePermit",
     "InMemoryBackend",
     "InvalidArgumentError",
+    "LeaseLostError",
     "ManualClock",
     "MongoClientLike",
     "MongoCollectionLike",

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Awaitable
+import weakref
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from typing import Protocol
 
@@ -56,6 +57,9 @@ class SystemClock:
         await asyncio.sleep(seconds)
 
 
+SYSTEM_CLOCK = SystemClock()
+"""The clock of every instance made without one: renewal keeps one timeline per clock."""
+
 # 2026-01-01T00:00:00Z: a fixed, recognisable start for tests.
 _DEFAULT_START = 1_767_225_600.0
 
@@ -68,6 +72,12 @@ class ManualClock:
     requested amount and return, so ``acquire_with_retry`` with a 30 s timeout
     finishes at once while the clock shows that 30 s went by. Every thread and
     task that shares the clock sees its time move. Thread-safe.
+
+    Leases renewed automatically (``auto_renew=True``) on this clock renew
+    as it advances, never in real time: a sync lease's renewals that fall
+    due run inside ``advance()`` before it returns; an async lease's run on
+    its event loop's next turn (``await clock.sleep_async(...)`` or
+    ``await asyncio.sleep(0)`` after ``advance()``).
     """
 
     def __init__(self, start: float | datetime = _DEFAULT_START) -> None:
@@ -80,6 +90,9 @@ class ManualClock:
         # Integer nanoseconds, so that many small advances add up exactly.
         self._ns = round(start * 1e9)
         self._origin_ns = self._ns
+        # Renewers waiting for time to move (held weakly: a renewer that is
+        # gone is dropped).
+        self._listeners: list[weakref.WeakMethod[Callable[[ManualClock], None]]] = []
 
     def time(self) -> float:
         """Current wall-clock reading, in seconds since the Unix epoch."""
@@ -101,6 +114,18 @@ class ManualClock:
             raise ValueError(f"cannot advance by {seconds!r} seconds")
         with self._lock:
             self._ns += round(seconds * 1e9)
+            listeners = [fn for ref in self._listeners if (fn := ref()) is not None]
+            self._listeners = [ref for ref in self._listeners if ref() is not None]
+        # Outside the lock: a renewal reads the time.
+        for listener in listeners:
+            listener(self)
+
+    def _listen(self, listener: Callable[[ManualClock], None]) -> None:
+        """Call the bound method ``listener(clock)`` after every advance; once if added twice."""
+        ref = weakref.WeakMethod(listener)
+        with self._lock:
+            if ref not in self._listeners:
+                self._listeners.append(ref)
 
     def sleep(self, seconds: float) -> None:
         """Advance by ``seconds`` instead of blocking."""

@@ -11,6 +11,7 @@ __all__ = [
     "ArgumentTypeError",
     "DMutexError",
     "InvalidArgumentError",
+    "LeaseLostError",
     "UnsupportedClientError",
 ]
 
@@ -43,3 +44,22 @@ class UnsupportedClientError(DMutexError, TypeError):
 
 class AmbiguousClientError(UnsupportedClientError):
     """The client matches both contracts; pass ``backend=`` to choose one."""
+
+
+class LeaseLostError(DMutexError):
+    """A lease ended while its holder still relied on it.
+
+    Raised by ``raise_if_lost()`` on a handle whose lease is lost, and by
+    ``run(..., auto_renew=True)`` when the lease was lost while the callback
+    ran: renewal was refused, could not reach the server before the expiry
+    estimate passed, or the final release found the lease already gone.
+    ``key`` and ``token`` name the lease.
+    """
+
+    def __init__(self, key: str, token: str) -> None:
+        super().__init__(f"the lease on {key!r} (token {token}) was lost")
+        self.key = key
+        self.token = token
+
+    def __reduce__(self) -> tuple[type[LeaseLostError], tuple[str, str]]:
+        return (type(self), (self.key, self.token))

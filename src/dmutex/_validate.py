@@ -135,6 +135,13 @@ def check_clock(value: object) -> Clock | None:
     return cast(Clock, value)  # its methods were checked just above
 
 
+def check_flag(name: str, value: object) -> bool:
+    """Return ``value`` if it is a ``bool``: a flag given as 0, 1 or a string is refused."""
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(f"{name} must be a bool, not {type(value).__name__}")
+    return value
+
+
 def check_callback(value: object) -> None:
     """Raise unless ``value`` is callable."""
     if not callable(value):

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from .._clock import SystemClock
+from .._clock import SYSTEM_CLOCK
 from .._errors import InvalidArgumentError
 from .._options import Options
 from .._validate import check_collection_name, check_db_name
@@ -35,7 +35,7 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
                 "InMemoryBackend(clock=...), not to the lock"
             )
         return MemoryStore(client, options.key_prefix, options.max_permits)
-    clock = SystemClock() if options.clock is None else options.clock
+    clock = SYSTEM_CLOCK if options.clock is None else options.clock
     if found == "redis":
         name = "execute_command" if defines(client, "execute_command") else "eval"
         (refuse_sync if asynchronous else refuse_asyncio)(client, name, "client")

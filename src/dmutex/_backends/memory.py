@@ -6,7 +6,7 @@ import threading
 from dataclasses import dataclass
 from datetime import datetime
 
-from .._clock import Clock, SystemClock
+from .._clock import SYSTEM_CLOCK, Clock
 from .._core.effects import Steps
 from .._core.lease import MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
 
@@ -44,7 +44,7 @@ class InMemoryBackend:
 
     def __init__(self, *, clock: Clock | None = None) -> None:
         """Make an empty backend reading time from ``clock`` (the system clock if None)."""
-        self._clock: Clock = SystemClock() if clock is None else clock
+        self._clock: Clock = SYSTEM_CLOCK if clock is None else clock
         self._lock = threading.Lock()
         self._records: _Records = {}
 

@@ -13,6 +13,8 @@ from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import TypeAlias, TypeVar, cast
 
+from .lease import Lease
+
 T = TypeVar("T")
 
 
@@ -37,10 +39,15 @@ class Call:
 
 @dataclass(slots=True)
 class Callback:
-    """The user's ``run()`` callback, called with the handle of the held permit."""
+    """The user's ``run()`` callback, called with the handle of the held permit.
+
+    ``lease`` is set when the lease is renewed: an async driver then cancels
+    the callback when the lease is lost (a thread cannot be interrupted).
+    """
 
     fn: Callable[..., object]
     handle: object
+    lease: Lease | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,9 @@ Rules of this module:
    the reply was lost, so it releases by its token before re-raising. Every
    release is marked to run to completion (``completing``), so that a
    cancellation cannot cut it short.
+7. A release stops renewal before it is sent (``Lease.released``), and an
+   answer that shows a lease gone marks it lost (``renewal.lose``); when to
+   renew and when to give up is ``renewal.py``'s.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from .._backends.store import Store
+from .._errors import LeaseLostError
 from .._validate import (
     check_callback,
     check_key,
@@ -36,6 +40,7 @@ from .._validate import (
     check_token,
     check_ttl,
 )
+from . import renewal
 from .effects import Callback, Sleep, Steps, completing
 from .lease import Lease, new_token, now_ms, ttl_to_ms
 
@@ -80,7 +85,7 @@ class Engine:
     def _attempt(self, key: str, ttl_ms: int) -> Steps[Lease | None]:
         token = new_token()
         try:
-            return (yield from self._store.acquire(key, token, ttl_ms))
+            lease = yield from self._store.acquire(key, token, ttl_ms)
         except GeneratorExit:
             raise  # closed: no effect may be yielded any more
         except BaseException:
@@ -89,6 +94,9 @@ class Engine:
             with contextlib.suppress(Exception):
                 yield from completing(self._store.release(key, token, None))
             raise
+        if lease is not None:
+            lease.ttl_ms = ttl_ms
+        return lease
 
     def acquire_with_retry(
         self, key: str, ttl: float | None, timeout: float, retry_delay: float
@@ -120,44 +128,93 @@ class Engine:
         acquisition: Steps[Lease | None],
         callback: Callable[[H], object],
         wrap: Callable[[Lease], H],
+        *,
+        renewing: bool = False,
     ) -> Steps[object]:
         """Run ``callback(wrap(lease))`` while holding the lease ``acquisition`` takes.
 
         Returns None without calling it when no lease was taken. Releases in a
         ``finally``, so an exception from the callback propagates after the
-        release. Never renews the lease.
+        release. ``renewing``: ``wrap`` set the lease renewing, and a lease
+        lost while the callback ran (or found gone by the release) raises
+        :class:`LeaseLostError` instead of returning the callback's result.
         """
         check_callback(callback)
-        return self._run(acquisition, callback, wrap)
+        return self._run(acquisition, callback, wrap, renewing)
 
     def _run(
         self,
         acquisition: Steps[Lease | None],
         callback: Callable[[H], object],
         wrap: Callable[[Lease], H],
+        renewing: bool,
     ) -> Steps[object]:
         lease = yield from acquisition
         if lease is None:
             return None
+        released = False
         try:
-            return (yield Callback(callback, wrap(lease)))
+            result = yield Callback(callback, wrap(lease), lease if renewing else None)
+            if renewing and renewal.is_lost(lease, now_ms(self.clock)):
+                raise LeaseLostError(lease.key, lease.token)
         finally:
-            yield from self.release(lease)
+            released = yield from self.release(lease)
+        if renewing and not released:
+            raise LeaseLostError(lease.key, lease.token)
+        return result
 
     def release(self, lease: Lease) -> Steps[bool]:
-        """Release the permit of ``lease`` if it is still active."""
-        return completing(self._store.release(lease.key, lease.token, lease.slot))
+        """Release the permit of ``lease`` if it is still active.
+
+        Renewal stops first. An answer of False means the lease had been
+        lost, and marks it so (unless an earlier release took it).
+        """
+        return self._release(lease)
+
+    def _release(self, lease: Lease) -> Steps[bool]:
+        earlier = lease.released
+        lease.released = True
+        try:
+            released = yield from completing(
+                self._store.release(lease.key, lease.token, lease.slot)
+            )
+        except BaseException:
+            renewal.end(lease)
+            raise
+        if not released and not earlier:
+            renewal.lose(lease)
+        else:
+            renewal.end(lease)
+        return released
 
     def extend(self, lease: Lease, ttl: float | None) -> Steps[bool]:
-        """Set the expiry of ``lease`` to now + ttl if it is still active."""
+        """Set the expiry of ``lease`` to now + ttl if it is still active.
+
+        An answer of False marks the lease lost (unless it was released).
+        Renewal goes on with the new ``ttl``.
+        """
         return self._extend(lease, self.ttl_ms(ttl))
 
     def _extend(self, lease: Lease, ttl_ms: int) -> Steps[bool]:
         expires = yield from self._store.extend(lease.key, lease.token, lease.slot, ttl_ms)
         if expires is None:
+            if not lease.released:
+                renewal.lose(lease)
             return False
         lease.expires_ms = expires
+        lease.ttl_ms = ttl_ms
         return True
+
+    def renew(self, lease: Lease) -> Steps[float | None]:
+        """One automatic renewal of ``lease``: seconds until the next, or None (stop).
+
+        See :func:`dmutex._core.renewal.renew`.
+        """
+
+        def extend() -> Steps[int | None]:
+            return self._store.extend(lease.key, lease.token, lease.slot, lease.ttl_ms)
+
+        return renewal.renew(extend, lease, self.clock)
 
     def release_token(self, key: str, token: str) -> Steps[bool]:
         """Release the active permit of ``key`` that holds ``token``."""

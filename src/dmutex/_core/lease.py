@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
@@ -23,12 +25,19 @@ MAX_EXPIRY_MS = (
 )
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Lease:
     """One granted permit: what the store wrote, shared by its handle and the engine.
 
-    ``expires_ms`` moves forward on a successful extend. ``fence`` is the
+    ``expires_ms`` moves forward on a successful extend, and ``ttl_ms`` is
+    the length the last grant or extend asked for (what renewal extends
+    by); ``renewing`` says whether dmutex renews it. ``fence`` is the
     grant's fencing number where the store keeps one.
+
+    ``released`` is set before a release is sent, so that renewal stops
+    first; ``lost`` once dmutex learns that the lease ended without being
+    released (see :mod:`dmutex._core.renewal`). ``listeners`` are called
+    once each when the lease ends (``ended``): found lost, or released.
     """
 
     key: str
@@ -36,6 +45,40 @@ class Lease:
     slot: int
     expires_ms: int
     fence: int | None = None
+    ttl_ms: int = 0
+    renewing: bool = False
+    released: bool = False
+    lost: bool = False
+    ended: bool = False
+    listeners: list[Callable[[], None]] | None = None
+
+    def listen(self, listener: Callable[[], None]) -> bool:
+        """Call ``listener()`` when the lease ends; False (and no call) if it has ended."""
+        with _LISTENING:
+            if self.ended:
+                return False
+            if self.listeners is None:
+                self.listeners = []
+            self.listeners.append(listener)
+            return True
+
+    def unlisten(self, listener: Callable[[], None]) -> None:
+        """Forget ``listener`` if it is still waiting."""
+        with _LISTENING:
+            if self.listeners is not None and listener in self.listeners:
+                self.listeners.remove(listener)
+
+    def end(self) -> list[Callable[[], None]]:
+        """Mark the lease ended and hand over its listeners, once: later calls get none."""
+        with _LISTENING:
+            self.ended = True
+            listeners, self.listeners = self.listeners or [], None
+            return listeners
+
+
+# Guards every lease's listener list: the renewal thread ends leases that
+# other threads listen to.
+_LISTENING = threading.Lock()
 
 
 def now_ms(clock: Clock) -> int:

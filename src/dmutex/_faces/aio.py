@@ -7,10 +7,11 @@ and run the same engine steps with the instance's
 
 from __future__ import annotations
 
+import asyncio
 import warnings
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Generic, TypeAlias, TypeVar, cast
+from typing import TypeAlias, TypeVar, cast
 
 from .._backends.clients import (
     AsyncMongoClientLike,
@@ -18,12 +19,14 @@ from .._backends.clients import (
     AsyncRedisSetEvalClient,
 )
 from .._backends.memory import InMemoryBackend
-from .._core.effects import Steps
+from .._core import renewal
 from .._core.engine import Engine
 from .._core.lease import Lease
-from .base import MutexBase, SemaphoreBase
-from .drive import AsyncDriver
+from .._validate import check_timeout
+from .base import MutexBase, SemaphoreBase, Wrapping
+from .drive import AsyncDriver, on_loop
 from .handles import HandleBase, SlotMixin
+from .renewers import AsyncRenewer
 
 __all__ = [
     "AsyncClient",
@@ -44,7 +47,11 @@ AsyncClient: TypeAlias = (
 
 
 class _AsyncHandle(HandleBase[AsyncDriver]):
-    __slots__ = ()
+    __slots__ = ("_renewer",)
+
+    def _bind(self) -> None:
+        # Made in a coroutine: the loop it runs on renews and watches it.
+        self._renewer = AsyncRenewer.of_running_loop()
 
     async def release(self) -> bool:
         """Release this permit; see :meth:`DMutexLock.release`."""
@@ -53,6 +60,45 @@ class _AsyncHandle(HandleBase[AsyncDriver]):
     async def extend(self, ttl: float | None = None) -> bool:
         """Extend this permit to now + ``ttl``; see :meth:`DMutexLock.extend`."""
         return await self._drive(self._engine.extend(self._lease, ttl))
+
+    async def wait_lost(self, timeout: float | None = None) -> bool:
+        """Wait until the lease is found lost, or ends, or ``timeout`` seconds pass.
+
+        Returns :attr:`lost`; see :meth:`DMutexLock.wait_lost`. ``timeout``
+        is the event loop's time.
+        """
+        seconds = None if timeout is None else check_timeout(timeout)
+        lease = self._lease
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[None] = loop.create_future()
+
+        def settle() -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        def wake() -> None:
+            on_loop(loop, settle)
+
+        if lease.released or not lease.listen(wake):
+            return self.lost
+        try:
+            if not self._settle():
+                self._watch()
+                await asyncio.wait((ended,), timeout=seconds)
+        finally:
+            lease.unlisten(wake)
+            ended.cancel()
+        return self.lost
+
+    def _schedule(self, delay: float | None) -> None:
+        if delay is not None:
+            self._renewer.add(self, self._engine.clock, delay)
+
+    async def _tend(self) -> float | None:
+        lease = self._lease
+        if lease.renewing:
+            return await self._drive(self._engine.renew(lease))
+        return renewal.watch(lease, self._engine.clock)
 
     async def __aenter__(self: Self) -> Self:
         return self
@@ -78,7 +124,7 @@ class AsyncDSemaphorePermit(SlotMixin[AsyncDriver], _AsyncHandle):
     __slots__ = ()
 
 
-class _AsyncFace(Generic[H]):
+class _AsyncFace(Wrapping[H]):
     _ASYNC = True
     _engine: Engine
     _drive: AsyncDriver
@@ -86,20 +132,21 @@ class _AsyncFace(Generic[H]):
     def _start_driver(self, engine: Engine) -> None:
         self._drive = AsyncDriver(engine.clock, engine.prepare)
 
-    def _wrap(self, lease: Lease) -> H:
-        raise NotImplementedError
-
-    async def _drive_optional(self, steps: Steps[Lease | None]) -> H | None:
-        lease = await self._drive(steps)
-        return None if lease is None else self._wrap(lease)
-
     async def ready(self) -> None:
         """Prepare the backend once per instance; see :meth:`DMutex.ready`."""
         await self._drive.ready()
 
-    async def acquire(self, key: str, ttl: float | None = None) -> H | None:
-        """Try once to take a permit; see :meth:`DMutex.acquire`."""
-        return await self._drive_optional(self._engine.acquire(key, ttl))
+    async def acquire(
+        self, key: str, ttl: float | None = None, *, auto_renew: bool = False
+    ) -> H | None:
+        """Try once to take a permit; see :meth:`DMutex.acquire`.
+
+        ``auto_renew=True``: one task of the running event loop renews every
+        such lease of the loop.
+        """
+        wrap = self._wrapper(auto_renew)
+        lease = await self._drive(self._engine.acquire(key, ttl))
+        return None if lease is None else wrap(lease)
 
     async def acquire_with_retry(
         self,
@@ -108,16 +155,31 @@ class _AsyncFace(Generic[H]):
         ttl: float | None = None,
         timeout: float = 30.0,
         retry_delay: float = 0.1,
+        auto_renew: bool = False,
     ) -> H | None:
         """Retry until a permit or the timeout; see :meth:`DMutex.acquire_with_retry`."""
+        wrap = self._wrapper(auto_renew)
         steps = self._engine.acquire_with_retry(key, ttl, timeout, retry_delay)
-        return await self._drive_optional(steps)
+        lease = await self._drive(steps)
+        return None if lease is None else wrap(lease)
 
     async def run(
-        self, key: str, callback: Callable[[H], Awaitable[T]], ttl: float | None = None
+        self,
+        key: str,
+        callback: Callable[[H], Awaitable[T]],
+        ttl: float | None = None,
+        *,
+        auto_renew: bool = False,
     ) -> T | None:
-        """Await ``callback(handle)`` while holding a permit; see :meth:`DMutex.run`."""
-        steps = self._engine.run(self._engine.acquire(key, ttl), callback, self._wrap)
+        """Await ``callback(handle)`` while holding a permit; see :meth:`DMutex.run`.
+
+        With ``auto_renew=True``, a lease lost while the callback runs
+        cancels the callback (it runs as a task of its own), and ``run()``
+        raises :class:`~dmutex.LeaseLostError` after the release.
+        """
+        wrap = self._wrapper(auto_renew)
+        acquisition = self._engine.acquire(key, ttl)
+        steps = self._engine.run(acquisition, callback, wrap, renewing=auto_renew)
         return cast("T | None", await self._drive(steps))
 
     async def run_with_retry(
@@ -128,10 +190,12 @@ class _AsyncFace(Generic[H]):
         ttl: float | None = None,
         timeout: float = 30.0,
         retry_delay: float = 0.1,
+        auto_renew: bool = False,
     ) -> T | None:
         """Like :meth:`run`, acquiring as :meth:`acquire_with_retry` does."""
+        wrap = self._wrapper(auto_renew)
         acquisition = self._engine.acquire_with_retry(key, ttl, timeout, retry_delay)
-        steps = self._engine.run(acquisition, callback, self._wrap)
+        steps = self._engine.run(acquisition, callback, wrap, renewing=auto_renew)
         return cast("T | None", await self._drive(steps))
 
     async def extend(self, key: str, token: str, ttl: float | None = None) -> bool:

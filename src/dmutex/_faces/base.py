@@ -9,15 +9,20 @@ the engine and the face's driver.
 
 from __future__ import annotations
 
-from typing import ClassVar, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, ClassVar, Generic, TypeVar
 
 from .._backends import open_store
 from .._clock import Clock
+from .._core import renewal
 from .._core.engine import Engine
+from .._core.lease import Lease
 from .._options import Options
-from .._validate import BackendName
+from .._validate import BackendName, check_flag
+from .handles import HandleBase
 
 ClientT = TypeVar("ClientT")
+H = TypeVar("H", bound=HandleBase[Any])
 
 
 class Face(Generic[ClientT]):
@@ -33,6 +38,23 @@ class Face(Generic[ClientT]):
 
     def _start_driver(self, engine: Engine) -> None:
         raise NotImplementedError
+
+
+class Wrapping(Generic[H]):
+    """How a face turns a lease into its handle, renewed or not."""
+
+    def _wrap(self, lease: Lease) -> H:
+        raise NotImplementedError
+
+    def _wrap_renewed(self, lease: Lease) -> H:
+        lease.renewing = True
+        handle = self._wrap(lease)
+        handle._schedule(renewal.interval(lease.ttl_ms))
+        return handle
+
+    def _wrapper(self, auto_renew: bool) -> Callable[[Lease], H]:
+        """The wrap for ``auto_renew``, checked before any request."""
+        return self._wrap_renewed if check_flag("auto_renew", auto_renew) else self._wrap
 
 
 class SemaphoreBase(Face[ClientT]):

@@ -16,12 +16,14 @@ import asyncio
 import inspect
 import sys
 import threading
-from collections.abc import Callable, Coroutine
-from typing import TypeVar, cast
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar, cast
 
 from .._backends.shapes import wrong_face
 from .._clock import Clock
 from .._core.effects import Call, Callback, Sleep, Steps
+from .._core.lease import Lease
+from .._errors import LeaseLostError
 
 if sys.version_info >= (3, 11):
     from typing import assert_never
@@ -176,10 +178,12 @@ class AsyncDriver:
                             result = fn(*args, **(kwargs or {}))
                             if not inspect.isawaitable(result):
                                 raise wrong_face(fn, result)
-                        case Callback(fn, handle):
+                        case Callback(fn, handle, lease):
                             result = fn(handle)
                             if not inspect.isawaitable(result):
                                 raise wrong_face(fn, result, callback=True)
+                            if lease is not None:
+                                result = _until_lost(result, lease)
                         case Sleep(seconds):
                             result = self._clock.sleep_async(seconds)
                         case _:
@@ -204,7 +208,49 @@ class AsyncDriver:
             raise
 
 
-async def _wait_out(task: asyncio.Future[object]) -> asyncio.CancelledError | None:
+def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], object]) -> None:
+    """Call ``fn()`` on ``loop``: now if this thread runs it, else soon (unless it closed)."""
+    try:
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        fn()
+    elif not loop.is_closed():
+        loop.call_soon_threadsafe(fn)
+
+
+async def _until_lost(callback: Awaitable[T], lease: Lease) -> T:
+    """Await ``callback`` as a task of its own, cancelled if ``lease`` is lost meanwhile.
+
+    Raises :class:`LeaseLostError` when that cancellation ended it. A
+    cancellation of the caller cancels the callback too and waits for it
+    to end, so that the release never overlaps the callback.
+    """
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(callback)
+
+    def cancel() -> None:
+        if lease.lost:
+            on_loop(loop, task.cancel)
+
+    if not lease.listen(cancel):
+        cancel()
+    try:
+        try:
+            await asyncio.wait((task,))
+        except asyncio.CancelledError:
+            task.cancel()
+            await _wait_out(task)
+            raise
+        if task.cancelled() and lease.lost:
+            raise LeaseLostError(lease.key, lease.token)
+        return task.result()
+    finally:
+        lease.unlisten(cancel)
+
+
+async def _wait_out(task: asyncio.Future[Any]) -> asyncio.CancelledError | None:
     """Wait until ``task`` is done, even if the caller is cancelled meanwhile.
 
     Returns the caller's cancellation if one arrived (the task runs on,

@@ -2,28 +2,38 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Generic, TypeVar
 
+from .._core import renewal
 from .._core.engine import Engine
-from .._core.lease import Lease, expiry_datetime
+from .._core.lease import Lease, expiry_datetime, now_ms
+from .._errors import LeaseLostError
+from .._validate import check_callback
 
 D = TypeVar("D")
+Self = TypeVar("Self", bound="HandleBase[object]")
 
 
 class HandleBase(Generic[D]):
-    """The read-only view of one lease: key, token and expiry.
+    """The view of one lease: key, token, expiry, fence, and whether it is lost.
 
     ``D`` is the face's driver for ``Steps[bool]``: a plain function for the
     sync handles, a coroutine function for the async ones.
     """
 
-    __slots__ = ("_drive", "_engine", "_lease")
+    __slots__ = ("__weakref__", "_drive", "_engine", "_lease", "_watched")
 
     def __init__(self, lease: Lease, engine: Engine, drive: D) -> None:
         self._lease = lease
         self._engine = engine
         self._drive = drive
+        self._watched = lease.renewing
+        self._bind()
+
+    def _bind(self) -> None:
+        """Tie the handle to where its face renews it (async: the running loop)."""
 
     @property
     def key(self) -> str:
@@ -44,6 +54,77 @@ class HandleBase(Generic[D]):
         client's clock.
         """
         return expiry_datetime(self._lease.expires_ms)
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing token of this grant, or None where the backend keeps none.
+
+        Strictly greater than the fence of every earlier grant of the same
+        key (all permits of a key share one sequence). Pass it with every
+        write to the resource the lock guards, and let the resource refuse
+        a write whose fence is lower than the highest it has seen: a holder
+        whose lease ran out then cannot overwrite its successor's work. See
+        the README, "Fencing tokens", for which backends keep one.
+        """
+        return self._lease.fence
+
+    @property
+    def auto_renew(self) -> bool:
+        """Whether dmutex renews this lease in the background (``auto_renew=True``)."""
+        return self._lease.renewing
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease is known to be gone without this handle releasing it.
+
+        Known gone: a renewal or an ``extend()`` was refused, a renewal could
+        not reach the server before the expiry estimate (less a margin)
+        passed, a ``release()`` found it already gone, or the expiry estimate
+        passed without a renewal. False after a successful ``release()``.
+        """
+        return renewal.is_lost(self._lease, now_ms(self._engine.clock))
+
+    def raise_if_lost(self) -> None:
+        """Raise :class:`~dmutex.LeaseLostError` if :attr:`lost`: call it between steps of work."""
+        if self.lost:
+            raise LeaseLostError(self._lease.key, self._lease.token)
+
+    def on_lost(self: Self, callback: Callable[[Self], object]) -> None:
+        """Call ``callback(handle)`` once, when the lease is found lost; at once if it is.
+
+        Sync handles call it in the thread that found the loss (the renewal
+        thread, or the caller of ``extend()``/``release()``); async handles
+        on their event loop. A lease that is not renewed is watched until
+        its expiry estimate. Never called after a successful ``release()``.
+        An exception from the callback is logged (logger ``dmutex``).
+        """
+        check_callback(callback)
+        lease = self._lease
+
+        def listener() -> None:
+            if lease.lost:
+                callback(self)
+
+        if not lease.listen(listener):
+            listener()  # it ended before: lost, or released
+        elif not self._settle():
+            self._watch()
+
+    def _settle(self) -> bool:
+        """Whether the lease is lost, marking it so (and calling listeners) if its expiry passed."""
+        lease = self._lease
+        if not lease.lost and renewal.is_lost(lease, now_ms(self._engine.clock)):
+            renewal.lose(lease)
+        return lease.lost
+
+    def _watch(self) -> None:
+        """Have the face's renewer watch this lease's expiry, once (renewed leases already are)."""
+        if not self._watched:
+            self._watched = True
+            self._schedule(renewal.watch(self._lease, self._engine.clock))
+
+    def _schedule(self, delay: float | None) -> None:
+        raise NotImplementedError
 
     def __repr__(self) -> str:
         return (

@@ -7,18 +7,22 @@ for the algorithm's steps and runs them with the instance's
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 from types import TracebackType
-from typing import Generic, TypeAlias, TypeVar, cast
+from typing import TypeAlias, TypeVar, cast
 
 from .._backends.clients import MongoClientLike, RedisCommandClient, RedisSetEvalClient
 from .._backends.memory import InMemoryBackend
+from .._core import renewal
 from .._core.engine import Engine
 from .._core.lease import Lease
-from .base import MutexBase, SemaphoreBase
+from .._validate import check_timeout
+from .base import MutexBase, SemaphoreBase, Wrapping
 from .drive import SyncDriver
 from .handles import HandleBase, SlotMixin
+from .renewers import SYNC
 
 __all__ = ["DMutex", "DMutexLock", "DSemaphore", "DSemaphorePermit", "SyncClient"]
 
@@ -48,6 +52,36 @@ class _SyncHandle(HandleBase[SyncDriver]):
         """
         return self._drive(self._engine.extend(self._lease, ttl))
 
+    def wait_lost(self, timeout: float | None = None) -> bool:
+        """Block until the lease is found lost, or ends, or ``timeout`` seconds pass.
+
+        Returns :attr:`lost`. Returns at once for a lease already lost or
+        released; returns False when another thread releases it meanwhile.
+        ``timeout`` is real time, whatever the instance's clock.
+        """
+        seconds = None if timeout is None else check_timeout(timeout)
+        lease = self._lease
+        ended = threading.Event()
+        if lease.released or not lease.listen(ended.set):
+            return self.lost
+        try:
+            if not self._settle():
+                self._watch()
+                ended.wait(seconds)
+        finally:
+            lease.unlisten(ended.set)
+        return self.lost
+
+    def _schedule(self, delay: float | None) -> None:
+        if delay is not None:
+            SYNC.add(self, self._engine.clock, delay)
+
+    def _tend(self) -> float | None:
+        lease = self._lease
+        if lease.renewing:
+            return self._drive(self._engine.renew(lease))
+        return renewal.watch(lease, self._engine.clock)
+
     def __enter__(self: Self) -> Self:
         return self
 
@@ -73,19 +107,13 @@ class DSemaphorePermit(SlotMixin[SyncDriver], _SyncHandle):
     __slots__ = ()
 
 
-class _SyncFace(Generic[H]):
+class _SyncFace(Wrapping[H]):
     _ASYNC = False
     _engine: Engine
     _drive: SyncDriver
 
     def _start_driver(self, engine: Engine) -> None:
         self._drive = SyncDriver(engine.clock, engine.prepare)
-
-    def _wrap(self, lease: Lease) -> H:
-        raise NotImplementedError
-
-    def _wrap_optional(self, lease: Lease | None) -> H | None:
-        return None if lease is None else self._wrap(lease)
 
     def ready(self) -> None:
         """Prepare the backend (MongoDB: create the TTL index), once per instance.
@@ -95,14 +123,19 @@ class _SyncFace(Generic[H]):
         """
         self._drive.ready()
 
-    def acquire(self, key: str, ttl: float | None = None) -> H | None:
+    def acquire(self, key: str, ttl: float | None = None, *, auto_renew: bool = False) -> H | None:
         """Try once to take a permit for ``key``, valid for ``ttl`` seconds.
 
         Returns a handle, or None when all permits are held by others. Every
-        other failure raises.
+        other failure raises. ``auto_renew=True``: dmutex's renewal thread
+        extends the lease by ``ttl`` every third of it until it is released
+        or its handle is garbage-collected, and reports a loss on the handle
+        (``lost``, ``on_lost``, ``wait_lost``). The client is then called
+        from that thread too.
         """
+        wrap = self._wrapper(auto_renew)
         lease = self._drive(self._engine.acquire(key, ttl))
-        return None if lease is None else self._wrap(lease)
+        return None if lease is None else wrap(lease)
 
     def acquire_with_retry(
         self,
@@ -111,24 +144,42 @@ class _SyncFace(Generic[H]):
         ttl: float | None = None,
         timeout: float = 30.0,
         retry_delay: float = 0.1,
+        auto_renew: bool = False,
     ) -> H | None:
         """Try to take a permit, every ``retry_delay`` seconds, for ``timeout`` seconds.
 
         Returns a handle, or None when the timeout passed first. Never sleeps
-        past the deadline; measures time on a monotonic clock.
+        past the deadline; measures time on a monotonic clock. ``auto_renew``
+        as for :meth:`acquire`.
         """
-        steps = self._engine.acquire_with_retry(key, ttl, timeout, retry_delay)
-        return self._wrap_optional(self._drive(steps))
+        wrap = self._wrapper(auto_renew)
+        lease = self._drive(self._engine.acquire_with_retry(key, ttl, timeout, retry_delay))
+        return None if lease is None else wrap(lease)
 
-    def run(self, key: str, callback: Callable[[H], T], ttl: float | None = None) -> T | None:
+    def run(
+        self,
+        key: str,
+        callback: Callable[[H], T],
+        ttl: float | None = None,
+        *,
+        auto_renew: bool = False,
+    ) -> T | None:
         """Run ``callback(handle)`` while holding a permit; release it afterwards.
 
         Returns the callback's result, or None (without calling it) when all
         permits are held. If the callback raises, the permit is released and
-        the exception propagates. Does not renew the lease: call
-        ``handle.extend()`` in long callbacks.
+        the exception propagates. Without ``auto_renew`` the lease is not
+        renewed: call ``handle.extend()`` in long callbacks.
+
+        ``auto_renew=True`` renews it while the callback runs. A thread
+        cannot be interrupted, so a lease lost meanwhile is reported after
+        the callback returns: ``run()`` then raises
+        :class:`~dmutex.LeaseLostError` instead of returning the result (the
+        callback may call ``handle.raise_if_lost()`` between its steps).
         """
-        steps = self._engine.run(self._engine.acquire(key, ttl), callback, self._wrap)
+        wrap = self._wrapper(auto_renew)
+        acquisition = self._engine.acquire(key, ttl)
+        steps = self._engine.run(acquisition, callback, wrap, renewing=auto_renew)
         return cast("T | None", self._drive(steps))
 
     def run_with_retry(
@@ -139,10 +190,12 @@ class _SyncFace(Generic[H]):
         ttl: float | None = None,
         timeout: float = 30.0,
         retry_delay: float = 0.1,
+        auto_renew: bool = False,
     ) -> T | None:
         """Like :meth:`run`, acquiring as :meth:`acquire_with_retry` does."""
+        wrap = self._wrapper(auto_renew)
         acquisition = self._engine.acquire_with_retry(key, ttl, timeout, retry_delay)
-        steps = self._engine.run(acquisition, callback, self._wrap)
+        steps = self._engine.run(acquisition, callback, wrap, renewing=auto_renew)
         return cast("T | None", self._drive(steps))
 
     def extend(self, key: str, token: str, ttl: float | None = None) -> bool:

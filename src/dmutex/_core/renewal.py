@@ -1,0 +1,134 @@
+"""Renewal and loss: when a lease is renewed, and when it counts as lost.
+
+Rules of this module:
+
+1. Every renewal decision lives here: when the next renewal is due, how a
+   failing one is retried, and when the lease is given up. The renewers
+   (``dmutex._faces.renewers``) keep time and run what this module returns;
+   they decide nothing.
+2. Nothing here waits or does I/O. :func:`renew` returns the steps of one
+   renewal, whose result is the delay until the next one, in seconds, or
+   None: stop.
+3. A lease is lost at most once: :func:`lose` marks it and calls its
+   listeners, as the end of a release does (:func:`end`). Only the
+   release's own answer may find a released lease lost (it was gone before
+   the release reached it); nothing else calls :func:`lose` for a released
+   lease.
+4. An answer that arrives after the release was asked for changes nothing:
+   the release wins.
+
+The guarantee: a lease renewed every third of its TTL survives one missed
+renewal, and one that cannot be renewed is reported lost before its expiry
+estimate passes (by a margin), so its holder learns first. The limit: the
+estimate is this process's clock; see ``expired_at`` on the handles.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+
+from .._clock import Clock
+from .effects import Steps
+from .lease import Lease, now_ms
+
+_log = logging.getLogger("dmutex")
+
+# A renewal is due a third of the TTL after the last success, less up to a
+# tenth of that at random, so that leases taken together spread out.
+FRACTION = 1 / 3
+JITTER = 0.1
+# After a failed attempt, the next comes a fifth of the interval later.
+RETRY_FRACTION = 1 / 5
+# The lease is given up this long before its expiry estimate: a tenth of the
+# TTL, at most two seconds.
+MAX_MARGIN_MS = 2_000
+
+
+def interval(ttl_ms: int) -> float:
+    """Seconds from a grant or renewal to the next renewal of a ``ttl_ms`` lease."""
+    return ttl_ms / 1000 * FRACTION * random.uniform(1 - JITTER, 1)
+
+
+def margin_ms(ttl_ms: int) -> int:
+    """How long before its expiry estimate a lease that cannot be renewed is lost."""
+    return min(ttl_ms // 10, MAX_MARGIN_MS)
+
+
+def is_lost(lease: Lease, now: int) -> bool:
+    """Whether ``lease`` is known to be gone at ``now`` (ms): marked lost, or past its expiry."""
+    return lease.lost or (not lease.released and now >= lease.expires_ms)
+
+
+def lose(lease: Lease) -> None:
+    """Mark ``lease`` lost and call its listeners, unless it already was."""
+    if lease.lost:
+        return
+    lease.lost = True
+    end(lease)
+
+
+def end(lease: Lease) -> None:
+    """Call the listeners of ``lease``, once each: it was lost or released.
+
+    A listener tells the two apart by ``lease.lost``. One that raises is
+    logged (logger ``dmutex``); the others still run.
+    """
+    for listener in lease.end():
+        try:
+            listener()
+        except Exception:  # noqa: BLE001 - the user's listener: logged, the others still run
+            _log.exception("a listener of the lease on %r raised", lease.key)
+
+
+def renew(
+    extend: Callable[[], Steps[int | None]], lease: Lease, clock: Clock
+) -> Steps[float | None]:
+    """One renewal of ``lease`` by ``extend()``: the delay until the next one, or None.
+
+    ``extend`` sets the expiry to now + ``lease.ttl_ms`` and answers the new
+    expiry, or None when the lease is no longer active: then the lease is
+    lost. An error (connection refused, a timeout) is retried until the
+    expiry estimate, less the margin, has passed; then the lease is lost.
+    """
+    if _stopped(lease):
+        return None
+    try:
+        expires = yield from extend()
+    except Exception:  # noqa: BLE001 - any failure to reach the server is retried
+        if lease.released:
+            return None
+        now = now_ms(clock)
+        deadline = lease.expires_ms - margin_ms(lease.ttl_ms)
+        if now >= deadline:
+            lose(lease)
+            return None
+        return min(interval(lease.ttl_ms) * RETRY_FRACTION, (deadline - now) / 1000)
+    if lease.released:
+        return None
+    if expires is None:
+        lose(lease)
+        return None
+    lease.expires_ms = max(lease.expires_ms, expires)
+    return interval(lease.ttl_ms)
+
+
+def _stopped(lease: Lease) -> bool:
+    # A function, not an inline test: the answer changes across a yield.
+    return lease.released or lease.lost
+
+
+def watch(lease: Lease, clock: Clock) -> float | None:
+    """For a lease that is not renewed but has listeners: seconds until it expires, or None.
+
+    At its expiry estimate it is lost; an extend meanwhile moves the
+    estimate, and the watch with it.
+    """
+    if lease.released or lease.lost:
+        return None
+    remaining = lease.expires_ms - now_ms(clock)
+    if remaining <= 0:
+        lose(lease)
+        return None
+    return remaining / 1000

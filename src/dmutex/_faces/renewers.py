@@ -1,0 +1,272 @@
+"""Renewers: where renewed (and watched) leases wait for their next turn.
+
+Rules of this module:
+
+1. One thread per process tends every sync lease; one task per event loop
+   every async one. Each starts with its first lease and ends after its
+   last, so an idle process runs neither.
+2. A renewer holds handles weakly: a handle that is garbage-collected is no
+   longer renewed, and its lease expires on its own. The thread is a daemon:
+   a process that exits keeps nothing alive.
+3. A renewer decides nothing. A handle's ``_tend()`` runs the engine's
+   renewal (or, for a lease that is only watched, checks its expiry) and
+   answers when to come back, in seconds, or None: never.
+4. Time is the lease's clock's. A :class:`~dmutex.ManualClock` drives the
+   leases on it as it advances (sync ones inside ``advance()``, async ones
+   on their loop, which ``advance()`` wakes); any other clock is waited on
+   in real time.
+5. Tends run one after another, outside every lock here: a renewal request
+   that hangs delays the others on its renewer (give the client a socket
+   timeout), never blocks ``add``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Awaitable
+from typing import ClassVar, Generic, Protocol, TypeVar
+
+from .._clock import Clock, ManualClock
+
+_log = logging.getLogger("dmutex")
+_order = itertools.count()
+
+
+class SyncTended(Protocol):
+    """A sync handle as a renewer sees it."""
+
+    def _tend(self) -> float | None: ...
+
+
+class AsyncTended(Protocol):
+    """An async handle as a renewer sees it."""
+
+    def _tend(self) -> Awaitable[float | None]: ...
+
+
+T = TypeVar("T")
+
+
+class _Timeline(Generic[T]):
+    """The handles due on one clock, earliest first; the caller holds its renewer's lock."""
+
+    __slots__ = ("clock", "heap")
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.heap: list[tuple[float, int, weakref.ref[T]]] = []
+
+    def add(self, handle: T, delay: float) -> None:
+        due = self.clock.monotonic() + delay
+        heapq.heappush(self.heap, (due, next(_order), weakref.ref(handle)))
+
+    def pop_due(self) -> list[weakref.ref[T]]:
+        """The handles whose turn has come, removed from the timeline."""
+        now = self.clock.monotonic()
+        due = []
+        while self.heap and self.heap[0][0] <= now:
+            due.append(heapq.heappop(self.heap)[2])
+        return due
+
+    def wait(self) -> float | None:
+        """Seconds until the next turn, or None when nothing waits (or the clock is manual)."""
+        if not self.heap or isinstance(self.clock, ManualClock):
+            return None
+        return max(0.0, self.heap[0][0] - self.clock.monotonic())
+
+
+def _log_failure(handle: object) -> None:
+    _log.exception("renewing %r failed; it is no longer renewed", handle)
+
+
+class SyncRenewer:
+    """The process's renewer of sync leases: one daemon thread, started on demand."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._timelines: dict[int, _Timeline[SyncTended]] = {}
+        self._thread: threading.Thread | None = None
+        self._tending = threading.local()
+
+    def add(self, handle: SyncTended, clock: Clock, delay: float) -> None:
+        """Tend ``handle`` ``delay`` seconds from now on ``clock``."""
+        with self._cond:
+            timeline = self._timelines.get(id(clock))
+            if timeline is None:
+                timeline = self._timelines[id(clock)] = _Timeline(clock)
+            timeline.add(handle, delay)
+            if isinstance(clock, ManualClock):
+                clock._listen(self._advanced)
+            elif self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._serve, name="dmutex-renewer", daemon=True
+                )
+                self._thread.start()
+            else:
+                self._cond.notify()
+
+    def _advanced(self, clock: ManualClock) -> None:
+        """Run, in the advancing thread, what fell due on ``clock``."""
+        if getattr(self._tending, "active", False):
+            return  # a tend advanced the clock: the outer pass picks it up
+        self._tending.active = True
+        try:
+            while True:
+                with self._cond:
+                    timeline = self._timelines.get(id(clock))
+                    due = [] if timeline is None else timeline.pop_due()
+                    if timeline is not None and not timeline.heap and not due:
+                        del self._timelines[id(clock)]
+                if not due:
+                    return
+                self._tend_all(timeline, due)
+        finally:
+            self._tending.active = False
+
+    def _tend_all(
+        self, timeline: _Timeline[SyncTended] | None, due: list[weakref.ref[SyncTended]]
+    ) -> None:
+        assert timeline is not None  # due is empty without one
+        for ref in due:
+            handle = ref()
+            if handle is None:
+                continue
+            try:
+                delay = handle._tend()
+            except Exception:  # noqa: BLE001 - a bug must not stop the other renewals
+                _log_failure(handle)
+                delay = None
+            if delay is not None:
+                with self._cond:
+                    timeline.add(handle, delay)
+                    self._timelines.setdefault(id(timeline.clock), timeline)
+            del handle  # hold no handle while waiting
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    due = [
+                        (timeline, timeline.pop_due())
+                        for timeline in self._timelines.values()
+                        if not isinstance(timeline.clock, ManualClock)
+                    ]
+                    due = [(timeline, refs) for timeline, refs in due if refs]
+                    if due:
+                        break
+                    for key in [k for k, t in self._timelines.items() if not t.heap]:
+                        del self._timelines[key]
+                    waits = [w for t in self._timelines.values() if (w := t.wait()) is not None]
+                    if not waits:
+                        self._thread = None
+                        return
+                    self._cond.wait(min(waits))
+            for timeline, refs in due:
+                self._tend_all(timeline, refs)
+
+    def _forget(self) -> None:
+        """In a forked child: the parent's leases are the parent's, and its thread is gone."""
+        self._cond = threading.Condition()
+        self._timelines = {}
+        self._thread = None
+        self._tending = threading.local()
+
+
+SYNC = SyncRenewer()
+if hasattr(os, "register_at_fork"):  # pragma: no branch - not on Windows
+    os.register_at_fork(after_in_child=SYNC._forget)
+
+
+class AsyncRenewer:
+    """The renewer of one event loop's async leases: one task, started on demand."""
+
+    _by_loop: ClassVar[dict[int, AsyncRenewer]] = {}
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._timelines: dict[int, _Timeline[AsyncTended]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Future[None] | None = None
+
+    @classmethod
+    def of_running_loop(cls) -> AsyncRenewer:
+        """The running loop's renewer, made if it has none."""
+        loop = asyncio.get_running_loop()
+        renewer = cls._by_loop.get(id(loop))
+        if renewer is None or renewer._loop is not loop:
+            renewer = cls._by_loop[id(loop)] = cls(loop)
+        return renewer
+
+    def add(self, handle: AsyncTended, clock: Clock, delay: float) -> None:
+        """Tend ``handle`` ``delay`` seconds from now on ``clock``; call on the loop."""
+        timeline = self._timelines.get(id(clock))
+        if timeline is None:
+            timeline = self._timelines[id(clock)] = _Timeline(clock)
+        timeline.add(handle, delay)
+        if isinstance(clock, ManualClock):
+            clock._listen(self._advanced)
+        if self._task is None:
+            self._task = self._loop.create_task(self._serve(), name="dmutex-renewer")
+        else:
+            self._poke()
+
+    def _poke(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def _advanced(self, clock: ManualClock) -> None:
+        """Wake the loop's task: ``clock`` moved (from any thread)."""
+        if self._loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            self._poke()
+        else:
+            self._loop.call_soon_threadsafe(self._poke)
+
+    async def _serve(self) -> None:
+        try:
+            while True:
+                due = [(t, refs) for t in list(self._timelines.values()) if (refs := t.pop_due())]
+                for timeline, refs in due:
+                    for ref in refs:
+                        handle = ref()
+                        if handle is None:
+                            continue
+                        try:
+                            delay = await handle._tend()
+                        except Exception:  # noqa: BLE001 - a bug must not stop the others
+                            _log_failure(handle)
+                            delay = None
+                        if delay is not None:
+                            timeline.add(handle, delay)
+                            self._timelines.setdefault(id(timeline.clock), timeline)
+                        del handle
+                if due:
+                    continue
+                for key in [k for k, t in self._timelines.items() if not t.heap]:
+                    del self._timelines[key]
+                if not self._timelines:
+                    return
+                waits = [w for t in self._timelines.values() if (w := t.wait()) is not None]
+                self._wake = self._loop.create_future()
+                timer = self._loop.call_later(min(waits), self._poke) if waits else None
+                try:
+                    await self._wake
+                finally:
+                    self._wake = None
+                    if timer is not None:
+                        timer.cancel()
+        finally:
+            self._task = None
+            if self._by_loop.get(id(self._loop)) is self:
+                del self._by_loop[id(self._loop)]
