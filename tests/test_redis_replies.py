@@ -23,42 +23,66 @@ class Scripted:
         return reply
 
 
-@pytest.mark.parametrize("reply", [0, "0", b"0"])
+@pytest.mark.parametrize("reply", [[0, 1], ["0", "1"], [b"0", b"1"], (0, 1)])
 def test_mutex_slot_zero_in_any_decoding_grants(reply: object) -> None:
     """A mutex acquires by script too (so that a re-sent copy is recognised): 0 is its slot."""
     client = Scripted(reply)
-    assert DMutex("svc", client).acquire("k") is not None
+    lock = DMutex("svc", client).acquire("k")
+    assert lock is not None
+    assert lock.fence == 1
     assert [command[0] for command in client.commands] == ["EVALSHA"]
 
 
-@pytest.mark.parametrize("reply", [-1, "-1", b"-1"])
+@pytest.mark.parametrize("reply", [[-1, 0], ["-1", "0"], [b"-1", b"0"]])
 def test_mutex_minus_one_is_contention(reply: object) -> None:
     assert DMutex("svc", Scripted(reply)).acquire("k") is None
 
 
-@pytest.mark.parametrize("reply", [True, "OK", b"OK", None, False, 1])
+@pytest.mark.parametrize("reply", [True, "OK", b"OK", None, False, 1, 0, [0], [0, 1, 2], [1, 1]])
 def test_impossible_mutex_acquire_reply_raises_not_contention(reply: object) -> None:
-    """SET's replies are not the script's: a client that gives one raises."""
+    """SET's replies, and the old one-number reply, are not the script's: they raise."""
     with pytest.raises(DMutexError, match="unexpected reply"):
         DMutex("svc", Scripted(reply, 0)).acquire("k")
 
 
-@pytest.mark.parametrize(("reply", "slot"), [(2, 2), (b"1", 1), ("0", 0)])
+@pytest.mark.parametrize(("reply", "slot"), [([2, 7], 2), ([b"1", b"7"], 1), (["0", "7"], 0)])
 def test_script_slot_in_any_decoding(reply: object, slot: int) -> None:
     permit = DSemaphore("svc", Scripted(reply), max_permits=3).acquire("k")
     assert permit is not None
     assert permit.slot == slot
+    assert permit.fence == 7
 
 
-@pytest.mark.parametrize("reply", [-1, b"-1", "-1"])
+@pytest.mark.parametrize("reply", [[-1, 0], [b"-1", b"0"], ["-1", "0"]])
 def test_script_minus_one_is_contention(reply: object) -> None:
     assert DSemaphore("svc", Scripted(reply), max_permits=3).acquire("k") is None
 
 
-@pytest.mark.parametrize("reply", [-2, 3, 7, "x", b"", 1.0, True, ["1"]])
+@pytest.mark.parametrize(
+    "reply", [-2, 3, [-2, 1], [3, 1], [1, -1], [1, "x"], [1, 1.0], [True, 1], ["1"], "x", b""]
+)
 def test_impossible_acquire_reply_raises_not_contention(reply: object) -> None:
     with pytest.raises(DMutexError, match="unexpected reply"):
         DSemaphore("svc", Scripted(reply), max_permits=3).acquire("k")
+
+
+def test_fence_zero_means_no_counter_and_no_fence() -> None:
+    """fencing=False sends no counter key; the script then answers fence 0, which is None."""
+    client = Scripted([0, 0])
+    lock = DMutex("svc", client, fencing=False).acquire("k")
+    assert lock is not None
+    assert lock.fence is None
+    (command,) = client.commands
+    assert command[2:4] == (1, "_dmutex_svc:permit:0:k")
+    assert "fence" not in command
+
+
+def test_the_counter_is_the_last_declared_key() -> None:
+    client = Scripted([1, 3])
+    DSemaphore("svc", client, max_permits=2).acquire("k")
+    (command,) = client.commands
+    keys = ["_dsemaphore_svc:permit:0:k", "_dsemaphore_svc:permit:1:k", "_dsemaphore_svc:fence:k"]
+    assert command[2:] == (3, *keys, command[-3], command[-2], "fence")
 
 
 @pytest.mark.parametrize("reply", [2, -1, "yes", None])

@@ -16,6 +16,7 @@ from ._validate import (
     BackendName,
     check_backend,
     check_clock,
+    check_flag,
     check_max_permits,
     check_str,
     check_ttl,
@@ -48,6 +49,8 @@ class Options:
     key_prefix: str
     """The Redis key prefix: ``key_prefix``, else ``f"{kind's prefix}{service_name}:"``."""
     clock: Clock | None
+    fencing: bool | None
+    """``fencing=``: None keeps a fence where it costs no request (Redis, memory)."""
 
     @classmethod
     def check(
@@ -62,6 +65,7 @@ class Options:
         collection_prefix: object,
         key_prefix: object,
         clock: object,
+        fencing: object,
         /,
     ) -> Options:
         """Check every argument, in the order the constructors' signatures give them."""
@@ -92,4 +96,5 @@ class Options:
             collection_origin=origin,
             key_prefix=keys,
             clock=check_clock(clock),
+            fencing=None if fencing is None else check_flag("fencing", fencing),
         )

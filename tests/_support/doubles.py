@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from dmutex._backends.redis import ACQUIRE
+
 
 class RecordingRedis:
     """Redis-shaped: records commands and answers none."""
@@ -39,8 +41,9 @@ class RecordingBoth(RecordingRedis):
 class AnsweringRedis:
     """Redis-shaped and sync: records every command and answers as a free server would.
 
-    ``SET`` answers OK (the key was free); a script answers 0 (slot 0 taken,
-    or nothing released or extended).
+    ``SET`` answers OK (the key was free); the acquire script answers
+    ``[0, 1]`` (slot 0 taken, fence 1), the others 0 (nothing released or
+    extended).
     """
 
     def __init__(self) -> None:
@@ -48,7 +51,9 @@ class AnsweringRedis:
 
     def answer(self, args: tuple[object, ...]) -> object:
         self.calls.append(args)
-        return "OK" if args[0] == "SET" else 0
+        if args[0] == "SET":
+            return "OK"
+        return [0, 1] if args[1] in (ACQUIRE.sha, ACQUIRE.text) else 0
 
     def execute_command(self, *args: object) -> object:
         return self.answer(args)

@@ -368,7 +368,13 @@ def test_tagged_semaphore_takes_one_request_per_operation(
         permits.append(permit)
     assert sem.acquire(TAGGED, ttl=TTL) is None
     assert counter.take() == ["EVALSHA"]
-    assert cluster.values() == {keys[p.slot]: p.token for p in permits}
+    # The fence counter shares the tag, so the acquire's own script counts.
+    fence_key = "_dsemaphore_svc:fence:{orders}"
+    assert [p.fence for p in permits] == [1, 2, 3, 4, 5]
+    assert cluster.values() == {
+        **{keys[p.slot]: p.token for p in permits},
+        fence_key: "dmutex:fence:5",
+    }
 
     assert permits[0].extend(ttl=TTL)
     assert counter.take() == ["EVALSHA"]
@@ -383,7 +389,37 @@ def test_tagged_semaphore_takes_one_request_per_operation(
     assert counter.take() == ["EVALSHA"]
     assert not sem.release(TAGGED, str(uuid.uuid4()))
     assert counter.take() == ["EVALSHA"]
-    assert cluster.values() == {keys[i]: permits[i].token for i in (1, 2, 3)}
+    assert cluster.values() == {
+        **{keys[i]: permits[i].token for i in (1, 2, 3)},
+        fence_key: "dmutex:fence:5",
+    }
+
+
+def test_an_untagged_key_gets_no_fence_and_fencing_true_refuses_it(
+    cluster: Cluster, client: redis.cluster.RedisCluster
+) -> None:
+    """Untagged, the counter would lie in another hash slot than the slot keys: no script
+    could count in the acquire's request. The grant carries None, no counter is
+    written; ``fencing=True`` raises before any request."""
+    counter = Counting(client)
+    for sem in (DSemaphore("svc", counter, max_permits=3), DMutex("svc", counter)):
+        lease = sem.acquire(UNTAGGED, ttl=TTL)
+        assert lease is not None
+        assert lease.fence is None
+        assert lease.release()
+    counter.take()
+    assert not [key for key in cluster.values() if ":fence:" in key]
+    for strict in (
+        DSemaphore("svc", counter, max_permits=3, fencing=True),
+        DMutex("svc", counter, fencing=True),
+    ):
+        with pytest.raises(ValueError, match="hash tag"):
+            strict.acquire(UNTAGGED, ttl=TTL)
+        assert counter.take() == []
+        tagged = strict.acquire(TAGGED, ttl=TTL)
+        assert tagged is not None
+        assert tagged.fence is not None
+        assert counter.take() == ["EVALSHA"]
 
 
 def test_tagged_first_script_on_a_node_falls_back_to_eval_once(
@@ -407,6 +443,7 @@ def test_mutex_takes_one_request_per_operation(client: redis.cluster.RedisCluste
     mutex = DMutex("svc", counter)
     lock = mutex.acquire("job-2", ttl=TTL)
     assert lock is not None
+    assert lock.fence is None, "untagged: no fence on a cluster"
     assert counter.take() == ["EVALSHA"]
     assert mutex.acquire("job-2", ttl=TTL) is None
     assert counter.take() == ["EVALSHA"]

@@ -323,8 +323,8 @@ def scripted(face: FaceName, path: Literal["command", "set_eval"], reply: object
 def test_unexpected_reply_raises_dmutex_error(
     rig: Rig, path: Literal["command", "set_eval"], kind: str, permits: int, weird: object
 ) -> None:
-    # A well-formed reply first: slot 0 from the acquire script.
-    client = scripted(rig.face, path, 0)
+    # A well-formed reply first: slot 0, fence 1 from the acquire script.
+    client = scripted(rig.face, path, [0, 1])
     lock = rig.make(kind, client, permits)
     handle = held(lock.acquire("k"))
     client.reply = weird

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from dmutex import DMutex, DSemaphore, RedisArg, RedisReply
+from dmutex import DMutex, DMutexError, DSemaphore, RedisArg, RedisReply
 from dmutex._backends.redis import ACQUIRE
 
 
@@ -45,23 +45,32 @@ def stored(server: redis.Redis) -> dict[str, str]:
     return {str(name): str(server.get(name)) for name in server.keys("*")}
 
 
+@pytest.mark.parametrize("fencing", [None, False])
 def test_semaphore_and_mutex_leave_exactly_the_typescript_keys(
-    server: redis.Redis, recording: Recording
+    server: redis.Redis, recording: Recording, fencing: bool | None
 ) -> None:
-    sem = DSemaphore("orders", recording, max_permits=3)
+    """The TypeScript slot keys, and one fence counter per lock (none with fencing=False)."""
+    sem = DSemaphore("orders", recording, max_permits=3, fencing=fencing)
     permits = [sem.acquire("api", ttl=60) for _ in range(3)]
-    lock = DMutex("orders", recording).acquire("job", ttl=60)
+    lock = DMutex("orders", recording, fencing=fencing).acquire("job", ttl=60)
     assert lock is not None
     assert all(p is not None for p in permits)
     tokens = [p.token for p in permits if p is not None]
-    assert stored(server) == {
+    slots = {
         "_dsemaphore_orders:permit:0:api": tokens[0],
         "_dsemaphore_orders:permit:1:api": tokens[1],
         "_dsemaphore_orders:permit:2:api": tokens[2],
         "_dmutex_orders:permit:0:job": lock.token,
     }
-    for name in server.keys("*"):
+    counters = {
+        "_dsemaphore_orders:fence:api": "dmutex:fence:3",
+        "_dmutex_orders:fence:job": "dmutex:fence:1",
+    }
+    assert stored(server) == (slots if fencing is False else {**slots, **counters})
+    for name in slots:
         assert 59_000 < server.pttl(name) <= 60_000
+    for name in counters:
+        assert server.pttl(name) == (-2 if fencing is False else -1), "counters never expire"
 
 
 def test_ttl_is_sent_as_px_milliseconds_rounded_up(recording: Recording) -> None:
@@ -70,22 +79,26 @@ def test_ttl_is_sent_as_px_milliseconds_rounded_up(recording: Recording) -> None
     name, sha, *rest = recording.commands[-1]
     # EVALSHA, or EVAL with the script's text where the server had not cached it yet.
     assert (name, sha) in {("EVALSHA", ACQUIRE.sha), ("EVAL", ACQUIRE.text)}
-    assert rest == [1, "_dmutex_svc:permit:0:job", lock.token, math.ceil(12345.1)]
+    counter = "_dmutex_svc:fence:job"
+    assert rest == [2, "_dmutex_svc:permit:0:job", counter, lock.token, math.ceil(12345.1), "fence"]
     sem = DSemaphore("svc", recording, max_permits=2)
     permit = sem.acquire("api", ttl=0.0005)
     assert permit is not None
     name, sha, *rest = recording.commands[-1]
     assert (name, sha) in {("EVALSHA", ACQUIRE.sha), ("EVAL", ACQUIRE.text)}
-    # Every slot key declared, in slot order; then the token and PX.
+    # Every slot key declared, in slot order, and the counter; then the token and PX.
     keys = ["_dsemaphore_svc:permit:0:api", "_dsemaphore_svc:permit:1:api"]
-    assert rest == [2, *keys, permit.token, 1]
+    assert rest == [3, *keys, "_dsemaphore_svc:fence:api", permit.token, 1, "fence"]
 
 
 def test_key_prefix_replaces_the_default(server: redis.Redis) -> None:
     with redis.Redis.from_url(_url(server)) as client:
         lock = DMutex("svc", client, key_prefix="app:locks:").acquire("job")
         assert lock is not None
-        assert stored(server) == {"app:locks:permit:0:job": lock.token}
+        assert stored(server) == {
+            "app:locks:permit:0:job": lock.token,
+            "app:locks:fence:job": "dmutex:fence:1",
+        }
 
 
 def _url(server: redis.Redis) -> str:
@@ -151,7 +164,38 @@ def test_no_write_touches_a_name_outside_the_lock_s_slot_keys(server: redis.Redi
         assert server.get(name) == held.token
         assert 0 < server.pttl(name) <= 60_000
         assert theirs.acquire("job") is None, "still held: no second holder got in"
-        assert sorted(server.keys("*")) == [name]
+        counters = ["_dsemaphore_s:fence:permit:0:job", "_dsemaphore_s:hint:fence:job"]
+        assert sorted(server.keys("*")) == sorted([name, *counters])
+
+
+@pytest.mark.parametrize("foreign", ["5", "dmutex:fence:x", "a token", "list"])
+def test_a_fence_counter_name_holding_another_value_is_never_written(
+    server: redis.Redis, foreign: str
+) -> None:
+    """Lock ``"permit:0:job"`` of ``DSemaphore("s")`` counts fences at
+    ``_dsemaphore_s:fence:permit:0:job``, which is slot 0 of ``DSemaphore("s:fence")``'s
+    lock ``"job"`` (or any value someone else stored there). The acquire raises,
+    and writes nothing: no slot taken, the other value unchanged.
+    """
+    name = "_dsemaphore_s:fence:permit:0:job"
+    with redis.Redis.from_url(_url(server)) as client:
+        if foreign == "a token":
+            held = DSemaphore("s:fence", client, max_permits=1, fencing=False).acquire("job")
+            assert held is not None
+            foreign = held.token
+        elif foreign == "list":
+            server.rpush(name, "x")
+        else:
+            server.set(name, foreign)
+        before = server.dump(name)
+        mine = DSemaphore("s", client, max_permits=2)
+        refusals = (DMutexError, redis.ResponseError)
+        with pytest.raises(refusals, match=r"dmutex did not write|WRONGTYPE"):
+            mine.acquire("permit:0:job")
+        assert server.dump(name) == before
+        assert server.keys("_dsemaphore_s:permit:*") == []
+        unfenced = DSemaphore("s", client, max_permits=2, fencing=False)
+        assert unfenced.acquire("permit:0:job") is not None, "fencing=False never reads it"
 
 
 def _touched(command: str) -> list[str]:

@@ -236,19 +236,21 @@ def test_acquire_is_one_request_free_and_full(rig: Rig, kind: str, permits: int)
         assert held(handle).slot == slot
         assert seen.requests == ["EVALSHA"]
         assert seen.server_requests == 1
+        # The fence counter: one GET before anything is written, one SET after.
         if permits == 1:
-            assert seen.server == {"evalsha": 1, "set": 1}
+            assert seen.server == {"evalsha": 1, "get": 1, "set": 2}
         else:
             # One MGET read every slot; one SET NX took the first free one.
-            assert seen.server == {"evalsha": 1, "mget": 1, "set": 1}
+            assert seen.server == {"evalsha": 1, "get": 1, "mget": 1, "set": 2}
 
     refused, seen = rig.measure(client, lambda: lock.acquire("k"))
     assert refused is None, "all permits are held"
     assert seen.requests == ["EVALSHA"]
     assert seen.server_requests == 1
     # A mutex's SET NX fails, then GET shows another token; a full semaphore's
-    # MGET shows every slot held, and nothing is written.
-    expected = {"evalsha": 1, "set": 1, "get": 1} if permits == 1 else {"evalsha": 1, "mget": 1}
+    # MGET shows every slot held, and nothing is written (the counter is only read).
+    full = {"evalsha": 1, "get": 1, "mget": 1}
+    expected = {"evalsha": 1, "set": 1, "get": 2} if permits == 1 else full
     assert seen.server == expected, f"every one of {permits} slots looked at in one request"
 
 
@@ -375,7 +377,10 @@ def test_set_eval_path_is_one_call_per_operation(rig: Rig, kind: str, permits: i
         handles.append(held(handle))
         assert handles[-1].slot == slot
         assert seen.requests == [call]
-        took = {"eval": 1, "set": 1} if permits == 1 else {"eval": 1, "mget": 1, "set": 1}
+        # With the fence counter's GET and SET.
+        took = {"eval": 1, "get": 1, "set": 2}
+        if permits > 1:
+            took["mget"] = 1
         assert seen.server == took
     refused, seen = rig.measure(client, lambda: lock.acquire("k"))
     assert refused is None

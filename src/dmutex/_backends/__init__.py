@@ -34,18 +34,20 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
                 "an InMemoryBackend decides expiry by its own clock: pass clock= to "
                 "InMemoryBackend(clock=...), not to the lock"
             )
-        return MemoryStore(client, options.key_prefix, options.max_permits)
+        fencing = options.fencing is not False
+        return MemoryStore(client, options.key_prefix, options.max_permits, fencing=fencing)
     clock = SYSTEM_CLOCK if options.clock is None else options.clock
     if found == "redis":
         name = "execute_command" if defines(client, "execute_command") else "eval"
         (refuse_sync if asynchronous else refuse_asyncio)(client, name, "client")
-        return RedisStore(client, options.key_prefix, options.max_permits, clock)
+        prefix, permits = options.key_prefix, options.max_permits
+        return RedisStore(client, prefix, permits, clock, fencing=options.fencing)
     check_db_name(options.db_name)
     check_collection_name(options.collection_name, options.collection_origin, options.db_name)
     database = method(client, "get_database")(options.db_name)
     collection = method(database, "get_collection")(options.collection_name)
     (refuse_sync if asynchronous else refuse_asyncio)(collection, "update_one", "collection")
-    return MongoStore(collection, options.max_permits, clock)
+    return MongoStore(collection, options.max_permits, clock, fencing=options.fencing is True)
 
 
 __all__ = ["InMemoryBackend", "Store", "open_store"]

@@ -47,6 +47,9 @@ class InMemoryBackend:
         self._clock: Clock = SYSTEM_CLOCK if clock is None else clock
         self._lock = threading.Lock()
         self._records: _Records = {}
+        # prefix -> key -> the last fence granted; kept when the records go,
+        # as Redis keeps its counter records.
+        self._fences: dict[str, dict[str, int]] = {}
 
     @property
     def clock(self) -> Clock:
@@ -93,10 +96,13 @@ class MemoryStore:
 
     max_expiry_ms = MAX_EXPIRY_MS
 
-    def __init__(self, backend: InMemoryBackend, prefix: str, max_permits: int) -> None:
+    def __init__(
+        self, backend: InMemoryBackend, prefix: str, max_permits: int, *, fencing: bool = True
+    ) -> None:
         self._backend = backend
         self._prefix = prefix
         self._max_permits = max_permits
+        self._fencing = fencing
 
     @property
     def clock(self) -> Clock:
@@ -132,7 +138,11 @@ class MemoryStore:
                 rec = slots.get(number)
                 if rec is None or rec.expires_ms <= now:
                     slots[number] = _Record(token, now + ttl_ms)
-                    return Lease(key, token, number, now + ttl_ms)
+                    fence = None
+                    if self._fencing:
+                        fences = self._backend._fences.setdefault(self._prefix, {})
+                        fence = fences[key] = fences.get(key, 0) + 1
+                    return Lease(key, token, number, now + ttl_ms, fence)
         return None
 
     def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:

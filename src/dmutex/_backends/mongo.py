@@ -31,6 +31,7 @@ Limits:
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 
 from .._clock import Clock
 from .._core.effects import Call, Steps
@@ -39,6 +40,8 @@ from .._errors import DMutexError
 from .shapes import method
 
 DUPLICATE_KEY = 11000
+# Marks a fence counter document as dmutex's own.
+_FENCE_KIND = "dmutex-fence"
 
 
 def is_duplicate_key(error: BaseException) -> bool:
@@ -66,8 +69,12 @@ class MongoStore:
 
     max_expiry_ms = MAX_EXPIRY_MS
 
-    def __init__(self, collection: object, max_permits: int, clock: Clock) -> None:
+    def __init__(
+        self, collection: object, max_permits: int, clock: Clock, *, fencing: bool = False
+    ) -> None:
         self._update = method(collection, "update_one")
+        # Fencing needs the counter's new value back: find_one_and_update.
+        self._bump = method(collection, "find_one_and_update") if fencing else None
         self._delete = method(collection, "delete_one")
         self._distinct = method(collection, "distinct")
         self._create_index = method(collection, "create_index")
@@ -114,8 +121,50 @@ class MongoStore:
 
         A mutex tries its one slot. A semaphore tries a random slot first
         (so concurrent callers spread out), then asks which slots are active
-        and tries the others in random order.
+        and tries the others in random order. With fencing, a taken slot
+        then gets its fence: one more request (:meth:`_fence`).
         """
+        lease = yield from self._take_any(key, token, ttl_ms)
+        if lease is None or self._bump is None:
+            return lease
+        return (yield from self._fence(lease))
+
+    def _fence(self, lease: Lease) -> Steps[Lease | None]:
+        """Increment the key's fence counter for ``lease``; None if the lease ran out first.
+
+        The counter is the document ``{_id: "fence:<key>", kind:
+        "dmutex-fence", fence: <n>}`` beside the slots (no ``expiredAt``, so
+        the TTL index never removes it). It is incremented after the slot is
+        taken, and the grant counts only if the reply comes back before the
+        lease's expiry estimate: then the increment happened while the lease
+        was active, and any later holder of the slot took it after that
+        expiry, so its increment comes later and its fence is higher. A
+        holder paused past its expiry between the two requests gets None,
+        never a fence above a later holder's. A document with that ``_id``
+        that dmutex did not write is never changed: the upsert collides
+        with it and the acquire raises.
+        """
+        assert self._bump is not None  # only called with fencing on
+        selector = {"_id": f"fence:{lease.key}", "kind": _FENCE_KIND}
+        try:
+            # return_document=True is pymongo's ReturnDocument.AFTER.
+            options = {"upsert": True, "return_document": True}
+            doc = yield Call(self._bump, (selector, {"$inc": {"fence": 1}}), options)
+        except Exception as error:
+            if is_duplicate_key(error):
+                raise DMutexError(
+                    f"the document {selector['_id']!r} holds a value dmutex did not write"
+                ) from error
+            raise
+        fence = doc.get("fence") if isinstance(doc, Mapping) else None
+        if isinstance(fence, bool) or not isinstance(fence, int) or fence < 1:
+            raise DMutexError(f"unexpected fence document from MongoDB: {doc!r}")
+        if now_ms(self._clock) >= lease.expires_ms:
+            return None
+        lease.fence = fence
+        return lease
+
+    def _take_any(self, key: str, token: str, ttl_ms: int) -> Steps[Lease | None]:
         now = now_ms(self._clock)
         expires = now + ttl_ms
         permits = self._permits

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from .._clock import Clock
 from .._core.effects import Call, Steps
 from .._core.lease import MAX_EXPIRY_MS, Lease, now_ms
-from .._errors import DMutexError
+from .._errors import DMutexError, InvalidArgumentError
 from .cluster import same_hash_slot
 from .shapes import defines, is_cluster_client, method
 
@@ -52,27 +52,54 @@ from .shapes import defines, is_cluster_client, method
 # 1-based), so a script never builds a key name: what it touches is what the
 # request declares, as Redis, ACL key patterns, proxies and clusters require.
 
-# ARGV: token, ttl ms. Returns the 0-based position of the key that holds the
-# token (taken now, or by an earlier copy of this request), or -1 when every
-# key is held by another token. MGET reads every slot in one server-side
-# call; SET NX, not SET, because MGET also answers nil for a key of another
-# type, which is not free.
+# ARGV: token, ttl ms, and "fence" when the last key is the lock's fence
+# counter. Returns {position, fence}: the 0-based position of the key that
+# holds the token (taken now, or by an earlier copy of this request) or -1
+# when every key is held by another token; and the grant's fence, 0 without a
+# counter. MGET reads every slot in one server-side call; SET NX, not SET,
+# because MGET also answers nil for a key of another type, which is not free.
+# The counter is read before anything is written, so that a value dmutex did
+# not write (GET raises WRONGTYPE for a non-string) stops the script at once.
 _ACQUIRE = """\
 local token, ttl = ARGV[1], ARGV[2]
-if #KEYS == 1 then
-  if redis.call('SET', KEYS[1], token, 'PX', ttl, 'NX') then return 0 end
-  if redis.call('GET', KEYS[1]) == token then return 0 end
-  return -1
+local n, counter, fence = #KEYS, nil, 0
+if ARGV[3] == 'fence' then
+  counter, n = KEYS[#KEYS], #KEYS - 1
+  local stored = redis.call('GET', counter)
+  if stored then
+    fence = tonumber(string.match(stored, '^dmutex:fence:(%d+)$'))
+    if not fence then
+      return redis.error_reply('DMUTEX ' .. counter .. ' holds a value dmutex did not write')
+    end
+  end
 end
-local values = redis.call('MGET', unpack(KEYS))
-for i = 1, #KEYS do
-  if values[i] == token then return i - 1 end
+local slot = -1
+if n == 1 then
+  if redis.call('SET', KEYS[1], token, 'PX', ttl, 'NX') or redis.call('GET', KEYS[1]) == token then
+    slot = 0
+  end
+else
+  local values = redis.call('MGET', unpack(KEYS, 1, n))
+  for i = 1, n do
+    if values[i] == token then slot = i - 1 break end
+  end
+  if slot < 0 then
+    for i = 1, n do
+      if not values[i] and redis.call('SET', KEYS[i], token, 'PX', ttl, 'NX') then
+        slot = i - 1
+        break
+      end
+    end
+  end
 end
-for i = 1, #KEYS do
-  if not values[i] and redis.call('SET', KEYS[i], token, 'PX', ttl, 'NX') then return i - 1 end
+if slot >= 0 and counter then
+  fence = fence + 1
+  redis.call('SET', counter, string.format('dmutex:fence:%d', fence))
 end
-return -1
+return {slot, fence}
 """
+# How the client reports that answer (redis-py: ResponseError, the code kept).
+_FOREIGN = "holds a value dmutex did not write"
 
 # ARGV: token. Deletes the key that holds the token and returns 1, or 0.
 _RELEASE = """\
@@ -132,6 +159,13 @@ def _is_noscript(error: BaseException) -> bool:
     )
 
 
+def _grant(reply: object, last: int) -> tuple[int, int]:
+    """The acquire script's ``{position, fence}``: position in ``-1..last``, fence >= 0."""
+    if not isinstance(reply, (list, tuple)) or len(reply) != 2:
+        raise DMutexError(f"unexpected reply from Redis: {reply!r}")
+    return _as_int(reply[0], -1, last), _as_int(reply[1], 0, 2**63 - 1)
+
+
 def _as_int(reply: object, low: int, high: int) -> int:
     """An integer script reply in ``low..high``, however the client decoded it.
 
@@ -170,9 +204,18 @@ class RedisStore:
 
     max_expiry_ms = MAX_EXPIRY_MS
 
-    def __init__(self, client: object, prefix: str, max_permits: int, clock: Clock) -> None:
+    def __init__(
+        self,
+        client: object,
+        prefix: str,
+        max_permits: int,
+        clock: Clock,
+        *,
+        fencing: bool | None = None,
+    ) -> None:
         self._prefix = prefix
         self._permits = max_permits
+        self._fencing = fencing
         self._cluster = is_cluster_client(client)
         # Detection checked the client's shape; pick its path once.
         self._execute: Callable[..., object] | None = None
@@ -215,24 +258,54 @@ class RedisStore:
         """Nothing to prepare: Redis needs no index."""
         yield from ()
 
+    def _counter(self, key: str, groups: list[list[str]]) -> str | None:
+        """The fence counter of ``key``, or None: no fencing, or no hash slot to share.
+
+        On a cluster the counter must share the hash slot of the slot keys,
+        so that the acquire's own script can increment it; with
+        ``fencing=True`` a key whose records cannot is an error.
+        """
+        if self._fencing is False:
+            return None
+        name = f"{self._prefix}fence:{key}"
+        if self._cluster and (len(groups) > 1 or not same_hash_slot([groups[0][0], name])):
+            if self._fencing:
+                raise InvalidArgumentError(
+                    f"fencing=True on a cluster needs the key's records in one hash slot: "
+                    f"wrap the key in a hash tag, for example {'{' + key + '}'!r}"
+                )
+            return None
+        return name
+
     def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Lease | None]:
         """Take a free slot of ``key``, or return None when all are held.
 
-        One request: one script over every slot key. On a cluster with the
-        slot keys in different hash slots, one request per slot until one
-        succeeds (at most ``max_permits``).
+        One request: one script over every slot key and the fence counter.
+        On a cluster with the slot keys in different hash slots, one request
+        per slot until one succeeds (at most ``max_permits``), and no fence.
+        Raises before any request when ``fencing=True`` cannot be met.
         """
+        groups = self._groups(key)
+        counter = self._counter(key, groups)
+        return self._acquire(key, token, ttl_ms, groups, counter)
+
+    def _acquire(
+        self, key: str, token: str, ttl_ms: int, groups: list[list[str]], counter: str | None
+    ) -> Steps[Lease | None]:
         expires = now_ms(self._clock) + ttl_ms
-        if self._permits == 1:  # the mutex path, one frame shorter
-            name = f"{self._prefix}permit:0:{key}"
-            reply = yield from self._run(ACQUIRE, (name,), (token, ttl_ms))
-            return Lease(key, token, 0, expires) if _as_int(reply, -1, 0) == 0 else None
+        args: tuple[object, ...] = (token, ttl_ms) if counter is None else (token, ttl_ms, "fence")
         first = 0
-        for group in self._groups(key):
-            reply = yield from self._run(ACQUIRE, group, (token, ttl_ms))
-            position = _as_int(reply, -1, len(group) - 1)
+        for group in groups:
+            keys = group if counter is None else [*group, counter]
+            try:
+                reply = yield from self._run(ACQUIRE, keys, args)
+            except Exception as error:
+                if _FOREIGN in str(error):
+                    raise DMutexError(f"{counter!r} {_FOREIGN}: dmutex leaves it alone") from error
+                raise
+            position, fence = _grant(reply, len(group) - 1)
             if position >= 0:
-                return Lease(key, token, first + position, expires)
+                return Lease(key, token, first + position, expires, fence or None)
             first += len(group)
         return None
 

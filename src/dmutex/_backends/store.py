@@ -38,7 +38,12 @@ class Store(Protocol):
         ...
 
     def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Lease | None]:
-        """Take a free or expired slot of ``key`` for ``token``; None if all are active."""
+        """Take a free or expired slot of ``key`` for ``token``; None if all are active.
+
+        The lease carries the grant's fence where the store keeps one. A
+        store may raise (``InvalidArgumentError``) when this is called, before
+        the steps exist, for a key it cannot serve as configured.
+        """
         ...
 
     def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:

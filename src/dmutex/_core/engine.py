@@ -84,8 +84,11 @@ class Engine:
 
     def _attempt(self, key: str, ttl_ms: int) -> Steps[Lease | None]:
         token = new_token()
+        # Outside the try: a store refuses a request it cannot serve before
+        # sending anything, and then there is nothing to release.
+        steps = self._store.acquire(key, token, ttl_ms)
         try:
-            lease = yield from self._store.acquire(key, token, ttl_ms)
+            lease = yield from steps
         except GeneratorExit:
             raise  # closed: no effect may be yielded any more
         except BaseException:

@@ -73,6 +73,7 @@ class SemaphoreBase(Face[ClientT]):
         collection_prefix: str = "_dsemaphore_",
         key_prefix: str | None = None,
         clock: Clock | None = None,
+        fencing: bool | None = None,
     ) -> None:
         """Make a semaphore of ``max_permits`` permits per key for ``service_name``.
 
@@ -89,13 +90,21 @@ class SemaphoreBase(Face[ClientT]):
         waits. A :class:`ManualClock` makes them testable without sleeping. An
         :class:`InMemoryBackend` keeps its own clock; pass none here for it.
 
+        ``fencing``: whether grants carry a fencing token (``handle.fence``).
+        None (the default) keeps one where it costs no extra request: Redis
+        (in the acquire's own script; on a cluster only for a key with a
+        hash tag) and :class:`InMemoryBackend`. True also on MongoDB, where
+        it costs one more request per successful acquire, and makes a
+        cluster key without a hash tag an error. False keeps none, and Redis
+        then writes no counter records.
+
         Raises ``TypeError``/``ValueError`` for bad arguments and for a client
         that meets no contract, before any request reaches the client.
         """
         # In the order of the signature, which Options.check takes positionally.
         options = Options.check(
             "semaphore", service_name, max_permits, default_ttl_seconds, backend,
-            db_name, collection_name, collection_prefix, key_prefix, clock,
+            db_name, collection_name, collection_prefix, key_prefix, clock, fencing,
         )  # fmt: skip
         self._open(client, options)
 
@@ -115,6 +124,7 @@ class MutexBase(Face[ClientT]):
         collection_prefix: str = "_dmutex_",
         key_prefix: str | None = None,
         clock: Clock | None = None,
+        fencing: bool | None = None,
     ) -> None:
         """Make a mutex for ``service_name``: one holder per key at a time.
 
@@ -124,6 +134,6 @@ class MutexBase(Face[ClientT]):
         # In the order of the signature, which Options.check takes positionally.
         options = Options.check(
             "mutex", service_name, 1, default_ttl_seconds, backend,
-            db_name, collection_name, collection_prefix, key_prefix, clock,
+            db_name, collection_name, collection_prefix, key_prefix, clock, fencing,
         )  # fmt: skip
         self._open(client, options)
