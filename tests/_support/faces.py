@@ -83,6 +83,38 @@ class Handle:
         extended: bool = self._face.wait(self.raw.extend(ttl))
         return extended
 
+    @property
+    def fence(self) -> int | None:
+        return self.raw.fence
+
+    @property
+    def lost(self) -> bool:
+        return self.raw.lost
+
+    @property
+    def auto_renew(self) -> bool:
+        return self.raw.auto_renew
+
+    def raise_if_lost(self) -> None:
+        self.raw.raise_if_lost()
+
+    def on_lost(self, callback: Callable[[Handle], object]) -> None:
+        """Register ``callback(handle)``; on the async face it is registered on the loop."""
+        wrapped = self
+        if self._face.loop is None:
+            self.raw.on_lost(lambda raw: callback(wrapped))
+            return
+        raw = self.raw
+
+        async def register() -> None:
+            raw.on_lost(lambda _: callback(wrapped))
+
+        self._face.wait(register())
+
+    def wait_lost(self, timeout: float | None = None) -> bool:
+        lost: bool = self._face.wait(self.raw.wait_lost(timeout))
+        return lost
+
 
 class Face:
     """A DMutex/DSemaphore of either face behind one sync interface."""
@@ -129,15 +161,36 @@ class Face:
 
         return callback
 
-    def acquire(self, key: str, ttl: float | None = None) -> Handle | None:
-        return self._handle(self.wait(self.target.acquire(key, ttl)))
+    @property
+    def loop(self) -> LoopThread | None:
+        return self._loop
+
+    def settle(self) -> None:
+        """Let the async face's loop run what is ready (its renewer, after a ManualClock moved).
+
+        A few turns: the ManualClock's wake-up arrives by ``call_soon_threadsafe``, then
+        the renewer task runs; with the in-process backends nothing waits on I/O.
+        """
+        if self._loop is None:
+            return
+
+        async def turns() -> None:
+            for _ in range(5):
+                await asyncio.sleep(0)
+
+        self._loop.run(turns())
+
+    def acquire(self, key: str, ttl: float | None = None, **options: Any) -> Handle | None:
+        return self._handle(self.wait(self.target.acquire(key, ttl, **options)))
 
     def acquire_with_retry(self, key: str, **options: Any) -> Handle | None:
         return self._handle(self.wait(self.target.acquire_with_retry(key, **options)))
 
-    def run(self, key: str, fn: Callable[[Handle], T], ttl: float | None = None) -> T | None:
+    def run(
+        self, key: str, fn: Callable[[Handle], T], ttl: float | None = None, **options: Any
+    ) -> T | None:
         target: Any = self.target
-        result: T | None = self.wait(target.run(key, self._callback(fn), ttl))
+        result: T | None = self.wait(target.run(key, self._callback(fn), ttl, **options))
         return result
 
     def run_with_retry(self, key: str, fn: Callable[[Handle], T], **options: Any) -> T | None:

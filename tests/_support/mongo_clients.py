@@ -43,6 +43,13 @@ class AsyncMongomockCollection:
         found: list[object] = self.inner.distinct(key, filter)
         return found
 
+    async def find_one_and_update(
+        self, filter: Any, update: Any, /, *, upsert: bool = False, return_document: bool = False
+    ) -> Any:
+        return self.inner.find_one_and_update(
+            filter, update, upsert=upsert, return_document=return_document
+        )
+
 
 class AsyncMongomockDatabase:
     def __init__(self, inner: mongomock.Database[Any]) -> None:

@@ -31,12 +31,12 @@ Limits:
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from .._clock import Clock
 from .._core.effects import Call, Steps
 from .._core.lease import MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
-from .._errors import DMutexError
+from .._errors import DMutexError, UnsupportedClientError
 from .shapes import method
 
 DUPLICATE_KEY = 11000
@@ -57,6 +57,13 @@ def _count(result: object, name: str) -> int:
     return value
 
 
+def _fencing_method(collection: object) -> Callable[..., object]:
+    try:
+        return method(collection, "find_one_and_update")
+    except UnsupportedClientError as error:
+        raise UnsupportedClientError(f"fencing=True on MongoDB needs it: {error}") from None
+
+
 class MongoStore:
     """One collection of lease documents; a ``Store``.
 
@@ -74,7 +81,7 @@ class MongoStore:
     ) -> None:
         self._update = method(collection, "update_one")
         # Fencing needs the counter's new value back: find_one_and_update.
-        self._bump = method(collection, "find_one_and_update") if fencing else None
+        self._bump = _fencing_method(collection) if fencing else None
         self._delete = method(collection, "delete_one")
         self._distinct = method(collection, "distinct")
         self._create_index = method(collection, "create_index")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .._core import renewal
 from .._core.engine import Engine
@@ -13,7 +13,7 @@ from .._errors import LeaseLostError
 from .._validate import check_callback
 
 D = TypeVar("D")
-Self = TypeVar("Self", bound="HandleBase[object]")
+Self = TypeVar("Self", bound="HandleBase[Any]")
 
 
 class HandleBase(Generic[D]):
