@@ -168,6 +168,20 @@ def quantile(values: Iterable[float], q: float) -> float:
 # --- holding many renewed leases ------------------------------------------------------
 
 
+def window_start(granted: Mapping[str, float], interval_s: float) -> float:
+    """When to open the holding window: half an interval off the first lease's phase.
+
+    Leases taken faster than one interval renew in near step, in passes about
+    one interval apart; a window of whole intervals opened between two passes
+    then counts every lease's renewals once per interval, whereas one opened
+    on a pass would count that pass once or twice depending on the jitter.
+    The first pass after the last grant bounds the window's start.
+    """
+    first, last = min(granted.values()), max(granted.values())
+    passes = max(0, math.ceil((last - first) / interval_s - 0.5))
+    return first + (passes + 0.5) * interval_s
+
+
 @dataclass
 class Hold:
     """What one run of holding ``leases`` renewed leases showed."""
@@ -184,6 +198,7 @@ class Hold:
     tasks_before: int | None = None
     tasks_holding: int | None = None
     renewer_tasks: int | None = None
+    other_tasks: set[str] = field(default_factory=set)  # coroutines of any other task seen
     renewals: int = 0  # in the holding window, counted by the wrapper
     cpu_s: float = 0.0  # this process, in the holding window
     server: ServerStats | None = None  # delta over the holding window
@@ -235,6 +250,7 @@ def hold_sync(
     handles, granted = _acquire_all(mutex, args.leases, ttl_s)
     result.acquire_s = time.monotonic() - started
 
+    time.sleep(max(0.0, window_start(granted, result.interval_s) - time.monotonic()))
     before = server_stats(server) if server is not None else None
     cpu, start = time.process_time(), time.monotonic()
     end = start + args.hold * result.interval_s
@@ -287,15 +303,23 @@ async def hold_async(
         granted[key] = time.monotonic()
     result.acquire_s = time.monotonic() - started
 
+    await asyncio.sleep(max(0.0, window_start(granted, result.interval_s) - time.monotonic()))
     before = await server_stats_async(server) if server is not None else None
     cpu, start = time.process_time(), time.monotonic()
     end = start + args.hold * result.interval_s
     result.tasks_holding = result.renewer_tasks = 0
+    this = asyncio.current_task()
     while (now := time.monotonic()) < end:
         result.threads_holding = max(result.threads_holding, threading.active_count())
         result.renewer_threads = max(result.renewer_threads, renewer_threads())
-        result.tasks_holding = max(result.tasks_holding, len(asyncio.all_tasks()))
+        tasks = asyncio.all_tasks()
+        result.tasks_holding = max(result.tasks_holding, len(tasks))
         result.renewer_tasks = max(result.renewer_tasks, renewer_tasks())
+        result.other_tasks.update(
+            task.get_coro().__qualname__
+            for task in tasks
+            if task is not this and task.get_name() != RENEWER
+        )
         await asyncio.sleep(min(SAMPLE_EVERY_S, end - now))
     result.cpu_s = time.process_time() - cpu
     stop = time.monotonic()
