@@ -1,7 +1,10 @@
-"""An executable model of the contract's section 3, on a logical clock.
+"""An executable model of the contract's section 3, on a logical clock, with renewal and fences.
 
 Time is an integer count of milliseconds. A permit is active while
-``now < expires``. Nothing here knows about backends, faces or I/O.
+``now < expires``, or while it is renewed: renewal keeps it active for as long
+as nothing removes it (the machine moves time in steps short enough for
+that). Each grant of a key takes the key's next fence: 1, 2, 3, ...
+Nothing here knows about backends, faces or I/O.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 class Permit:
     token: str
     expires: int
+    renewed: bool = False
 
 
 @dataclass
@@ -22,20 +26,26 @@ class Model:
     max_permits: int
     now: int = 0
     permits: dict[str, dict[int, Permit]] = field(default_factory=dict)
+    fences: dict[str, int] = field(default_factory=dict)
 
     def active(self, key: str) -> dict[int, Permit]:
         """Slot -> permit, for the permits of ``key`` that are active now."""
         slots = self.permits.get(key, {})
-        return {slot: p for slot, p in slots.items() if self.now < p.expires}
+        return {slot: p for slot, p in slots.items() if p.renewed or self.now < p.expires}
+
+    def next_fence(self, key: str) -> int:
+        """The fence the next grant of ``key`` carries, taken now."""
+        self.fences[key] = self.fences.get(key, 0) + 1
+        return self.fences[key]
 
     def is_full(self, key: str) -> bool:
         return len(self.active(key)) == self.max_permits
 
-    def grant(self, key: str, slot: int, token: str, ttl: int) -> int:
+    def grant(self, key: str, slot: int, token: str, ttl: int, *, renewed: bool = False) -> int:
         """Record that ``token`` took ``slot``; the slot must be free. Returns the expiry."""
         assert 0 <= slot < self.max_permits, f"slot {slot} out of range"
         assert slot not in self.active(key), f"slot {slot} of {key!r} is taken"
-        self.permits.setdefault(key, {})[slot] = Permit(token, self.now + ttl)
+        self.permits.setdefault(key, {})[slot] = Permit(token, self.now + ttl, renewed)
         return self.now + ttl
 
     def _holding(self, key: str, token: str) -> int | None:
@@ -59,11 +69,17 @@ class Model:
     def advance(self, ms: int) -> None:
         self.now += ms
 
-    def expire(self, key: str, slot: int) -> None:
-        """The permit in ``slot`` (if any) expires now."""
+    def expire(self, key: str, slot: int) -> str | None:
+        """The permit in ``slot`` (if any) expires now; returns its token if it was renewed.
+
+        Renewal of that permit is then refused: it ends too.
+        """
         permit = self.active(key).get(slot)
-        if permit is not None:
-            permit.expires = self.now
+        if permit is None:
+            return None
+        permit.expires = self.now
+        renewed, permit.renewed = permit.renewed, False
+        return permit.token if renewed else None
 
     def storage(self, prefix: str) -> dict[str, str]:
         """Active permits as the Redis layout names them: storage key -> token."""

@@ -1,11 +1,17 @@
 """Random operation sequences against the model and the real classes side by side.
 
-Every observable result (granted or not, slot, token, expiry, release and
-extend answers, what storage holds) must match the model after every step.
+Every observable result (granted or not, slot, token, expiry, fence, release
+and extend answers, what storage holds) must match the model after every step.
+Some acquires renew their lease (``auto_renew=True``): on a ManualClock the
+machine then moves time in steps of a quarter of the shortest renewed TTL,
+and the invariants check that a renewed lease stays active for as long as
+time runs, and that one whose record was removed by someone else is reported
+lost within one renewal interval, a third of its TTL.
 """
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -36,6 +42,9 @@ SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=30, deadline=None
 # A lease length is drawn as an index into the backend's own lengths, so that
 # the rules can be declared once for every backend.
 TTL_PICKS = st.integers(0, 3)
+# Renewed leases use the backend's two longest lengths: renewal runs when the
+# clock moves, so a lease must outlast the machine's time steps.
+RENEWED_PICKS = (2, 3)
 
 
 class Boom(Exception):
@@ -64,13 +73,21 @@ class LeaseMachine(RuleBasedStateMachine):
         self.backend = self.rig.backend
         self.ttls = self.backend.ttls
         self.callers = [
-            self.rig.make(self.kind, max_permits=self.max_permits) for _ in range(CALLERS)
+            self.rig.make(self.kind, max_permits=self.max_permits, fencing=True)
+            for _ in range(CALLERS)
         ]
         self.model = Model(self.callers[0].max_permits)
         self.prefix = f"_d{self.kind}_svc:"
         clock = self.rig.clock
         self.start_ms = None if clock is None else round(clock.time() * 1000)
         self.tokens: set[str] = set()
+        # Renewed handles still renewing: token -> (handle, TTL in ms).
+        self.renewed: dict[str, tuple[Handle, int]] = {}
+        # Renewed handles whose record someone else removed: token -> (handle,
+        # the model time by which the handle must say it is lost).
+        self.doomed: dict[str, tuple[Handle, int]] = {}
+        # Handles released by their own release(), which answered True.
+        self.released: set[str] = set()
 
     def ttl(self, pick: int) -> float:
         """The lease length ``pick`` stands for, from this backend's lengths."""
@@ -83,16 +100,28 @@ class LeaseMachine(RuleBasedStateMachine):
         if self.start_ms is not None:
             assert handle.expired_at == EPOCH + timedelta(milliseconds=self.start_ms + expires)
 
+    def renewed_pick(self, handle: Handle, pick: int) -> int:
+        return RENEWED_PICKS[pick % 2] if handle.token in self.renewed else pick
+
+    def doom(self, token: str | None) -> None:
+        """The renewed lease ``token`` lost its record: it must be reported lost in one interval."""
+        if token is not None and token in self.renewed:
+            handle, ttl_ms = self.renewed.pop(token)
+            self.doomed[token] = (handle, self.model.now + math.ceil(ttl_ms / 3))
+
     @rule(
         target=handles,
         caller=st.integers(0, CALLERS - 1),
         key=st.sampled_from(KEYS),
         pick=TTL_PICKS,
+        renew=st.booleans(),
     )
-    def acquire(self, caller: int, key: str, pick: int) -> Any:
+    def acquire(self, caller: int, key: str, pick: int, renew: bool) -> Any:
+        if renew:
+            pick = RENEWED_PICKS[pick % 2]
         ttl = self.ttl(pick)
         full = self.model.is_full(key)
-        handle = self.callers[caller].acquire(key, ttl)
+        handle = self.callers[caller].acquire(key, ttl, auto_renew=renew)
         if full:
             assert handle is None, "granted a permit beyond max_permits"
             return multiple()
@@ -100,31 +129,53 @@ class LeaseMachine(RuleBasedStateMachine):
         assert handle.key == key
         assert handle.token not in self.tokens, "token reused"
         self.tokens.add(handle.token)
-        expires = self.model.grant(key, handle.slot, handle.token, round(ttl * 1000))
+        ttl_ms = round(ttl * 1000)
+        expires = self.model.grant(key, handle.slot, handle.token, ttl_ms, renewed=renew)
         self.check_expiry(handle, expires)
+        assert handle.fence == self.model.next_fence(key), "fences: 1, 2, 3, ... per key"
+        assert handle.auto_renew is renew
+        if renew:
+            self.renewed[handle.token] = (handle, ttl_ms)
         return handle
 
     @rule(handle=handles)
     def release(self, handle: Handle) -> None:
-        assert handle.release() == self.model.release(handle.key, handle.token)
+        released = self.model.release(handle.key, handle.token)
+        assert handle.release() == released
+        self.renewed.pop(handle.token, None)
+        if released and handle.token not in self.released:
+            self.released.add(handle.token)
+            assert not handle.lost, "released, not lost"
+        elif handle.token not in self.released:
+            assert handle.lost, "a release that found the lease gone marks it lost"
 
     @rule(handle=handles, pick=TTL_PICKS)
     def extend(self, handle: Handle, pick: int) -> None:
-        ttl = self.ttl(pick)
+        ttl = self.ttl(self.renewed_pick(handle, pick))
         expected = self.model.extend(handle.key, handle.token, round(ttl * 1000))
         assert handle.extend(ttl) == (expected is not None)
         if expected is not None:
             self.check_expiry(handle, expected)
+            if handle.token in self.renewed:
+                self.renewed[handle.token] = (handle, round(ttl * 1000))
+        elif handle.token not in self.released:
+            assert handle.lost, "a refused extend marks the handle lost"
 
     @rule(caller=st.integers(0, CALLERS - 1), handle=handles, wrong_key=st.booleans())
     def release_by_token(self, caller: int, handle: Handle, wrong_key: bool) -> None:
         key = KEYS[1 - KEYS.index(handle.key)] if wrong_key else handle.key
         expected = self.model.release(key, handle.token)
         assert self.callers[caller].release_token(key, handle.token) == expected
+        if expected:
+            self.doom(handle.token)
 
     @rule(caller=st.integers(0, CALLERS - 1), handle=handles, pick=TTL_PICKS)
     def extend_by_token(self, caller: int, handle: Handle, pick: int) -> None:
         ttl = self.ttl(pick)
+        if handle.token in self.renewed:
+            # Not through the handle, so its renewal keeps its own length and pace:
+            # extend by that length, or the record could run out between renewals.
+            ttl = self.renewed[handle.token][1] / 1000
         expected = self.model.extend(handle.key, handle.token, round(ttl * 1000))
         assert self.callers[caller].extend(handle.key, handle.token, ttl) == (expected is not None)
 
@@ -137,14 +188,21 @@ class LeaseMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.rig.clock is not None)
     @rule(ms=st.integers(0, 40_000))
     def advance(self, ms: int) -> None:
-        assert self.rig.clock is not None
-        self.rig.clock.advance(ms / 1000)
-        self.model.advance(ms)
+        """Move time; with renewed leases, in steps of a quarter of the shortest one's TTL."""
+        clock = self.rig.clock
+        assert clock is not None
+        while ms > 0:
+            live = [ttl_ms for _, ttl_ms in self.renewed.values()]
+            step = min([ms, *(ttl_ms // 4 for ttl_ms in live)])
+            clock.advance(step / 1000)
+            self.callers[0].settle()
+            self.model.advance(step)
+            ms -= step
 
     @rule(handle=handles)
     def force_expire(self, handle: Handle) -> None:
         self.rig.expire(handle.key, handle.slot)
-        self.model.expire(handle.key, handle.slot)
+        self.doom(self.model.expire(handle.key, handle.slot))
 
     @rule(
         caller=st.integers(0, CALLERS - 1),
@@ -162,6 +220,7 @@ class LeaseMachine(RuleBasedStateMachine):
             stored = self.backend.active(self.prefix)
             assert stored.get(f"{self.prefix}permit:{handle.slot}:{key}") == handle.token
             assert handle.slot not in self.model.active(key)
+            assert handle.fence == self.model.next_fence(key)
             seen.append(handle.token)
             if raises:
                 raise Boom
@@ -181,6 +240,18 @@ class LeaseMachine(RuleBasedStateMachine):
     def storage_matches_the_model(self) -> None:
         stored = self.backend.active(self.prefix)
         assert stored == self.model.storage(self.prefix)
+
+    @invariant()
+    def renewed_leases_are_not_lost_and_removed_ones_are_found_lost_in_one_interval(
+        self,
+    ) -> None:
+        for handle, _ in self.renewed.values():
+            assert not handle.lost, "a renewed lease nobody removed was reported lost"
+        for handle, due in self.doomed.values():
+            if self.model.now >= due:
+                assert handle.lost, "a removed renewed lease was not found lost in one interval"
+                assert handle.release() is False
+                assert handle.extend() is False
 
     @invariant()
     def never_more_than_max_permits_nor_a_shared_token(self) -> None:

@@ -59,7 +59,7 @@ class _AsyncHandle(HandleBase[AsyncDriver]):
 
     async def extend(self, ttl: float | None = None) -> bool:
         """Extend this permit to now + ``ttl``; see :meth:`DMutexLock.extend`."""
-        return await self._drive(self._engine.extend(self._lease, ttl))
+        return self._extended(await self._drive(self._engine.extend(self._lease, ttl)))
 
     async def wait_lost(self, timeout: float | None = None) -> bool:
         """Wait until the lease is found lost, or ends, or ``timeout`` seconds pass.

@@ -23,13 +23,14 @@ class HandleBase(Generic[D]):
     sync handles, a coroutine function for the async ones.
     """
 
-    __slots__ = ("__weakref__", "_drive", "_engine", "_lease", "_watched")
+    __slots__ = ("__weakref__", "_drive", "_engine", "_lease", "_ticket", "_watched")
 
     def __init__(self, lease: Lease, engine: Engine, drive: D) -> None:
         self._lease = lease
         self._engine = engine
         self._drive = drive
         self._watched = lease.renewing
+        self._ticket = -1  # the renewer's number for this handle's next turn
         self._bind()
 
     def _bind(self) -> None:
@@ -125,6 +126,12 @@ class HandleBase(Generic[D]):
 
     def _schedule(self, delay: float | None) -> None:
         raise NotImplementedError
+
+    def _extended(self, done: bool) -> bool:
+        """After an ``extend()``: a renewed lease's next renewal is a third of its new TTL away."""
+        if done and self._lease.renewing:
+            self._schedule(renewal.interval(self._lease.ttl_ms))
+        return done
 
     def __repr__(self) -> str:
         return (

@@ -39,39 +39,53 @@ _order = itertools.count()
 
 
 class SyncTended(Protocol):
-    """A sync handle as a renewer sees it."""
+    """A sync handle as a renewer sees it.
+
+    ``_ticket`` is the number of its latest turn: a handle rescheduled
+    earlier (an extend with a shorter TTL) leaves its old turn behind, and a
+    turn whose number is not the handle's ticket is dropped.
+    """
+
+    _ticket: int
 
     def _tend(self) -> float | None: ...
 
 
 class AsyncTended(Protocol):
-    """An async handle as a renewer sees it."""
+    """An async handle as a renewer sees it (see :class:`SyncTended`)."""
+
+    _ticket: int
 
     def _tend(self) -> Awaitable[float | None]: ...
 
 
-T = TypeVar("T")
+Tended = TypeVar("Tended", SyncTended, AsyncTended)
 
 
-class _Timeline(Generic[T]):
+class _Timeline(Generic[Tended]):
     """The handles due on one clock, earliest first; the caller holds its renewer's lock."""
 
     __slots__ = ("clock", "heap")
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
-        self.heap: list[tuple[float, int, weakref.ref[T]]] = []
+        self.heap: list[tuple[float, int, weakref.ref[Tended]]] = []
 
-    def add(self, handle: T, delay: float) -> None:
+    def add(self, handle: Tended, delay: float) -> None:
         due = self.clock.monotonic() + delay
-        heapq.heappush(self.heap, (due, next(_order), weakref.ref(handle)))
+        handle._ticket = ticket = next(_order)
+        heapq.heappush(self.heap, (due, ticket, weakref.ref(handle)))
 
-    def pop_due(self) -> list[weakref.ref[T]]:
-        """The handles whose turn has come, removed from the timeline."""
+    def pop_due(self) -> list[weakref.ref[Tended]]:
+        """The handles whose turn has come, removed (turns left behind are dropped)."""
         now = self.clock.monotonic()
         due = []
         while self.heap and self.heap[0][0] <= now:
-            due.append(heapq.heappop(self.heap)[2])
+            _, ticket, ref = heapq.heappop(self.heap)
+            handle = ref()
+            if handle is not None and handle._ticket == ticket:
+                due.append(ref)
+            del handle
         return due
 
     def wait(self) -> float | None:

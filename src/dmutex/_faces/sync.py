@@ -50,7 +50,7 @@ class _SyncHandle(HandleBase[SyncDriver]):
         Returns False, changing nothing, if the permit is no longer active.
         Updates :attr:`expired_at` on success.
         """
-        return self._drive(self._engine.extend(self._lease, ttl))
+        return self._extended(self._drive(self._engine.extend(self._lease, ttl)))
 
     def wait_lost(self, timeout: float | None = None) -> bool:
         """Block until the lease is found lost, or ends, or ``timeout`` seconds pass.
