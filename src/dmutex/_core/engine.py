@@ -80,13 +80,20 @@ class Engine:
     def acquire(self, key: str, ttl: float | None) -> Steps[Lease | None]:
         """Try once to take a permit; None only when all permits are active."""
         check_key(key)
-        return self._attempt(key, self.ttl_ms(ttl))
+        return self._attempt(*self._request(key, self.ttl_ms(ttl)))
 
-    def _attempt(self, key: str, ttl_ms: int) -> Steps[Lease | None]:
+    def _request(self, key: str, ttl_ms: int) -> tuple[str, str, int, Steps[Lease | None]]:
+        """A new token and the store's steps to acquire with it.
+
+        Called before any generator of the operation runs: a store refuses
+        here a key it cannot serve as configured (rule 3).
+        """
         token = new_token()
-        # Outside the try: a store refuses a request it cannot serve before
-        # sending anything, and then there is nothing to release.
-        steps = self._store.acquire(key, token, ttl_ms)
+        return key, token, ttl_ms, self._store.acquire(key, token, ttl_ms)
+
+    def _attempt(
+        self, key: str, token: str, ttl_ms: int, steps: Steps[Lease | None]
+    ) -> Steps[Lease | None]:
         try:
             lease = yield from steps
         except GeneratorExit:
@@ -111,20 +118,26 @@ class Engine:
         """
         check_key(key)
         ttl_ms = self.ttl_ms(ttl)
-        return self._retry(key, ttl_ms, check_timeout(timeout), check_retry_delay(retry_delay))
+        timeout, retry_delay = check_timeout(timeout), check_retry_delay(retry_delay)
+        return self._retry(self._request(key, ttl_ms), timeout, retry_delay)
 
     def _retry(
-        self, key: str, ttl_ms: int, timeout: float, retry_delay: float
+        self,
+        first: tuple[str, str, int, Steps[Lease | None]],
+        timeout: float,
+        retry_delay: float,
     ) -> Steps[Lease | None]:
+        key, _, ttl_ms, _ = request = first
         deadline = self.clock.monotonic() + timeout
         while True:
-            lease = yield from self._attempt(key, ttl_ms)
+            lease = yield from self._attempt(*request)
             if lease is not None:
                 return lease
             remaining = deadline - self.clock.monotonic()
             if remaining <= 0:
                 return None
             yield Sleep(min(retry_delay, remaining))
+            request = self._request(key, ttl_ms)
 
     def run(
         self,
