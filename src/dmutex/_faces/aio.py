@@ -47,11 +47,11 @@ AsyncClient: TypeAlias = (
 
 
 class _AsyncHandle(HandleBase[AsyncDriver]):
-    __slots__ = ("_renewer",)
+    __slots__ = ("_loop",)
 
     def _bind(self) -> None:
         # Made in a coroutine: the loop it runs on renews and watches it.
-        self._renewer = AsyncRenewer.of_running_loop()
+        self._loop = asyncio.get_running_loop()
 
     async def release(self) -> bool:
         """Release this permit; see :meth:`DMutexLock.release`."""
@@ -92,7 +92,7 @@ class _AsyncHandle(HandleBase[AsyncDriver]):
 
     def _schedule(self, delay: float | None) -> None:
         if delay is not None:
-            self._renewer.add(self, self._engine.clock, delay)
+            AsyncRenewer.of(self._loop).add(self, self._engine.clock, delay)
 
     async def _tend(self) -> float | None:
         lease = self._lease

@@ -209,9 +209,8 @@ class AsyncRenewer:
         self._wake: asyncio.Future[None] | None = None
 
     @classmethod
-    def of_running_loop(cls) -> AsyncRenewer:
-        """The running loop's renewer, made if it has none."""
-        loop = asyncio.get_running_loop()
+    def of(cls, loop: asyncio.AbstractEventLoop) -> AsyncRenewer:
+        """The renewer of ``loop``, made if it has none (kept only while it has work)."""
         renewer = cls._by_loop.get(id(loop))
         if renewer is None or renewer._loop is not loop:
             renewer = cls._by_loop[id(loop)] = cls(loop)

@@ -1,0 +1,246 @@
+"""Renewal's policy and its renewers, with no server: intervals, retries, loss, threads, tasks.
+
+The policy is checked on a ManualClock through a Redis-shaped client whose
+extend replies the test scripts, so every request is counted and no test
+sleeps. The renewers are checked for their scale (one thread, one task per
+loop), their lifetime (they end with their last lease, a dropped handle is
+no longer renewed) and their bookkeeping (a turn left behind is dropped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+
+import pytest
+
+from dmutex import AsyncDMutex, DMutex, InMemoryBackend, ManualClock, RedisArg, RedisReply
+from dmutex._backends.redis import ACQUIRE, EXTEND, RELEASE
+from dmutex._core import renewal
+
+TTL = 3.0
+
+
+class Flaky:
+    """A Redis-shaped client: acquires and releases succeed; extends answer as planned.
+
+    A planned reply is 1 (extended), 0 (refused) or an exception (raised);
+    with no plan left, extends succeed.
+    """
+
+    def __init__(self) -> None:
+        self.plan: list[int | Exception] = []
+        self.extends = 0
+
+    def execute_command(self, *args: RedisArg) -> RedisReply:
+        if args[1] == ACQUIRE.sha:
+            return [0, 1]
+        if args[1] == RELEASE.sha:
+            return 1
+        assert args[1] == EXTEND.sha, args
+        self.extends += 1
+        reply = self.plan.pop(0) if self.plan else 1
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+def step(clock: ManualClock, seconds: float, by: float = 0.05) -> None:
+    """Advance in small steps: renewals due inside the span run at their turn."""
+    for _ in range(round(seconds / by)):
+        clock.advance(by)
+
+
+def renewer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "dmutex-renewer"]
+
+
+# --- the policy ------------------------------------------------------------------------
+
+
+def test_intervals_are_a_third_of_the_ttl_less_up_to_a_tenth() -> None:
+    drawn = [renewal.interval(3_000) for _ in range(2_000)]
+    assert all(0.9 <= d <= 1.0 for d in drawn)
+    assert max(drawn) - min(drawn) > 0.05, "jittered, not one fixed value"
+    assert renewal.margin_ms(3_000) == 300
+    assert renewal.margin_ms(600_000) == 2_000, "at most two seconds"
+
+
+def test_one_renewal_per_interval(clock: ManualClock) -> None:
+    client = Flaky()
+    lock = DMutex("svc", client, clock=clock).acquire("job", TTL, auto_renew=True)
+    assert lock is not None
+    step(clock, 30)
+    # Every 0.9-1.0 s (checked at 0.05 s steps): 30 s hold 30 to 32 renewals.
+    assert 30 <= client.extends <= 32
+    assert lock.lost is False
+    assert lock.release() is True
+
+
+def test_a_refused_renewal_loses_the_lease_at_once(clock: ManualClock) -> None:
+    client = Flaky()
+    client.plan = [1, 0]
+    lock = DMutex("svc", client, clock=clock).acquire("job", TTL, auto_renew=True)
+    assert lock is not None
+    step(clock, 1.0)
+    assert (client.extends, lock.lost) == (1, False)
+    step(clock, 1.0)
+    assert (client.extends, lock.lost) == (2, True)
+    step(clock, 5)
+    assert client.extends == 2, "a lost lease is no longer renewed"
+
+
+def test_errors_are_retried_and_a_success_keeps_the_lease(clock: ManualClock) -> None:
+    client = Flaky()
+    client.plan = [ConnectionError("down")] * 5
+    lock = DMutex("svc", client, clock=clock).acquire("job", TTL, auto_renew=True)
+    assert lock is not None
+    step(clock, 2.5)
+    assert client.extends == 6, "five failures retried at a fifth of the interval, then success"
+    assert lock.lost is False
+    step(clock, 10)
+    assert lock.lost is False
+
+
+def test_errors_until_the_margin_lose_the_lease_then(clock: ManualClock) -> None:
+    client = Flaky()
+    client.plan = [ConnectionError("down")] * 1_000
+    lock = DMutex("svc", client, clock=clock).acquire("job", TTL, auto_renew=True)
+    assert lock is not None
+    expires = lock.expired_at
+    margin = renewal.margin_ms(3_000) / 1000
+    while not lock.lost:
+        clock.advance(0.01)
+        left = (expires - clock.now()).total_seconds()
+        assert left >= margin - 0.2 or lock.lost, "never kept past the margin"
+    left = (expires - clock.now()).total_seconds()
+    assert 0 < left <= margin, f"given up {left:.3f} s before expiry, margin {margin}"
+    assert client.extends > 5, "retried meanwhile"
+
+
+def test_extend_with_a_shorter_ttl_brings_the_next_renewal_forward(clock: ManualClock) -> None:
+    client = Flaky()
+    lock = DMutex("svc", client, clock=clock).acquire("job", 60, auto_renew=True)
+    assert lock is not None
+    assert lock.extend(TTL) is True
+    step(clock, 10)
+    assert 10 <= client.extends - 1 <= 11, "renewed at the new TTL's pace, once per turn"
+    assert lock.lost is False
+
+
+# --- the renewers ------------------------------------------------------------------------
+
+
+def test_one_thread_renews_every_sync_lease_and_ends_after_the_last() -> None:
+    backend = InMemoryBackend()
+    mutex = DMutex("svc", backend)
+    locks = [mutex.acquire(f"k{i}", 0.3, auto_renew=True) for i in range(200)]
+    assert all(lock is not None for lock in locks)
+    assert len(renewer_threads()) == 1
+    time.sleep(0.5)  # past one interval: the thread renews, the leases live on
+    assert len(backend.snapshot()) == 200
+    assert not any(lock.lost for lock in locks if lock is not None)
+    assert all(lock.release() for lock in locks if lock is not None)
+    deadline = time.monotonic() + 10
+    while renewer_threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert renewer_threads() == [], "the thread ends when no lease is left"
+
+
+def test_one_task_per_loop_renews_every_async_lease() -> None:
+    async def main() -> tuple[int, int]:
+        backend = InMemoryBackend()
+        mutex = AsyncDMutex("svc", backend)
+        locks = [await mutex.acquire(f"k{i}", 0.3, auto_renew=True) for i in range(200)]
+        named = [t for t in asyncio.all_tasks() if t.get_name() == "dmutex-renewer"]
+        await asyncio.sleep(0.5)
+        alive = len(backend.snapshot())
+        for lock in locks:
+            assert lock is not None
+            assert await lock.release() is True
+        for _ in range(100):
+            if not [t for t in asyncio.all_tasks() if t.get_name() == "dmutex-renewer"]:
+                break
+            await asyncio.sleep(0.02)
+        left = [t for t in asyncio.all_tasks() if t.get_name() == "dmutex-renewer"]
+        assert left == [], "the task ends when no lease is left"
+        return len(named), alive
+
+    tasks, alive = asyncio.run(main())
+    assert tasks == 1
+    assert alive == 200
+
+
+def test_a_dropped_handle_is_not_renewed(clock: ManualClock) -> None:
+    backend = InMemoryBackend(clock=clock)
+    mutex = DMutex("svc", backend)
+    kept = mutex.acquire("kept", TTL, auto_renew=True)
+    assert mutex.acquire("dropped", TTL, auto_renew=True) is not None  # handle dropped
+    gc.collect()
+    step(clock, 2 * TTL)
+    assert kept is not None
+    assert list(backend.snapshot()) == ["_dmutex_svc:permit:0:kept"], "the dropped one expired"
+
+
+def test_wait_lost_wakes_on_loss_from_the_renewal_thread(clock: ManualClock) -> None:
+    backend = InMemoryBackend(clock=clock)
+    lock = DMutex("svc", backend).acquire("job", TTL, auto_renew=True)
+    assert lock is not None
+    assert lock.wait_lost(0) is False
+    woke: list[bool] = []
+    waiter = threading.Thread(target=lambda: woke.append(lock.wait_lost(30)))
+    waiter.start()
+    backend.force_expire("job")
+    step(clock, 1.0)
+    waiter.join(30)
+    assert woke == [True]
+
+
+def test_wait_lost_returns_when_another_thread_releases(clock: ManualClock) -> None:
+    lock = DMutex("svc", InMemoryBackend(clock=clock)).acquire("job", TTL, auto_renew=True)
+    assert lock is not None
+    woke: list[bool] = []
+    waiter = threading.Thread(target=lambda: woke.append(lock.wait_lost(30)))
+    waiter.start()
+    time.sleep(0.05)  # let it wait (if not yet waiting, it returns at once: same answer)
+    assert lock.release() is True
+    waiter.join(30)
+    assert woke == [False]
+
+
+def test_async_wait_lost_and_run_cancellation_on_a_manual_clock(clock: ManualClock) -> None:
+    async def main() -> list[str]:
+        backend = InMemoryBackend(clock=clock)
+        mutex = AsyncDMutex("svc", backend)
+        events: list[str] = []
+        lock = await mutex.acquire("job", TTL, auto_renew=True)
+        assert lock is not None
+        waiting = asyncio.ensure_future(lock.wait_lost())
+        backend.force_expire("job")
+        await clock.sleep_async(1.0)
+        events.append(f"wait_lost={await waiting}")
+
+        async def work(handle: object) -> str:
+            backend.force_expire("other")
+            try:
+                await clock.sleep_async(1.0)
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                events.append("callback cancelled")
+                raise
+            return "never"
+
+        try:
+            await mutex.run("other", work, TTL, auto_renew=True)
+        except Exception as error:  # noqa: BLE001 - the test names the type below
+            events.append(type(error).__name__)
+        return events
+
+    assert asyncio.run(main()) == ["wait_lost=True", "callback cancelled", "LeaseLostError"]
