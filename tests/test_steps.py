@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timezone
 
 import pytest
 
 from dmutex import ManualClock
+from dmutex._backends.store import extend_each
 from dmutex._clock import Clock
 from dmutex._core.effects import Call, Callback, Effect, Sleep, Steps
 from dmutex._core.engine import Engine
@@ -39,6 +41,9 @@ class ScriptedStore:
     def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
         reply = yield Call(server, ("EXTEND", key, slot, ttl_ms))
         return None if reply is None else int(str(reply))
+
+    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[int | None]]:
+        return extend_each(self, leases)
 
 
 def question(effect: Effect) -> tuple[object, ...]:

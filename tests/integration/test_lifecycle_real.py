@@ -51,7 +51,7 @@ from pymongo import ReturnDocument
 
 import dmutex
 from dmutex import AsyncDMutex, AsyncDMutexLock, DMutex, DMutexLock
-from dmutex._backends.redis import EXTEND
+from dmutex._backends.redis import RENEW
 from tests._support import processes
 from tests._support.mongo_servers import SELECTION_TIMEOUT_MS, mongo_label
 from tests._support.mongo_servers import Session as MongoSession
@@ -111,11 +111,15 @@ def _text(value: object) -> str:
 
 
 def _count_redis(renewals: Renewals, args: tuple[object, ...]) -> None:
-    """Count ``args`` if it is the extend script: ``EVALSHA sha 1 <slot key> token ttl``."""
+    """Count each lease ``args`` renews, if it is the renewal script.
+
+    ``EVALSHA sha n <slot key>... token ttl...``: one slot key per lease.
+    """
     if len(args) < 4 or _text(args[0]).upper() not in ("EVALSHA", "EVAL"):
         return
-    if _text(args[1]) in (EXTEND.sha, EXTEND.text):
-        renewals.saw(_text(args[3]).removeprefix(REDIS_PREFIX).removeprefix(PERMIT))
+    if _text(args[1]) in (RENEW.sha, RENEW.text):
+        for name in args[3 : 3 + int(_text(args[2]))]:
+            renewals.saw(_text(name).removeprefix(REDIS_PREFIX).removeprefix(PERMIT))
 
 
 def counting_redis(url: str, renewals: Renewals) -> redis.Redis:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
 from .._clock import SYSTEM_CLOCK, Clock
 from .._core.effects import Steps
 from .._core.lease import MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
+from .store import extend_each
 
 __all__ = ["InMemoryBackend", "MemoryStore"]
 
@@ -166,3 +168,6 @@ class MemoryStore:
             rec = self._backend._records[self._prefix][key][number]
             rec.expires_ms = now_ms(self.clock) + ttl_ms
             return rec.expires_ms
+
+    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[int | None]]:
+        return extend_each(self, leases)

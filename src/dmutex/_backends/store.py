@@ -9,6 +9,7 @@ Adding a backend means adding a store module beside this one and a branch in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from .._clock import Clock
@@ -60,3 +61,19 @@ class Store(Protocol):
         Returns the new expiry, or None if no active permit holds ``token``.
         """
         ...
+
+    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[int | None]]:
+        """Extend each of ``leases`` (slot known) by its ``ttl_ms``, in as few requests as it can.
+
+        Answers, lease by lease, its new expiry or None: what :meth:`extend`
+        would. Renewal uses it; a failure raises for the whole batch.
+        """
+        ...
+
+
+def extend_each(store: Store, leases: Sequence[Lease]) -> Steps[list[int | None]]:
+    """``extend_many`` for a store with no batch request: one ``extend`` per lease, in turn."""
+    answers: list[int | None] = []
+    for lease in leases:
+        answers.append((yield from store.extend(lease.key, lease.token, lease.slot, lease.ttl_ms)))
+    return answers

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from .._backends.store import Store
@@ -221,16 +221,13 @@ class Engine:
         lease.ttl_ms = ttl_ms
         return True
 
-    def renew(self, lease: Lease) -> Steps[float | None]:
-        """One automatic renewal of ``lease``: seconds until the next, or None (stop).
+    def renew(self, leases: Sequence[Lease]) -> Steps[list[float | None]]:
+        """One automatic renewal of each of ``leases``: seconds until its next, or None (stop).
 
-        See :func:`dmutex._core.renewal.renew`.
+        As few requests as the store can make (Redis: one per up to 256
+        leases). See :func:`dmutex._core.renewal.renew`.
         """
-
-        def extend() -> Steps[int | None]:
-            return self._store.extend(lease.key, lease.token, lease.slot, lease.ttl_ms)
-
-        return renewal.renew(extend, lease, self.clock)
+        return renewal.renew(self._store.extend_many, leases, self.clock)
 
     def release_token(self, key: str, token: str) -> Steps[bool]:
         """Release the active permit of ``key`` that holds ``token``."""

@@ -7,8 +7,8 @@ Rules of this module:
    (``dmutex._faces.renewers``) keep time and run what this module returns;
    they decide nothing.
 2. Nothing here waits or does I/O. :func:`renew` returns the steps of one
-   renewal, whose result is the delay until the next one, in seconds, or
-   None: stop.
+   renewal of a batch of leases (one request where the store can), whose
+   result is each one's delay until its next, in seconds, or None: stop.
 3. A lease is lost at most once: :func:`lose` marks it and calls its
    listeners, as the end of a release does (:func:`end`). Only the
    release's own answer may find a released lease lost (it was gone before
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .._clock import Clock
 from .effects import Steps
@@ -83,35 +83,52 @@ def end(lease: Lease) -> None:
 
 
 def renew(
-    extend: Callable[[], Steps[int | None]], lease: Lease, clock: Clock
-) -> Steps[float | None]:
-    """One renewal of ``lease`` by ``extend()``: the delay until the next one, or None.
+    extend_many: Callable[[Sequence[Lease]], Steps[list[int | None]]],
+    leases: Sequence[Lease],
+    clock: Clock,
+) -> Steps[list[float | None]]:
+    """One renewal of each of ``leases`` by ``extend_many``: each one's delay until its next.
 
-    ``extend`` sets the expiry to now + ``lease.ttl_ms`` and answers the new
-    expiry, or None when the lease is no longer active: then the lease is
-    lost. An error (connection refused, a timeout) is retried until the
-    expiry estimate, less the margin, has passed; then the lease is lost.
+    ``extend_many`` sets each expiry to now + ``lease.ttl_ms`` and answers,
+    lease by lease, the new expiry, or None when the lease is no longer
+    active: that lease is lost. An error (connection refused, a timeout)
+    fails the whole batch, and each lease is retried until its expiry
+    estimate, less the margin, has passed; then it is lost. None: stop
+    renewing that lease (lost, released, or released meanwhile).
     """
-    if _stopped(lease):
-        return None
-    try:
-        expires = yield from extend()
-    except Exception:  # noqa: BLE001 - any failure to reach the server is retried
-        if lease.released:
-            return None
-        now = now_ms(clock)
-        deadline = lease.expires_ms - margin_ms(lease.ttl_ms)
-        if now >= deadline:
-            lose(lease)
-            return None
-        return min(interval(lease.ttl_ms) * RETRY_FRACTION, (deadline - now) / 1000)
+    live = [lease for lease in leases if not _stopped(lease)]
+    delays: dict[int, float | None] = {}
+    if live:
+        try:
+            answers = yield from extend_many(live)
+        except Exception:  # noqa: BLE001 - any failure to reach the server is retried
+            delays = {id(lease): _after_error(lease, now_ms(clock)) for lease in live}
+        else:
+            answered = zip(live, answers, strict=True)
+            delays = {id(lease): _after(lease, expires) for lease, expires in answered}
+    return [delays.get(id(lease)) for lease in leases]
+
+
+def _after(lease: Lease, expires: int | None) -> float | None:
+    """What an answer to a renewal means: the delay until the next one, or None."""
     if lease.released:
-        return None
+        return None  # the release overtook this renewal
     if expires is None:
         lose(lease)
         return None
     lease.expires_ms = max(lease.expires_ms, expires)
     return interval(lease.ttl_ms)
+
+
+def _after_error(lease: Lease, now: int) -> float | None:
+    """After a renewal that failed: retry soon, or give the lease up past the margin."""
+    if lease.released:
+        return None
+    deadline = lease.expires_ms - margin_ms(lease.ttl_ms)
+    if now >= deadline:
+        lose(lease)
+        return None
+    return min(interval(lease.ttl_ms) * RETRY_FRACTION, (deadline - now) / 1000)
 
 
 def _stopped(lease: Lease) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import warnings
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import TypeAlias, TypeVar, cast
 
@@ -19,7 +19,6 @@ from .._backends.clients import (
     AsyncRedisSetEvalClient,
 )
 from .._backends.memory import InMemoryBackend
-from .._core import renewal
 from .._core.engine import Engine
 from .._core.lease import Lease
 from .._validate import check_timeout
@@ -94,11 +93,11 @@ class _AsyncHandle(HandleBase[AsyncDriver]):
         if delay is not None:
             AsyncRenewer.of(self._loop).add(self, self._engine.clock, delay)
 
-    async def _tend(self) -> float | None:
-        lease = self._lease
-        if lease.renewing:
-            return await self._drive(self._engine.renew(lease))
-        return renewal.watch(lease, self._engine.clock)
+    async def _tend(self, group: Sequence[_AsyncHandle]) -> list[float | None]:
+        """Renew (one batch) or watch each of ``group``; see :meth:`DMutexLock._tend`."""
+        renewing = [handle._lease for handle in group if handle._lease.renewing]
+        delays = iter(await self._drive(self._engine.renew(renewing)) if renewing else ())
+        return self._delays(group, delays)
 
     async def __aenter__(self: Self) -> Self:
         return self

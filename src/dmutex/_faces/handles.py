@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from typing import Any, Generic, TypeVar
 
@@ -126,6 +126,16 @@ class HandleBase(Generic[D]):
 
     def _schedule(self, delay: float | None) -> None:
         raise NotImplementedError
+
+    def _delays(
+        self, group: Sequence[HandleBase[D]], renewed: Iterator[float | None]
+    ) -> list[float | None]:
+        """Each handle's next turn: from ``renewed`` in order if renewed, else its watch."""
+        clock = self._engine.clock
+        return [
+            next(renewed) if handle._lease.renewing else renewal.watch(handle._lease, clock)
+            for handle in group
+        ]
 
     def _extended(self, done: bool) -> bool:
         """After an ``extend()``: a renewed lease's next renewal is a third of its new TTL away."""

@@ -29,13 +29,15 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Awaitable
-from typing import ClassVar, Generic, Protocol, TypeVar
+from collections.abc import Awaitable, Sequence
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from .._clock import Clock, ManualClock
 
 _log = logging.getLogger("dmutex")
 _order = itertools.count()
+# Seconds early a renewal may run to share a request with one due now.
+COALESCE = 0.02
 
 
 class SyncTended(Protocol):
@@ -48,7 +50,13 @@ class SyncTended(Protocol):
 
     _ticket: int
 
-    def _tend(self) -> float | None: ...
+    @property
+    def _engine(self) -> object:
+        """Handles of one engine are tended together: one request per batch where it can."""
+        ...
+
+    # The group is handles of this one's own class and engine.
+    def _tend(self, group: Sequence[Any]) -> list[float | None]: ...
 
 
 class AsyncTended(Protocol):
@@ -56,7 +64,10 @@ class AsyncTended(Protocol):
 
     _ticket: int
 
-    def _tend(self) -> Awaitable[float | None]: ...
+    @property
+    def _engine(self) -> object: ...
+
+    def _tend(self, group: Sequence[Any]) -> Awaitable[list[float | None]]: ...
 
 
 Tended = TypeVar("Tended", SyncTended, AsyncTended)
@@ -76,17 +87,23 @@ class _Timeline(Generic[Tended]):
         handle._ticket = ticket = next(_order)
         heapq.heappush(self.heap, (due, ticket, weakref.ref(handle)))
 
-    def pop_due(self) -> list[weakref.ref[Tended]]:
-        """The handles whose turn has come, removed (turns left behind are dropped)."""
+    def pop_due(self) -> list[list[Tended]]:
+        """The handles whose turn has come, removed, in groups of one engine each.
+
+        On a real clock, turns due within :data:`COALESCE` seconds come now
+        too, so that renewals close in time share a request. Turns left
+        behind (see :class:`SyncTended`) and collected handles are dropped.
+        """
         now = self.clock.monotonic()
-        due = []
+        if not isinstance(self.clock, ManualClock):
+            now += COALESCE
+        groups: dict[int, list[Tended]] = {}
         while self.heap and self.heap[0][0] <= now:
             _, ticket, ref = heapq.heappop(self.heap)
             handle = ref()
             if handle is not None and handle._ticket == ticket:
-                due.append(ref)
-            del handle
-        return due
+                groups.setdefault(id(handle._engine), []).append(handle)
+        return list(groups.values())
 
     def wait(self) -> float | None:
         """Seconds until the next turn, or None when nothing waits (or the clock is manual)."""
@@ -95,8 +112,8 @@ class _Timeline(Generic[Tended]):
         return max(0.0, self.heap[0][0] - self.clock.monotonic())
 
 
-def _log_failure(handle: object) -> None:
-    _log.exception("renewing %r failed; it is no longer renewed", handle)
+def _log_failure(group: Sequence[object]) -> None:
+    _log.exception("renewing %d lease(s) failed; they are no longer renewed", len(group))
 
 
 class SyncRenewer:
@@ -134,33 +151,31 @@ class SyncRenewer:
             while True:
                 with self._cond:
                     timeline = self._timelines.get(id(clock))
-                    due = [] if timeline is None else timeline.pop_due()
-                    if timeline is not None and not timeline.heap and not due:
+                    if timeline is None:
+                        return
+                    due = timeline.pop_due()
+                    if not timeline.heap and not due:
                         del self._timelines[id(clock)]
                 if not due:
                     return
                 self._tend_all(timeline, due)
+                del due
         finally:
             self._tending.active = False
 
-    def _tend_all(
-        self, timeline: _Timeline[SyncTended] | None, due: list[weakref.ref[SyncTended]]
-    ) -> None:
-        assert timeline is not None  # due is empty without one
-        for ref in due:
-            handle = ref()
-            if handle is None:
-                continue
+    def _tend_all(self, timeline: _Timeline[SyncTended], due: list[list[SyncTended]]) -> None:
+        for group in due:
             try:
-                delay = handle._tend()
+                delays = group[0]._tend(group)
             except Exception:  # noqa: BLE001 - a bug must not stop the other renewals
-                _log_failure(handle)
-                delay = None
-            if delay is not None:
-                with self._cond:
-                    timeline.add(handle, delay)
-                    self._timelines.setdefault(id(timeline.clock), timeline)
-            del handle  # hold no handle while waiting
+                _log_failure(group)
+                continue
+            with self._cond:
+                for handle, delay in zip(group, delays, strict=True):
+                    if delay is not None:
+                        timeline.add(handle, delay)
+                self._timelines.setdefault(id(timeline.clock), timeline)
+            del group  # hold no handle while waiting
 
     def _serve(self) -> None:
         while True:
@@ -250,20 +265,18 @@ class AsyncRenewer:
         try:
             while True:
                 due = [(t, refs) for t in list(self._timelines.values()) if (refs := t.pop_due())]
-                for timeline, refs in due:
-                    for ref in refs:
-                        handle = ref()
-                        if handle is None:
-                            continue
+                for timeline, groups in due:
+                    for group in groups:
                         try:
-                            delay = await handle._tend()
+                            delays = await group[0]._tend(group)
                         except Exception:  # noqa: BLE001 - a bug must not stop the others
-                            _log_failure(handle)
-                            delay = None
-                        if delay is not None:
-                            timeline.add(handle, delay)
-                            self._timelines.setdefault(id(timeline.clock), timeline)
-                        del handle
+                            _log_failure(group)
+                            continue
+                        for handle, delay in zip(group, delays, strict=True):
+                            if delay is not None:
+                                timeline.add(handle, delay)
+                        self._timelines.setdefault(id(timeline.clock), timeline)
+                    del group, groups
                 if due:
                     continue
                 for key in [k for k, t in self._timelines.items() if not t.heap]:

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TypeAlias, TypeVar, cast
 
 from .._backends.clients import MongoClientLike, RedisCommandClient, RedisSetEvalClient
 from .._backends.memory import InMemoryBackend
-from .._core import renewal
 from .._core.engine import Engine
 from .._core.lease import Lease
 from .._validate import check_timeout
@@ -76,11 +75,11 @@ class _SyncHandle(HandleBase[SyncDriver]):
         if delay is not None:
             SYNC.add(self, self._engine.clock, delay)
 
-    def _tend(self) -> float | None:
-        lease = self._lease
-        if lease.renewing:
-            return self._drive(self._engine.renew(lease))
-        return renewal.watch(lease, self._engine.clock)
+    def _tend(self, group: Sequence[_SyncHandle]) -> list[float | None]:
+        """Renew (one batch) or watch each of ``group``, handles of this one's engine."""
+        renewing = [handle._lease for handle in group if handle._lease.renewing]
+        delays = iter(self._drive(self._engine.renew(renewing)) if renewing else ())
+        return self._delays(group, delays)
 
     def __enter__(self: Self) -> Self:
         return self

@@ -1,0 +1,115 @@
+"""Batched renewal on real Redis servers: requests, declared keys, and foreign tokens.
+
+The instances run on a ManualClock, so renewals happen when the test moves
+it (inside ``advance()``), while the server keeps real time: a renewal shows
+as a fresh PTTL on the server. Leases are 60 s long, so none runs out.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+
+from dmutex import DMutex, DSemaphore, ManualClock, RedisArg, RedisReply
+from dmutex._backends.redis import RENEW, RENEW_BATCH
+
+TTL = 60.0
+
+
+class Recording:
+    """A redis-py client that records every command it sends."""
+
+    def __init__(self, inner: redis.Redis) -> None:
+        # redis-py leaves execute_command unannotated; this is its sync signature.
+        self._send: Callable[..., RedisReply] = inner.execute_command
+        self.commands: list[tuple[RedisArg, ...]] = []
+
+    def execute_command(self, *args: RedisArg) -> RedisReply:
+        self.commands.append(args)
+        return self._send(*args)
+
+    def renewals(self) -> list[int]:
+        """How many keys each renewal request carried, in order; then forget them."""
+        counts = [int(str(c[2])) for c in self.commands if c[1] in (RENEW.sha, RENEW.text)]
+        self.commands.clear()
+        return counts
+
+
+@pytest.fixture
+def server(redis_url: str) -> Iterator[redis.Redis]:
+    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+        yield client
+
+
+@pytest.fixture
+def recording(redis_url: str) -> Iterator[Recording]:
+    with redis.Redis.from_url(redis_url) as client:
+        client.script_load(RENEW.text)  # no NOSCRIPT fallback doubling a count
+        yield Recording(client)
+
+
+def test_many_leases_renew_in_batches_of_256(server: redis.Redis, recording: Recording) -> None:
+    clock = ManualClock()
+    mutex = DMutex("svc", recording, clock=clock)
+    sem = DSemaphore("svc", recording, max_permits=3, clock=clock)
+    locks = [mutex.acquire(f"k{i}", TTL, auto_renew=True) for i in range(300)]
+    permits = [sem.acquire("api", TTL, auto_renew=True) for _ in range(3)]
+    held = [h for h in [*locks, *permits] if h is not None]
+    assert len(held) == 303
+    recording.commands.clear()
+    for name in server.keys("*permit:*"):
+        server.pexpire(name, 30_000)  # so that a renewal shows
+    clock.advance(TTL / 3)  # every lease's first turn has come
+    # One batch per instance (engine): 300 mutex leases in 256 + 44, 3 permits in one.
+    assert sorted(recording.renewals()) == sorted([RENEW_BATCH, 300 - RENEW_BATCH, 3])
+    for name in server.keys("*permit:*"):
+        assert server.pttl(name) > 50_000, f"{name!r} was renewed to a full TTL"
+    assert not any(h.lost for h in held)
+    assert all(h.release() for h in held)
+
+
+def test_a_renewal_never_extends_another_token(server: redis.Redis, recording: Recording) -> None:
+    clock = ManualClock()
+    mutex = DMutex("svc", recording, clock=clock)
+    mine = mutex.acquire("a", TTL, auto_renew=True)
+    stolen = mutex.acquire("b", TTL, auto_renew=True)
+    assert mine is not None
+    assert stolen is not None
+    theirs = str(uuid.uuid4())
+    server.set("_dmutex_svc:permit:0:b", theirs, px=5_000)  # taken over by another holder
+    clock.advance(TTL / 3)
+    assert recording.renewals() == [2], "both in one request"
+    assert stolen.lost is True
+    assert mine.lost is False
+    assert server.get("_dmutex_svc:permit:0:b") == theirs
+    assert 0 < server.pttl("_dmutex_svc:permit:0:b") <= 5_000, "its expiry untouched"
+    assert server.pttl("_dmutex_svc:permit:0:a") > 50_000
+
+
+def test_the_renewal_script_declares_every_key_it_touches(redis_url: str) -> None:
+    """MONITOR: each GET and PEXPIRE the script runs names a key of the request's KEYS."""
+    clock = ManualClock()
+    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+        mutex = DMutex("svc", client, clock=clock)
+        locks = [mutex.acquire(f"k{i}", TTL, auto_renew=True) for i in range(5)]
+        monitor = client.monitor()
+        with monitor:
+            clock.advance(TTL / 3)
+            client.echo("done")
+            declared: set[str] = set()
+            touched = 0
+            while True:
+                command: str = monitor.next_command()["command"]
+                if command == "ECHO done":
+                    break
+                parts = command.split(" ")
+                if parts[0] == "EVALSHA":
+                    declared = set(parts[3 : 3 + int(parts[2])])
+                elif parts[0] in ("GET", "PEXPIRE"):
+                    touched += 1
+                    assert parts[1] in declared, command
+        assert touched == 10, "one GET and one PEXPIRE per lease"
+        assert all(lock is not None and lock.release() for lock in locks)
