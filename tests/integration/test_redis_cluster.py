@@ -34,9 +34,9 @@ import redis.cluster
 import redis.crc
 import valkey.cluster
 
-from dmutex import AsyncDSemaphore, DMutex, DSemaphore
+from dmutex import AsyncDSemaphore, DMutex, DSemaphore, ManualClock
 from dmutex._backends.cluster import hash_slot
-from dmutex._backends.redis import ACQUIRE, EXTEND, RELEASE
+from dmutex._backends.redis import ACQUIRE, EXTEND, RELEASE, RENEW
 from dmutex._backends.shapes import is_cluster_client
 from tests._support.redis_cluster import LocalCluster, slot_ranges
 from tests._support.redis_servers import Executable, executables
@@ -590,3 +590,30 @@ def test_valkey_cluster_client_smoke(cluster: Cluster, client: redis.cluster.Red
         assert lock.release()
     finally:
         typed(vc).close()
+
+
+# --- renewal ---------------------------------------------------------------------------------
+
+
+def test_renewal_batches_by_hash_slot(client: redis.cluster.RedisCluster) -> None:
+    """One renewal request per hash slot among the leases due: a script touches one slot.
+
+    Untagged mutex keys lie in as many slots as there are keys; the permits of a
+    tagged semaphore key share one, so their renewal is one request.
+    """
+    clock = ManualClock()
+    client.script_load(RENEW.text)  # on every node: no NOSCRIPT round trip counted
+    counter = Counting(client)
+    mutex = DMutex("svc", counter, clock=clock)
+    keys = [f"renew-{i}" for i in range(6)]
+    locks = [mutex.acquire(key, ttl=TTL, auto_renew=True) for key in keys]
+    sem = DSemaphore("svc", counter, max_permits=4, clock=clock)
+    permits = [sem.acquire(TAGGED, ttl=TTL, auto_renew=True) for _ in range(4)]
+    held = [h for h in [*locks, *permits] if h is not None]
+    assert len(held) == 10
+    slots = {hash_slot(f"_dmutex_svc:permit:0:{key}") for key in keys}
+    counter.take()
+    clock.advance(TTL / 3)
+    assert counter.take() == ["EVALSHA"] * (len(slots) + 1)
+    assert not any(h.lost for h in held)
+    assert all(h.release() for h in held)
