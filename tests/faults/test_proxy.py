@@ -56,6 +56,7 @@ import asyncio
 import contextlib
 import os
 import random
+import re
 import threading
 import time
 from collections import Counter
@@ -190,6 +191,10 @@ class Tally:
         self.release_false += other.release_false
         self.release_gave_up += other.release_gave_up
         self.exceptions.update(other.exceptions)
+
+
+# A fence counter's value: it persists by design, so it is no record without an expiry.
+COUNTER = r"dmutex:fence:[0-9]+"
 
 
 class Inspector(Protocol):
@@ -565,9 +570,20 @@ class RedisInspector:
         return {n: self._decoded(v) for n, v in zip(names, values, strict=True) if v is not None}
 
     def untimed(self) -> list[str]:
+        """Records without an expiry, but for the fence counters, which are meant to persist."""
         # PTTL -1: the key exists without an expiry; -2: it vanished since SCAN.
         names = [self._decoded(n) for n in self.client.scan_iter(match=f"{self.prefix}*")]
-        return [name for name in names if self.client.pttl(name) == -1]
+        untimed = [name for name in names if self.client.pttl(name) == -1]
+        return [name for name in untimed if not self._is_counter(name)]
+
+    def _is_counter(self, name: str) -> bool:
+        if not name.startswith(f"{self.prefix}fence:"):
+            return False
+        value = self.client.get(name)
+        return (
+            value is not None
+            and re.fullmatch(r"dmutex:fence:[0-9]+", self._decoded(value)) is not None
+        )
 
     def delete(self, names: list[str]) -> None:
         if names:
