@@ -60,6 +60,7 @@ import redis.asyncio
 from redis_cycle import BenchmarkError, private_server, shown
 
 from dmutex import AsyncDMutex, AsyncDMutexLock, DMutex, DMutexLock, InMemoryBackend
+from dmutex._backends.store import Renewed
 from dmutex._core.effects import Steps
 from dmutex._core.lease import Lease
 
@@ -73,7 +74,7 @@ CYCLE_TURN = 100
 
 
 class _Extending(Protocol):
-    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[int | None]]: ...
+    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]: ...
 
 
 @dataclass
@@ -106,7 +107,7 @@ def count_renewals(face: DMutex | AsyncDMutex) -> Renewals:
     renewals = Renewals()
     stamps, clock = renewals.stamps, time.monotonic
 
-    def extend_many(leases: Sequence[Lease]) -> Steps[list[int | None]]:
+    def extend_many(leases: Sequence[Lease]) -> Steps[list[Renewed]]:
         at = clock()
         stamps.extend((at, lease.key) for lease in leases)
         return inner(leases)

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 import pytest
 
 from dmutex import ManualClock
-from dmutex._backends.store import extend_each
+from dmutex._backends.store import Renewed, extend_each
 from dmutex._clock import Clock
 from dmutex._core.effects import Call, Callback, Effect, Sleep, Steps
 from dmutex._core.engine import Engine
@@ -42,7 +42,7 @@ class ScriptedStore:
         reply = yield Call(server, ("EXTEND", key, slot, ttl_ms))
         return None if reply is None else int(str(reply))
 
-    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[int | None]]:
+    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
         return extend_each(self, leases)
 
 

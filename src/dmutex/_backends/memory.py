@@ -10,7 +10,7 @@ from datetime import datetime
 from .._clock import SYSTEM_CLOCK, Clock
 from .._core.effects import Steps
 from .._core.lease import MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
-from .store import extend_each
+from .store import Renewed, extend_each
 
 __all__ = ["InMemoryBackend", "MemoryStore"]
 
@@ -169,5 +169,5 @@ class MemoryStore:
             rec.expires_ms = now_ms(self.clock) + ttl_ms
             return rec.expires_ms
 
-    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[int | None]]:
+    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
         return extend_each(self, leases)

@@ -38,7 +38,7 @@ from .._core.effects import Call, Steps
 from .._core.lease import MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
 from .._errors import DMutexError, UnsupportedClientError
 from .shapes import method
-from .store import extend_each
+from .store import Renewed, extend_each
 
 DUPLICATE_KEY = 11000
 # Marks a fence counter document as dmutex's own.
@@ -216,6 +216,6 @@ class MongoStore:
         result = yield Call(self._update, (selector, update), {"upsert": False})
         return expires if _count(result, "matched_count") == 1 else None
 
-    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[int | None]]:
+    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
         """One ``update_one`` per lease, in turn: each must match its own token."""
         return extend_each(self, leases)

@@ -46,6 +46,7 @@ from .._core.lease import MAX_EXPIRY_MS, Lease, now_ms
 from .._errors import DMutexError, InvalidArgumentError
 from .cluster import hash_slot, same_hash_slot
 from .shapes import defines, is_cluster_client, method
+from .store import Renewed
 
 # KEYS of every script: slot keys of one lock, in slot order, all in one hash
 # slot on a cluster. Slot numbers are positions in KEYS (0-based, KEYS is
@@ -355,7 +356,7 @@ class RedisStore:
         done = yield from self._holder(EXTEND, key, slot, (token, ttl_ms))
         return expires if done else None
 
-    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[int | None]]:
+    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
         """Renew ``leases`` by their TTLs: one request per up to ``RENEW_BATCH`` of them.
 
         On a cluster, one request per hash slot among their slot keys (a
@@ -365,15 +366,25 @@ class RedisStore:
         groups: dict[int, list[int]] = {}
         for index, name in enumerate(names):
             groups.setdefault(hash_slot(name) if self._cluster else 0, []).append(index)
-        answers: list[int | None] = [None] * len(leases)
+        answers: list[Renewed] = [None] * len(leases)
         for indexes in groups.values():
             for start in range(0, len(indexes), RENEW_BATCH):
                 chunk = indexes[start : start + RENEW_BATCH]
-                expires = [now_ms(self._clock) + leases[i].ttl_ms for i in chunk]
-                args = tuple(a for i in chunk for a in (leases[i].token, leases[i].ttl_ms))
-                reply = yield from self._run(RENEW, [names[i] for i in chunk], args)
-                if not isinstance(reply, (list, tuple)) or len(reply) != len(chunk):
-                    raise DMutexError(f"unexpected reply from Redis: {reply!r}")
-                for i, done, expiry in zip(chunk, reply, expires, strict=True):
-                    answers[i] = expiry if _as_int(done, 0, 1) == 1 else None
+                try:
+                    done = yield from self._renew(chunk, leases, names)
+                except Exception as error:  # noqa: BLE001 - these leases' answer; other requests go on
+                    done = [error] * len(chunk)
+                for i, answer in zip(chunk, done, strict=True):
+                    answers[i] = answer
         return answers
+
+    def _renew(
+        self, chunk: list[int], leases: Sequence[Lease], names: list[str]
+    ) -> Steps[list[Renewed]]:
+        """One RENEW request for the leases at ``chunk``: each one's new expiry or None."""
+        expires = [now_ms(self._clock) + leases[i].ttl_ms for i in chunk]
+        args = tuple(a for i in chunk for a in (leases[i].token, leases[i].ttl_ms))
+        reply = yield from self._run(RENEW, [names[i] for i in chunk], args)
+        if not isinstance(reply, (list, tuple)) or len(reply) != len(chunk):
+            raise DMutexError(f"unexpected reply from Redis: {reply!r}")
+        return [e if _as_int(d, 0, 1) == 1 else None for d, e in zip(reply, expires, strict=True)]

@@ -10,11 +10,14 @@ Adding a backend means adding a store module beside this one and a branch in
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 from .._clock import Clock
 from .._core.effects import Steps
 from .._core.lease import Lease
+
+Renewed: TypeAlias = "int | Exception | None"
+"""One lease's answer to ``extend_many``: its new expiry, None (not active), or the error."""
 
 
 class Store(Protocol):
@@ -62,18 +65,24 @@ class Store(Protocol):
         """
         ...
 
-    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[int | None]]:
+    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
         """Extend each of ``leases`` (slot known) by its ``ttl_ms``, in as few requests as it can.
 
-        Answers, lease by lease, its new expiry or None: what :meth:`extend`
-        would. Renewal uses it; a failure raises for the whole batch.
+        Answers, lease by lease, what :meth:`extend` would (its new expiry,
+        or None), or the exception that the request carrying it raised: one
+        failed request fails only the leases it carried. Renewal uses it.
         """
         ...
 
 
-def extend_each(store: Store, leases: Sequence[Lease]) -> Steps[list[int | None]]:
+def extend_each(store: Store, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
     """``extend_many`` for a store with no batch request: one ``extend`` per lease, in turn."""
-    answers: list[int | None] = []
+    answers: list[Renewed] = []
     for lease in leases:
-        answers.append((yield from store.extend(lease.key, lease.token, lease.slot, lease.ttl_ms)))
+        try:
+            expires = yield from store.extend(lease.key, lease.token, lease.slot, lease.ttl_ms)
+        except Exception as error:  # noqa: BLE001 - this lease's answer; the others go on
+            answers.append(error)
+        else:
+            answers.append(expires)
     return answers

@@ -16,6 +16,11 @@ Rules of this module:
    lease.
 4. An answer that arrives after the release was asked for changes nothing:
    the release wins.
+5. A lease whose expiry estimate has passed is lost, and stays lost: it is
+   not renewed any more, and an extend answered after the estimate passed
+   does not revive it (on MongoDB such an extend, held up in the client,
+   could match a record that had expired; on Redis the key lived on, but
+   the holder could not have known).
 
 The guarantee: a lease renewed every third of its TTL survives one missed
 renewal, and one that cannot be renewed is reported lost before its expiry
@@ -28,10 +33,14 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from .._clock import Clock
 from .effects import Steps
 from .lease import Lease, now_ms
+
+if TYPE_CHECKING:
+    from .._backends.store import Renewed
 
 _log = logging.getLogger("dmutex")
 
@@ -57,14 +66,18 @@ def margin_ms(ttl_ms: int) -> int:
 
 
 def is_lost(lease: Lease, now: int) -> bool:
-    """Whether ``lease`` is known to be gone at ``now`` (ms): marked lost, or past its expiry."""
-    return lease.lost or (not lease.released and now >= lease.expires_ms)
+    """Whether ``lease`` is known to be gone at ``now`` (ms): marked lost, or past its expiry.
+
+    Past its expiry estimate a lease is lost for good (rule 5): the answer
+    is remembered, so that no later renewal or extend can turn it back.
+    """
+    if not lease.lost and not lease.released and now >= lease.expires_ms:
+        lease.lost = True
+    return lease.lost
 
 
 def lose(lease: Lease) -> None:
-    """Mark ``lease`` lost and call its listeners, unless it already was."""
-    if lease.lost:
-        return
+    """Mark ``lease`` lost and call its listeners, once."""
     lease.lost = True
     end(lease)
 
@@ -83,37 +96,54 @@ def end(lease: Lease) -> None:
 
 
 def renew(
-    extend_many: Callable[[Sequence[Lease]], Steps[list[int | None]]],
+    extend_many: Callable[[Sequence[Lease]], Steps[list[Renewed]]],
     leases: Sequence[Lease],
     clock: Clock,
 ) -> Steps[list[float | None]]:
     """One renewal of each of ``leases`` by ``extend_many``: each one's delay until its next.
 
     ``extend_many`` sets each expiry to now + ``lease.ttl_ms`` and answers,
-    lease by lease, the new expiry, or None when the lease is no longer
-    active: that lease is lost. An error (connection refused, a timeout)
-    fails the whole batch, and each lease is retried until its expiry
-    estimate, less the margin, has passed; then it is lost. None: stop
-    renewing that lease (lost, released, or released meanwhile).
+    lease by lease, the new expiry, None when the lease is no longer active
+    (it is lost), or the exception its request raised. An error (connection
+    refused, a timeout) is retried until the lease's expiry estimate, less
+    the margin, has passed; then it is lost. None: stop renewing that lease
+    (lost, released, or released meanwhile).
     """
-    live = [lease for lease in leases if not _stopped(lease)]
+    now = now_ms(clock)
+    live = [lease for lease in leases if not _stopped(lease) and not _lapsed(lease, now)]
     delays: dict[int, float | None] = {}
     if live:
+        before = [lease.expires_ms for lease in live]
         try:
             answers = yield from extend_many(live)
-        except Exception:  # noqa: BLE001 - any failure to reach the server is retried
-            delays = {id(lease): _after_error(lease, now_ms(clock)) for lease in live}
-        else:
-            answered = zip(live, answers, strict=True)
-            delays = {id(lease): _after(lease, expires) for lease, expires in answered}
+        except Exception as error:  # noqa: BLE001 - any failure to reach the server is retried
+            answers = [error] * len(live)
+        now = now_ms(clock)
+        for lease, expiry, answer in zip(live, before, answers, strict=True):
+            if isinstance(answer, Exception):
+                delays[id(lease)] = _after_error(lease, now)
+            else:
+                delays[id(lease)] = _after(lease, expiry, answer, now)
     return [delays.get(id(lease)) for lease in leases]
 
 
-def _after(lease: Lease, expires: int | None) -> float | None:
-    """What an answer to a renewal means: the delay until the next one, or None."""
+def _lapsed(lease: Lease, now: int) -> bool:
+    """Whether the expiry estimate of ``lease`` has passed (then it is lost: rule 5)."""
+    if now >= lease.expires_ms and not lease.released:
+        lose(lease)
+        return True
+    return False
+
+
+def _after(lease: Lease, before: int, expires: int | None, now: int) -> float | None:
+    """What an answer to a renewal means: the delay until the next one, or None.
+
+    ``before`` is the expiry estimate when the renewal was sent; an answer
+    that comes after it does not count (rule 5).
+    """
     if lease.released:
         return None  # the release overtook this renewal
-    if expires is None:
+    if expires is None or now >= before:
         lose(lease)
         return None
     lease.expires_ms = max(lease.expires_ms, expires)
