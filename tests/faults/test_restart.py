@@ -446,7 +446,7 @@ class Rig(Protocol):
         ...
 
     def anything_left(self) -> bool:
-        """Whether any record of the namespace still counts (Redis: any key at all)."""
+        """Whether any record of the namespace still counts (Redis: any key but a counter)."""
         ...
 
     def close(self) -> None: ...
@@ -542,7 +542,9 @@ class RedisRig:
         return {n: v.decode() for n, v in zip(self.names, values, strict=True) if v is not None}
 
     def anything_left(self) -> bool:
-        return bool(self.monitor.keys(f"{_prefix(self.kind)}*"))
+        # Any key but the fence counters, which persist by design.
+        names = self.monitor.keys(f"{_prefix(self.kind)}*")
+        return any(not _decoded(name).startswith(f"{_prefix(self.kind)}fence:") for name in names)
 
     def close(self) -> None:
         self.monitor.close()
@@ -622,6 +624,10 @@ class MongoRig:
 
     def close(self) -> None:
         self.monitor.close()
+
+
+def _decoded(name: object) -> str:
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 # --- one run ----------------------------------------------------------------------------------
