@@ -71,8 +71,9 @@ class MongoStore:
     Requests per operation (see the README, "Requests"): a mutex acquire is one upsert;
     a semaphore acquire is one upsert when the slot it tries first is free,
     two (upsert, then ``distinct`` of the active slots) when all are held,
-    else three, plus one per race lost to another caller. Release and extend
-    are one request each; ``ready()`` one, once per instance.
+    else three, plus one per race lost to another caller; with
+    ``fencing=True`` a successful acquire adds one (:meth:`_fence`). Release
+    and extend are one request each; ``ready()`` one, once per instance.
     """
 
     max_expiry_ms = MAX_EXPIRY_MS
