@@ -151,20 +151,27 @@ class MongoStore:
         holder paused past its expiry between the two requests gets None,
         never a fence above a later holder's. A document with that ``_id``
         that dmutex did not write is never changed: the upsert collides
-        with it and the acquire raises.
+        with it (twice: the first collision may be another acquire creating
+        the counter at the same moment) and the acquire raises.
         """
         assert self._bump is not None  # only called with fencing on
         selector = {"_id": f"fence:{lease.key}", "kind": _FENCE_KIND}
-        try:
-            # return_document=True is pymongo's ReturnDocument.AFTER.
-            options = {"upsert": True, "return_document": True}
-            doc = yield Call(self._bump, (selector, {"$inc": {"fence": 1}}), options)
-        except Exception as error:
-            if is_duplicate_key(error):
-                raise DMutexError(
-                    f"the document {selector['_id']!r} holds a value dmutex did not write"
-                ) from error
-            raise
+        # return_document=True is pymongo's ReturnDocument.AFTER.
+        options = {"upsert": True, "return_document": True}
+        for attempt in (1, 2):
+            try:
+                doc = yield Call(self._bump, (selector, {"$inc": {"fence": 1}}), options)
+                break
+            except Exception as error:
+                if not is_duplicate_key(error):
+                    raise
+                # Once: two first acquires of the key may both insert the
+                # counter, and one collides. Twice: the _id holds a document
+                # dmutex did not write.
+                if attempt == 2:
+                    raise DMutexError(
+                        f"the document {selector['_id']!r} holds a value dmutex did not write"
+                    ) from error
         fence = doc.get("fence") if isinstance(doc, Mapping) else None
         if isinstance(fence, bool) or not isinstance(fence, int) or fence < 1:
             raise DMutexError(f"unexpected fence document from MongoDB: {doc!r}")
