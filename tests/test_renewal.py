@@ -142,10 +142,10 @@ def test_extend_with_a_shorter_ttl_brings_the_next_renewal_forward(clock: Manual
 def test_one_thread_renews_every_sync_lease_and_ends_after_the_last() -> None:
     backend = InMemoryBackend()
     mutex = DMutex("svc", backend)
-    locks = [mutex.acquire(f"k{i}", 0.3, auto_renew=True) for i in range(200)]
+    locks = [mutex.acquire(f"k{i}", 1.5, auto_renew=True) for i in range(200)]
     assert all(lock is not None for lock in locks)
     assert len(renewer_threads()) == 1
-    time.sleep(0.5)  # past one interval: the thread renews, the leases live on
+    time.sleep(0.8)  # past one interval (0.45-0.5 s): the thread renews, the leases live on
     assert len(backend.snapshot()) == 200
     assert not any(lock.lost for lock in locks if lock is not None)
     assert all(lock.release() for lock in locks if lock is not None)
@@ -159,9 +159,11 @@ def test_one_task_per_loop_renews_every_async_lease() -> None:
     async def main() -> tuple[int, int]:
         backend = InMemoryBackend()
         mutex = AsyncDMutex("svc", backend)
-        locks = [await mutex.acquire(f"k{i}", 0.3, auto_renew=True) for i in range(200)]
+        # Acquires on InMemoryBackend never suspend, so the loop's renewer
+        # waits for them all: a lease long enough to outlast 200 of them.
+        locks = [await mutex.acquire(f"k{i}", 1.5, auto_renew=True) for i in range(200)]
         named = [t for t in asyncio.all_tasks() if t.get_name() == "dmutex-renewer"]
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.8)
         alive = len(backend.snapshot())
         for lock in locks:
             assert lock is not None

@@ -206,19 +206,15 @@ class Engine:
     def extend(self, lease: Lease, ttl: float | None) -> Steps[bool]:
         """Set the expiry of ``lease`` to now + ttl if it is still active.
 
-        An answer of False marks the lease lost (unless it was released), as
-        does an answer that arrives after the lease's expiry estimate: that
-        lease stays lost and the call answers False. Renewal goes on with
-        the new ``ttl``.
+        An answer of False marks the lease lost (unless it was released). A
+        lease already declared lost stays lost whatever the answer (renewal
+        rule 5). Renewal goes on with the new ``ttl``.
         """
         return self._extend(lease, self.ttl_ms(ttl))
 
     def _extend(self, lease: Lease, ttl_ms: int) -> Steps[bool]:
-        before = lease.expires_ms
         expires = yield from self._store.extend(lease.key, lease.token, lease.slot, ttl_ms)
-        # Answered after the expiry estimate passed, it does not revive the
-        # lease (renewal rule 5): the holder could not know it was still held.
-        if expires is None or now_ms(self.clock) >= before:
+        if expires is None:
             if not lease.released:
                 renewal.lose(lease)
             return False

@@ -16,11 +16,11 @@ Rules of this module:
    lease.
 4. An answer that arrives after the release was asked for changes nothing:
    the release wins.
-5. A lease whose expiry estimate has passed is lost, and stays lost: it is
-   not renewed any more, and an extend answered after the estimate passed
-   does not revive it (on MongoDB such an extend, held up in the client,
-   could match a record that had expired; on Redis the key lived on, but
-   the holder could not have known).
+5. A declared loss is final, and a renewed lease whose expiry estimate
+   has passed is declared lost: it is not renewed any more, and a renewal
+   answered after the estimate passed does not revive it (on MongoDB such a
+   renewal, held up in the client, could match a record that had expired;
+   on Redis the key lived on, but the holder could not have known).
 
 The guarantee: a lease renewed every third of its TTL survives one missed
 renewal, and one that cannot be renewed is reported lost before its expiry
@@ -66,14 +66,20 @@ def margin_ms(ttl_ms: int) -> int:
 
 
 def is_lost(lease: Lease, now: int) -> bool:
-    """Whether ``lease`` is known to be gone at ``now`` (ms): marked lost, or past its expiry.
+    """Whether ``lease`` is known to be gone at ``now`` (ms): declared lost, or past its expiry.
 
-    Past its expiry estimate a lease is lost for good (rule 5): the answer
-    is remembered, so that no later renewal or extend can turn it back.
+    A renewed lease past its expiry estimate is declared lost here and then
+    (rule 5), listeners called, by whoever reads it first. For a lease that
+    is not renewed the estimate is only that: an ``extend`` that finds it
+    still active (another caller extended it by token) moves it on.
     """
-    if not lease.lost and not lease.released and now >= lease.expires_ms:
-        lease.lost = True
-    return lease.lost
+    if lease.lost:
+        return True
+    if lease.released or now < lease.expires_ms:
+        return False
+    if lease.renewing:
+        lose(lease)
+    return True
 
 
 def lose(lease: Lease) -> None:

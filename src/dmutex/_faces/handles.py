@@ -139,7 +139,7 @@ class HandleBase(Generic[D]):
 
     def _extended(self, done: bool) -> bool:
         """After an ``extend()``: a renewed lease's next renewal is a third of its new TTL away."""
-        if done and self._lease.renewing:
+        if done and self._lease.renewing and not self._lease.lost:
             self._schedule(renewal.interval(self._lease.ttl_ms))
         return done
 
