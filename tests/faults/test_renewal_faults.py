@@ -518,6 +518,7 @@ class Held:
     seen_lost: bool = False
     dropped_at: int | None = None  # when the test deleted its record (epoch ms)
     granted_ms: int = 0  # the estimate at the grant
+    release_ms: int | None = None  # when the test's release() was called (epoch ms)
 
     def __post_init__(self) -> None:
         self.granted_ms = epoch_ms(self.handle.expired_at)
@@ -652,7 +653,14 @@ class Checker:
         """A refused renewal loses the lease at once; none is sent after a loss."""
         for held in self.leases:
             attempts = self.renewals.of(held.token)
-            refused = [a for a in attempts if a.outcome == "refused"]
+            # A renewal answered after the release was asked for is the release's
+            # doing (renewal rule 4: the release wins), not a loss.
+            refused = [
+                a
+                for a in attempts
+                if a.outcome == "refused"
+                and (held.release_ms is None or a.end_ms < held.release_ms)
+            ]
             if refused and not (
                 held.losses and held.losses[0].at_ms <= refused[0].end_ms + APPLY_SLACK_MS
             ):
@@ -916,6 +924,7 @@ def test_redis_sync_renewal_through_faults(redis_target_server: Server) -> None:
         records = checker.truth.read([h.key for h in checker.leases])
         for held in checker.leases:
             assert isinstance(held.handle, DMutexLock)
+            held.release_ms = now_ms()
             released[held.key] = held.handle.release()
         final_checks(checker, records, released)
         text = summary(f"{server.label} sync", checker, [steady, outage], started, released)
@@ -970,6 +979,7 @@ def test_redis_async_renewal_through_faults(redis_target_server: Server) -> None
             records.update(checker.truth.read([h.key for h in checker.leases]))
             for held in checker.leases:
                 assert isinstance(held.handle, AsyncDMutexLock)
+                held.release_ms = now_ms()
                 released[held.key] = await held.handle.release()
         finally:
             for client in clients.values():
@@ -1058,6 +1068,7 @@ def test_mongo_sync_renewal_through_faults(
         records = checker.truth.read([h.key for h in checker.leases])
         for held in checker.leases:
             assert isinstance(held.handle, DMutexLock)
+            held.release_ms = now_ms()
             released[held.key] = held.handle.release()
         final_checks(checker, records, released)
         text = summary(server.label, checker, [steady, outage], started, released)
