@@ -112,6 +112,16 @@ class _Timeline(Generic[Tended]):
         return max(0.0, self.heap[0][0] - self.clock.monotonic())
 
 
+def _schedule(
+    timelines: dict[int, _Timeline[Tended]], clock: Clock, handle: Tended, delay: float
+) -> None:
+    """Put ``handle`` on ``clock``'s timeline, made if new."""
+    timeline = timelines.get(id(clock))
+    if timeline is None:
+        timeline = timelines[id(clock)] = _Timeline(clock)
+    timeline.add(handle, delay)
+
+
 def _log_failure(group: Sequence[object]) -> None:
     _log.exception("renewing %d lease(s) failed; they are no longer renewed", len(group))
 
@@ -128,10 +138,7 @@ class SyncRenewer:
     def add(self, handle: SyncTended, clock: Clock, delay: float) -> None:
         """Tend ``handle`` ``delay`` seconds from now on ``clock``."""
         with self._cond:
-            timeline = self._timelines.get(id(clock))
-            if timeline is None:
-                timeline = self._timelines[id(clock)] = _Timeline(clock)
-            timeline.add(handle, delay)
+            _schedule(self._timelines, clock, handle, delay)
             if isinstance(clock, ManualClock):
                 clock._listen(self._advanced)
             elif self._thread is None:
@@ -233,10 +240,7 @@ class AsyncRenewer:
 
     def add(self, handle: AsyncTended, clock: Clock, delay: float) -> None:
         """Tend ``handle`` ``delay`` seconds from now on ``clock``; call on the loop."""
-        timeline = self._timelines.get(id(clock))
-        if timeline is None:
-            timeline = self._timelines[id(clock)] = _Timeline(clock)
-        timeline.add(handle, delay)
+        _schedule(self._timelines, clock, handle, delay)
         if isinstance(clock, ManualClock):
             clock._listen(self._advanced)
         if self._task is None:
