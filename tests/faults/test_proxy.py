@@ -89,6 +89,7 @@ from dmutex import (
 from tests._support.fault_proxy import Fault, FaultProxy, Rates
 from tests._support.mongo_servers import Doc, Session
 from tests._support.redis_servers import Pool, Server
+from tests._support.sampling import sampling as sampling_thread
 
 Kind = Literal["mutex", "semaphore"]
 SyncLock: TypeAlias = DMutex | DSemaphore
@@ -522,25 +523,8 @@ async def drive_async(run: Run, workers: list[AsyncWorker], cycles: int, per_rou
 @contextlib.contextmanager
 def sampling(run: Run, every: float) -> Iterator[None]:
     """Sample the records' expiries in a thread while the block runs."""
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def sample() -> None:
-        try:
-            while not stop.wait(every):
-                run.sample()
-        except Exception as error:  # noqa: BLE001 - ends the sampling; the test reports it
-            errors.append(error)
-
-    thread = threading.Thread(target=sample, name="fault-ttl-sampler", daemon=True)
-    thread.start()
-    try:
+    with sampling_thread(run.sample, every, "fault-ttl-sampler"):
         yield
-    finally:
-        stop.set()
-        thread.join(10)
-    assert not thread.is_alive(), "the TTL sampler did not stop"
-    assert not errors, f"the TTL sampler raised: {errors!r}"
 
 
 # --- Redis ------------------------------------------------------------------------------------

@@ -113,6 +113,7 @@ from dmutex._backends.redis import EXTEND
 from tests._support.fault_proxy import Fault, FaultProxy, Rates
 from tests._support.mongo_servers import Session
 from tests._support.redis_servers import Pool, Server
+from tests._support.sampling import sampling as sampling_thread
 
 Doc: TypeAlias = dict[str, Any]
 Handle: TypeAlias = DMutexLock | AsyncDMutexLock
@@ -702,25 +703,8 @@ class Checker:
 @contextlib.contextmanager
 def sampling(checker: Checker) -> Iterator[None]:
     """Sample every lease against the server in a thread while the block runs."""
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def loop() -> None:
-        try:
-            while not stop.wait(SAMPLE_EVERY):
-                checker.sample()
-        except Exception as error:  # noqa: BLE001 - ends the sampling; the test reports it
-            errors.append(error)
-
-    thread = threading.Thread(target=loop, name="renewal-fault-sampler", daemon=True)
-    thread.start()
-    try:
+    with sampling_thread(checker.sample, SAMPLE_EVERY, "renewal-fault-sampler"):
         yield
-    finally:
-        stop.set()
-        thread.join(10)
-    assert not thread.is_alive(), "the sampler did not stop"
-    assert not errors, f"the sampler raised: {errors!r}"
 
 
 def direct(
