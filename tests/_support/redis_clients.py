@@ -17,6 +17,21 @@ import redis.asyncio
 import valkey
 import valkey.asyncio
 
+from dmutex import RedisArg, RedisReply
+
+
+class Recording:
+    """A redis-py client that records the arguments of every command."""
+
+    def __init__(self, inner: redis.Redis) -> None:
+        # redis-py leaves execute_command unannotated; this is its sync signature.
+        self._send: Callable[..., RedisReply] = inner.execute_command
+        self.commands: list[tuple[RedisArg, ...]] = []
+
+    def execute_command(self, *args: RedisArg) -> RedisReply:
+        self.commands.append(args)
+        return self._send(*args)
+
 
 class SetEvalRedis:
     """A sync client with only ``set(..., px=, nx=)`` and ``eval``, over redis-py."""

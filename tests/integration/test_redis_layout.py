@@ -5,26 +5,14 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import redis
 
-from dmutex import DMutex, DMutexError, DSemaphore, RedisArg, RedisReply
+from dmutex import DMutex, DMutexError, DSemaphore
 from dmutex._backends.redis import ACQUIRE
-
-
-class Recording:
-    """A redis-py client that records the arguments of every command."""
-
-    def __init__(self, inner: redis.Redis) -> None:
-        # redis-py leaves execute_command unannotated; this is its sync signature.
-        self._send: Callable[..., RedisReply] = inner.execute_command
-        self.commands: list[tuple[RedisArg, ...]] = []
-
-    def execute_command(self, *args: RedisArg) -> RedisReply:
-        self.commands.append(args)
-        return self._send(*args)
+from tests._support.redis_clients import Recording
 
 
 @pytest.fixture

@@ -8,28 +8,20 @@ as a fresh PTTL on the server. Leases are 60 s long, so none runs out.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import redis
 
-from dmutex import DMutex, DSemaphore, ManualClock, RedisArg, RedisReply
+from dmutex import DMutex, DSemaphore, ManualClock
 from dmutex._backends.redis import RENEW, RENEW_BATCH
+from tests._support.redis_clients import Recording as RedisRecording
 
 TTL = 60.0
 
 
-class Recording:
-    """A redis-py client that records every command it sends."""
-
-    def __init__(self, inner: redis.Redis) -> None:
-        # redis-py leaves execute_command unannotated; this is its sync signature.
-        self._send: Callable[..., RedisReply] = inner.execute_command
-        self.commands: list[tuple[RedisArg, ...]] = []
-
-    def execute_command(self, *args: RedisArg) -> RedisReply:
-        self.commands.append(args)
-        return self._send(*args)
+class Recording(RedisRecording):
+    """The recording client, which also counts the keys of each renewal request."""
 
     def renewals(self) -> list[int]:
         """How many keys each renewal request carried, in order; then forget them."""
