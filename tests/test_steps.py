@@ -8,11 +8,12 @@ from datetime import datetime, timezone
 import pytest
 
 from dmutex import ManualClock
-from dmutex._backends.store import Renewed, extend_each
+from dmutex._backends.store import Renewed, extend_each, sleep
 from dmutex._clock import Clock
 from dmutex._core.effects import Call, Callback, Effect, Sleep, Steps
 from dmutex._core.engine import Engine
 from dmutex._core.lease import MAX_EXPIRY_MS, Lease
+from dmutex._core.waiting import Waiter
 
 
 def server(*args: object) -> object:
@@ -31,7 +32,9 @@ class ScriptedStore:
     def ready(self) -> Steps[None]:
         yield Call(server, ("READY",))
 
-    def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Lease | None]:
+    def acquire(
+        self, key: str, token: str, ttl_ms: int, waiter: Waiter | None = None
+    ) -> Steps[Lease | None]:
         reply = yield Call(server, ("ACQUIRE", key, ttl_ms))
         return None if reply is None else Lease(key, token, int(str(reply)), 1000 + ttl_ms)
 
@@ -44,6 +47,9 @@ class ScriptedStore:
 
     def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
         return extend_each(self, leases)
+
+    def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
+        return sleep(seconds)
 
 
 def question(effect: Effect) -> tuple[object, ...]:
@@ -99,23 +105,31 @@ def test_run_releases_when_the_callback_raises() -> None:
         steps.send(True)
 
 
-def test_retry_sleeps_up_to_the_deadline_then_stops() -> None:
+def test_retry_sleeps_jittered_gaps_up_to_the_deadline_then_stops() -> None:
     clock = ManualClock()
     subject = Engine(ScriptedStore(clock), default_ttl=300)
-    steps = subject.acquire_with_retry("k", None, timeout=0.25, retry_delay=0.1)
+    steps = subject.acquire_with_retry("k", None, timeout=2.5, retry_delay=0.1)
     seen: list[float] = []
+    questions = 0
     effect = next(steps)
     while True:  # every question gets None: the key stays held
         if isinstance(effect, Sleep):
             seen.append(effect.seconds)
             clock.advance(effect.seconds)
+        else:
+            questions += 1
         try:
             effect = steps.send(None)
         except StopIteration as done:
             result = done.value
             break
     assert result is None
-    assert seen == [0.1, 0.1, pytest.approx(0.05)]
+    assert sum(seen) == pytest.approx(2.5)
+    assert questions == len(seen) + 1, "one attempt before each wait, and one at the deadline"
+    # Every gap but the one cut by the deadline: between half and all of retry_delay.
+    assert all(0.05 <= s <= 0.1 for s in seen[:-1]), seen
+    assert 0 < seen[-1] <= 0.1
+    assert len(set(seen)) > len(seen) // 2, "the gaps are jittered, not in lockstep"
 
 
 def test_manual_clock() -> None:

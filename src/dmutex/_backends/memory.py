@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
 from .._clock import SYSTEM_CLOCK, Clock
-from .._core.effects import Steps
+from .._core.effects import Steps, Wait
 from .._core.lease import MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
+from .._core.waiting import Waiter, Wakeup
 from .store import Renewed, extend_each
 
 __all__ = ["InMemoryBackend", "MemoryStore"]
@@ -40,6 +42,13 @@ class InMemoryBackend:
     test moves it: leases then expire only when the test advances the clock,
     and retry waits advance it instead of sleeping.
 
+    A retrying acquire (``acquire_with_retry``) is woken at once by a
+    release of its key, by any thread or task, and waits no longer than
+    the lease in its way has left: contended code under test does not
+    wait out ``retry_delay``. On a ``ManualClock`` nothing waits in real
+    time: a wait advances the clock to the next expiry or retry, unless a
+    release came first.
+
     Caveat: it is one process's memory. It coordinates threads and tasks of
     this process only.
     """
@@ -52,6 +61,9 @@ class InMemoryBackend:
         # prefix -> key -> the last fence granted; kept when the records go,
         # as Redis keeps its counter records.
         self._fences: dict[str, dict[str, int]] = {}
+        # (prefix, key) -> the wakeups of retrying acquires waiting for it;
+        # held weakly, so that an acquire that was abandoned leaves nothing.
+        self._waiters: dict[tuple[str, str], weakref.WeakSet[Wakeup]] = {}
 
     @property
     def clock(self) -> Clock:
@@ -90,7 +102,15 @@ class InMemoryBackend:
                     if (slot is None or number == slot) and now < rec.expires_ms:
                         rec.expires_ms = now
                         expired += 1
+            woken = [self._waiters.pop((prefix, key), ()) for prefix in self._records]
+        _wake(wakeup for wakeups in woken for wakeup in wakeups)
         return expired
+
+
+def _wake(wakeups: Iterable[Wakeup]) -> None:
+    """Wake each of ``wakeups``: called outside the backend's lock (a wakeup calls listeners)."""
+    for wakeup in list(wakeups):
+        wakeup.set()
 
 
 class MemoryStore:
@@ -130,7 +150,9 @@ class MemoryStore:
     def ready(self) -> Steps[None]:
         yield from ()
 
-    def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Lease | None]:
+    def acquire(
+        self, key: str, token: str, ttl_ms: int, waiter: Waiter | None = None
+    ) -> Steps[Lease | None]:
         yield from ()
         with self._backend._lock:
             now = now_ms(self.clock)
@@ -144,8 +166,38 @@ class MemoryStore:
                     if self._fencing:
                         fences = self._backend._fences.setdefault(self._prefix, {})
                         fence = fences[key] = fences.get(key, 0) + 1
+                    if waiter is not None:
+                        self._register(key, waiter, None)
                     return Lease(key, token, number, now + ttl_ms, fence)
+            if waiter is not None:
+                first = min(rec.expires_ms for rec in slots.values())
+                self._register(key, waiter, None if waiter.last else (first - now) / 1000)
         return None
+
+    def _register(self, key: str, waiter: Waiter, expires_in: float | None) -> None:
+        """Register ``waiter`` for a wake when ``key`` is released (None: forget it).
+
+        The caller holds the backend's lock, so that no release falls
+        between the failed attempt and the registration.
+        """
+        waiting = self._backend._waiters
+        wakeups = waiting.get((self._prefix, key))
+        if expires_in is None:
+            if wakeups is not None:
+                wakeups.discard(waiter.wakeup)
+                if not wakeups:
+                    del waiting[(self._prefix, key)]
+            waiter.registered = False
+            return
+        if wakeups is None:
+            wakeups = waiting[(self._prefix, key)] = weakref.WeakSet()
+        waiter.wakeup.clear()
+        wakeups.add(waiter.wakeup)
+        waiter.registered = True
+        waiter.expires_in = expires_in
+
+    def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
+        yield Wait(waiter.wakeup, seconds)
 
     def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
         yield from ()
@@ -157,7 +209,9 @@ class MemoryStore:
             del keys[key][number]
             if not keys[key]:
                 del keys[key]
-            return True
+            woken = self._backend._waiters.pop((self._prefix, key), ())
+        _wake(woken)
+        return True
 
     def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
         yield from ()

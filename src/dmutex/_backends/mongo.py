@@ -36,9 +36,10 @@ from collections.abc import Callable, Mapping, Sequence
 from .._clock import Clock
 from .._core.effects import Call, Steps
 from .._core.lease import MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
+from .._core.waiting import Waiter
 from .._errors import DMutexError, UnsupportedClientError
 from .shapes import method
-from .store import Renewed, extend_each
+from .store import Renewed, extend_each, sleep
 
 DUPLICATE_KEY = 11000
 # Marks a fence counter document as dmutex's own.
@@ -125,7 +126,9 @@ class MongoStore:
             raise
         return True
 
-    def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Lease | None]:
+    def acquire(
+        self, key: str, token: str, ttl_ms: int, waiter: Waiter | None = None
+    ) -> Steps[Lease | None]:
         """Take a free or expired slot; None when every slot is active.
 
         A mutex tries its one slot. A semaphore tries a random slot first
@@ -227,3 +230,7 @@ class MongoStore:
     def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
         """One ``update_one`` per lease, in turn: each must match its own token."""
         return extend_each(self, leases)
+
+    def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
+        """Sleep: nothing here signals a release (jittered polling, ``waiting.py``)."""
+        return sleep(seconds)

@@ -37,12 +37,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import sys
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .._clock import Clock
-from .._core.effects import Call, Steps
+from .._clock import Clock, SystemClock
+from .._core.effects import Call, Sleep, Steps
 from .._core.lease import MAX_EXPIRY_MS, Lease, now_ms
+from .._core.waiting import Waiter
 from .._errors import DMutexError, InvalidArgumentError
 from .cluster import hash_slot, same_hash_slot
 from .shapes import defines, is_cluster_client, method
@@ -53,25 +57,46 @@ from .store import Renewed
 # 1-based), so a script never builds a key name: what it touches is what the
 # request declares, as Redis, ACL key patterns, proxies and clusters require.
 
-# ARGV: token, ttl ms, and "fence" when the last key is the lock's fence
-# counter. Returns {position, fence}: the 0-based position of the key that
+# ARGV: token, ttl ms, then "fence" when the key before any waiting keys is
+# the lock's fence counter ("-" when not); then, for an attempt of a retrying
+# acquire, the waiter's name, its registration window in ms ("0": do not
+# register, the attempt is its last) and "1" if an earlier attempt
+# registered it; the last two KEYS are then the waiters and signal records.
+# Returns {position, fence[, expiry]}: the 0-based position of the key that
 # holds the token (taken now, or by an earlier copy of this request) or -1
-# when every key is held by another token; and the grant's fence, 0 without a
-# counter. MGET reads every slot in one server-side call; SET NX, not SET,
-# because MGET also answers nil for a key of another type, which is not free.
-# The counter is read before anything is written, so that a value dmutex did
-# not write (GET raises WRONGTYPE for a non-string) stops the script at once.
+# when every key is held by another token; the grant's fence, 0 without a
+# counter; and for a failed waiting attempt the PTTL of a mutex's holder (-1
+# for a semaphore). MGET reads every slot in one server-side call; SET NX,
+# not SET, because MGET also answers nil for a key of another type, which is
+# not free. Every record dmutex does not own stops the script before it
+# writes: a counter value it did not write, or (only when registering) a
+# waiters or signal record it did not write; GET, TYPE and ZSCORE raise
+# WRONGTYPE or find no mark.
 _ACQUIRE = """\
-local token, ttl = ARGV[1], ARGV[2]
-local n, counter, fence = #KEYS, nil, 0
+local token, ttl, waiter = ARGV[1], ARGV[2], ARGV[4]
+local MARK, SIGNAL = 'dmutex:waiters', 'dmutex:signal'
+local n, counter, fence, waiters, signal = #KEYS, nil, 0, nil, nil
+if waiter then
+  waiters, signal, n = KEYS[#KEYS - 1], KEYS[#KEYS], #KEYS - 2
+end
 if ARGV[3] == 'fence' then
-  counter, n = KEYS[#KEYS], #KEYS - 1
+  counter, n = KEYS[n], n - 1
   local stored = redis.call('GET', counter)
   if stored then
     fence = tonumber(string.match(stored, '^dmutex:fence:(%d+)$'))
     if not fence then
       return redis.error_reply('DMUTEX ' .. counter .. ' holds a value dmutex did not write')
     end
+  end
+end
+local function ours()
+  local kind = redis.call('TYPE', waiters).ok
+  if kind ~= 'none' and not (kind == 'zset' and redis.call('ZSCORE', waiters, MARK)) then
+    return waiters
+  end
+  kind = redis.call('TYPE', signal).ok
+  if kind ~= 'none' and not (kind == 'list' and redis.call('LINDEX', signal, 0) == SIGNAL) then
+    return signal
   end
 end
 local slot = -1
@@ -93,27 +118,73 @@ else
     end
   end
 end
-if slot >= 0 and counter then
-  fence = fence + 1
-  redis.call('SET', counter, string.format('dmutex:fence:%d', fence))
+if slot >= 0 then
+  if counter then
+    fence = fence + 1
+    redis.call('SET', counter, string.format('dmutex:fence:%d', fence))
+  end
+  if waiter and ARGV[6] == '1' and not ours() then redis.call('ZREM', waiters, waiter) end
+  return {slot, fence}
 end
-return {slot, fence}
+if not waiter then return {-1, 0} end
+local foreign = ours()
+if foreign then
+  return redis.error_reply('DMUTEX ' .. foreign .. ' holds a value dmutex did not write')
+end
+local window = tonumber(ARGV[5])
+if window > 0 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('ZREMRANGEBYSCORE', waiters, '-inf', string.format('(%d', now))
+  redis.call('ZADD', waiters, '+inf', MARK, string.format('%d', now + window), waiter)
+  if redis.call('PTTL', waiters) < window then redis.call('PEXPIRE', waiters, window) end
+elseif ARGV[6] == '1' then
+  redis.call('ZREM', waiters, waiter)
+end
+return {-1, 0, n == 1 and redis.call('PTTL', KEYS[1]) or -1}
 """
 # How the client reports that answer (redis-py: ResponseError, the code kept).
 _FOREIGN = "holds a value dmutex did not write"
 
-# ARGV: token. Deletes the key that holds the token and returns 1, or 0.
+# ARGV: token, and max_permits when the last two KEYS are the lock's waiters
+# and signal records. Deletes the key that holds the token and returns 1, or
+# 0. A release that deleted a key wakes a waiter if one is registered: it
+# pushes a signal, unless the signal list already holds one per waiter (or
+# per permit), and gives the list the waiters record's expiry. With no one
+# waiting it writes nothing more (one TYPE read). It never fails after the
+# DEL: a waiters or signal record that dmutex did not write is left alone.
 _RELEASE = """\
-local token = ARGV[1]
-if #KEYS == 1 then
-  if redis.call('GET', KEYS[1]) == token then return redis.call('DEL', KEYS[1]) end
-  return 0
+local token, permits = ARGV[1], tonumber(ARGV[2])
+local MARK, SIGNAL = 'dmutex:waiters', 'dmutex:signal'
+local n, done = #KEYS, 0
+if permits then n = n - 2 end
+if n == 1 then
+  if redis.call('GET', KEYS[1]) == token then done = redis.call('DEL', KEYS[1]) end
+else
+  local values = redis.call('MGET', unpack(KEYS, 1, n))
+  for i = 1, n do
+    if values[i] == token then done = redis.call('DEL', KEYS[i]) break end
+  end
 end
-local values = redis.call('MGET', unpack(KEYS))
-for i = 1, #KEYS do
-  if values[i] == token then return redis.call('DEL', KEYS[i]) end
+if done == 1 and permits then
+  local waiters, signal = KEYS[n + 1], KEYS[n + 2]
+  if redis.call('TYPE', waiters).ok == 'zset' and redis.call('ZSCORE', waiters, MARK) then
+    local kind = redis.call('TYPE', signal).ok
+    if kind == 'none' or (kind == 'list' and redis.call('LINDEX', signal, 0) == SIGNAL) then
+      local t = redis.call('TIME')
+      local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+      local waiting = redis.call('ZCOUNT', waiters, string.format('%d', now), '(+inf')
+      local left = redis.call('PTTL', waiters)
+      if waiting > 0 and left > 0 then
+        if redis.call('LLEN', signal) < math.min(waiting, permits) then
+          redis.call('LPUSH', signal, SIGNAL)
+        end
+        redis.call('PEXPIRE', signal, left)
+      end
+    end
+  end
 end
-return 0
+return done
 """
 
 # ARGV: token, ttl ms. Sets the expiry of the key that holds the token to
@@ -180,11 +251,19 @@ def _is_noscript(error: BaseException) -> bool:
     )
 
 
-def _grant(reply: object, last: int) -> tuple[int, int]:
-    """The acquire script's ``{position, fence}``: position in ``-1..last``, fence >= 0."""
-    if not isinstance(reply, (list, tuple)) or len(reply) != 2:
+def _grant(reply: object, last: int) -> tuple[int, int, int]:
+    """The acquire script's ``{position, fence[, expiry]}``; expiry -1 when not given.
+
+    Position in ``-1..last``, fence >= 0, expiry (a holder's PTTL) >= -2.
+    """
+    if not isinstance(reply, (list, tuple)) or len(reply) not in (2, 3):
         raise DMutexError(f"unexpected reply from Redis: {reply!r}")
-    return _as_int(reply[0], -1, last), _as_int(reply[1], 0, 2**63 - 1)
+    position, fence = _as_int(reply[0], -1, last), _as_int(reply[1], 0, 2**63 - 1)
+    if len(reply) == 2:
+        return position, fence, -1
+    if position != -1 or fence != 0:  # only a failed attempt reports the holder's expiry
+        raise DMutexError(f"unexpected reply from Redis: {reply!r}")
+    return position, fence, _as_int(reply[2], -2, 2**63 - 1)
 
 
 def _as_int(reply: object, low: int, high: int) -> int:
@@ -202,6 +281,76 @@ def _as_int(reply: object, low: int, high: int) -> int:
     if value is None or not low <= value <= high:
         raise DMutexError(f"unexpected reply from Redis: {reply!r}")
     return value
+
+
+# --- blocking waits -------------------------------------------------------------------
+
+# A wait shorter than this sleeps: BLPOP counts its timeout in milliseconds,
+# and a timeout that rounds to 0 would block forever.
+MIN_BLOCK = 0.002
+
+
+class _Blockers:
+    """How many blocking waits may hold connections of one pool at once.
+
+    Half the pool's ``max_connections``, so that waiters never take the
+    connections that a holder's release, or any other work, needs.
+    """
+
+    __slots__ = ("__weakref__", "_count", "_limit", "_lock")
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        """Claim a connection for one blocking wait; False when the budget is spent."""
+        with self._lock:
+            if self._count >= self._limit:
+                return False
+            self._count += 1
+            return True
+
+    def give(self) -> None:
+        """Return what :meth:`take` claimed."""
+        with self._lock:
+            self._count -= 1
+
+
+_POOLS: weakref.WeakKeyDictionary[object, _Blockers] = weakref.WeakKeyDictionary()
+_POOLS_LOCK = threading.Lock()
+
+
+def _blocking(client: object) -> tuple[_Blockers, float] | None:
+    """The budget and the longest single block for waits through ``client``; None: never block.
+
+    Never on a client with one dedicated connection (redis-py's
+    ``single_connection_client``): a blocked wait would hold the very
+    connection that the holder's release needs. On a pool, half its
+    ``max_connections`` (none below 2); a block lasts at most 0.8 of the
+    pool's ``socket_timeout``, so that it ends before the socket gives up.
+    """
+    if getattr(client, "connection", None) is not None:
+        return None
+    pool = getattr(client, "connection_pool", None)
+    limit = getattr(pool, "max_connections", None)
+    budget = limit // 2 if isinstance(limit, int) and not isinstance(limit, bool) else sys.maxsize
+    if budget < 1:
+        return None
+    kwargs = getattr(pool, "connection_kwargs", None)
+    timeout = kwargs.get("socket_timeout") if isinstance(kwargs, dict) else None
+    cap = 0.8 * timeout if isinstance(timeout, (int, float)) and timeout > 0 else float("inf")
+    if pool is None:
+        return _Blockers(budget), cap
+    with _POOLS_LOCK:
+        try:
+            blockers = _POOLS.get(pool)
+            if blockers is None:
+                blockers = _POOLS[pool] = _Blockers(budget)
+        except TypeError:  # a pool that takes no weak reference: a budget per store
+            blockers = _Blockers(budget)
+    return blockers, cap
 
 
 # --- the store ------------------------------------------------------------------------
@@ -246,6 +395,13 @@ class RedisStore:
         else:
             self._eval = method(client, "eval")
         self._clock = clock
+        # Waiters block (BLPOP) only where that is safe: a command client
+        # on the system clock, with connections to spare.
+        blocking = _blocking(client) if self._execute and isinstance(clock, SystemClock) else None
+        self._blockers: _Blockers | None = None
+        self._block_cap = 0.0
+        if blocking is not None:
+            self._blockers, self._block_cap = blocking
 
     @property
     def clock(self) -> Clock:
@@ -298,57 +454,131 @@ class RedisStore:
             return None
         return name
 
-    def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Lease | None]:
+    def _wakes(self, key: str, groups: list[list[str]]) -> list[str]:
+        """The waiters and signal records of ``key``, or none: its waiters are not woken.
+
+        Not on a client that cannot block, nor on a cluster unless both
+        records share the hash slot of the slot keys (a hash-tagged key).
+        """
+        if self._blockers is None:
+            return []
+        names = [f"{self._prefix}waiters:{key}", f"{self._prefix}signal:{key}"]
+        if self._cluster and (len(groups) > 1 or not same_hash_slot([groups[0][0], *names])):
+            return []
+        return names
+
+    def acquire(
+        self, key: str, token: str, ttl_ms: int, waiter: Waiter | None = None
+    ) -> Steps[Lease | None]:
         """Take a free slot of ``key``, or return None when all are held.
 
-        One request: one script over every slot key and the fence counter.
-        On a cluster with the slot keys in different hash slots, one request
-        per slot until one succeeds (at most ``max_permits``), and no fence.
+        One request: one script over every slot key, the fence counter and,
+        for a ``waiter`` that can be woken, its records. On a cluster with
+        the slot keys in different hash slots, one request per slot until
+        one succeeds (at most ``max_permits``), no fence and no wake-up.
         Raises before any request when ``fencing=True`` cannot be met.
         """
         groups = self._groups(key)
         counter = self._counter(key, groups)
-        return self._acquire(key, token, ttl_ms, groups, counter)
+        wakes = self._wakes(key, groups) if waiter is not None else []
+        return self._acquire(key, token, ttl_ms, groups, counter, waiter if wakes else None, wakes)
 
     def _acquire(
-        self, key: str, token: str, ttl_ms: int, groups: list[list[str]], counter: str | None
+        self,
+        key: str,
+        token: str,
+        ttl_ms: int,
+        groups: list[list[str]],
+        counter: str | None,
+        waiter: Waiter | None,
+        wakes: list[str],
     ) -> Steps[Lease | None]:
         expires = now_ms(self._clock) + ttl_ms
         args: tuple[object, ...] = (token, ttl_ms) if counter is None else (token, ttl_ms, "fence")
+        if waiter is not None:
+            window = 0 if waiter.last else waiter.window_ms
+            registered = "1" if waiter.registered else "0"
+            fencing = "-" if counter is None else "fence"
+            args = (token, ttl_ms, fencing, waiter.name, window, registered)
         first = 0
         for group in groups:
-            keys = group if counter is None else [*group, counter]
+            keys = [*group, *([counter] if counter else []), *wakes]
             try:
                 reply = yield from self._run(ACQUIRE, keys, args)
             except Exception as error:
-                if _FOREIGN in str(error):
-                    raise DMutexError(f"{counter!r} {_FOREIGN}: dmutex leaves it alone") from error
+                said = str(error)
+                if _FOREIGN in said:
+                    name = said[said.find("DMUTEX ") + 7 : said.find(f" {_FOREIGN}")]
+                    raise DMutexError(f"{name!r} {_FOREIGN}: dmutex leaves it alone") from error
                 raise
-            position, fence = _grant(reply, len(group) - 1)
+            position, fence, left = _grant(reply, len(group) - 1)
             if position >= 0:
+                if waiter is not None:
+                    waiter.registered = False
                 return Lease(key, token, first + position, expires, fence or None)
             first += len(group)
+            if waiter is not None:
+                waiter.registered = not waiter.last
+                waiter.expires_in = (left + 1) / 1000 if left >= 0 else None
         return None
 
+    def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
+        """Block on ``key``'s signal list (``BLPOP``) for up to ``seconds``, else sleep.
+
+        Blocks only when the last attempt registered ``waiter`` and a
+        connection of the pool is to spare (see :class:`_Blockers`). A
+        failed block (a socket timeout, a server that refuses the command)
+        sleeps the rest of the wait: it never raises, and never makes the
+        wait longer.
+        """
+        blockers = self._blockers
+        block = min(seconds, self._block_cap)
+        if not waiter.registered or blockers is None or block < MIN_BLOCK or not blockers.take():
+            yield Sleep(seconds)
+            return
+        assert self._execute is not None  # blocking needs a command client
+        started = self._clock.monotonic()
+        failed = False
+        try:
+            yield Call(self._execute, ("BLPOP", f"{self._prefix}signal:{key}", f"{block:.3f}"))
+        except Exception:  # noqa: BLE001 - the wait degrades to sleeping, rule 3 of waiting.py
+            failed = True
+        finally:
+            blockers.give()
+        rest = seconds - (self._clock.monotonic() - started)
+        if failed and rest > 0:
+            yield Sleep(rest)
+
     def _holder(
-        self, script: _Script, key: str, slot: int | None, head: tuple[object, ...]
+        self,
+        script: _Script,
+        key: str,
+        slot: int | None,
+        head: tuple[object, ...],
+        *,
+        wake: bool = False,
     ) -> Steps[bool]:
         """Run a compare-token script on the slot key(s) that may hold the token.
 
         ``head`` is the script's arguments (the token, and the TTL for
-        extend). Returns whether a key held it.
+        extend). ``wake``: the script is the release, and gets the lock's
+        waiting records where its waiters can be woken. Returns whether a
+        key held it.
         """
         if slot is not None or self._permits == 1:
-            name = f"{self._prefix}permit:{slot or 0}:{key}"
-            return _as_int((yield from self._run(script, (name,), head)), 0, 1) == 1
-        for group in self._groups(key):
-            if _as_int((yield from self._run(script, group, head)), 0, 1) == 1:
+            groups = [[f"{self._prefix}permit:{slot or 0}:{key}"]]
+        else:
+            groups = self._groups(key)
+        wakes = self._wakes(key, groups) if wake else []
+        args = (*head, self._permits) if wakes else head
+        for group in groups:
+            if _as_int((yield from self._run(script, [*group, *wakes], args)), 0, 1) == 1:
                 return True
         return False
 
     def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
-        """Delete the slot key that holds ``token``, in one atomic script."""
-        return (yield from self._holder(RELEASE, key, slot, (token,)))
+        """Delete the slot key that holds ``token`` and wake a waiter, in one atomic script."""
+        return (yield from self._holder(RELEASE, key, slot, (token,), wake=True))
 
     def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
         """Set the expiry of the slot key that holds ``token`` to now + ttl."""

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from typing import Protocol, TypeAlias
 
 from .._clock import Clock
-from .._core.effects import Steps
+from .._core.effects import Sleep, Steps
 from .._core.lease import Lease
+from .._core.waiting import Waiter
 
 Renewed: TypeAlias = "int | Exception | None"
 """One lease's answer to ``extend_many``: its new expiry, None (not active), or the error."""
@@ -41,12 +42,28 @@ class Store(Protocol):
         """Prepare storage (indexes); a driver runs it once per instance."""
         ...
 
-    def acquire(self, key: str, token: str, ttl_ms: int) -> Steps[Lease | None]:
+    def acquire(
+        self, key: str, token: str, ttl_ms: int, waiter: Waiter | None = None
+    ) -> Steps[Lease | None]:
         """Take a free or expired slot of ``key`` for ``token``; None if all are active.
 
         The lease carries the grant's fence where the store keeps one. A
         store may raise (``InvalidArgumentError``) when this is called, before
         the steps exist, for a key it cannot serve as configured.
+
+        ``waiter``: the attempt is one of a retrying acquire's. Where the
+        store can wake waiters, a failed attempt registers it (unless
+        ``waiter.last``) in the same request, and a successful one ends its
+        registration.
+        """
+        ...
+
+    def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
+        """Wait up to ``seconds`` for a release of ``key`` to wake ``waiter``.
+
+        Never longer (``dmutex._core.waiting``, rule 2); a store that cannot
+        be woken sleeps the whole time. Never raises an ``Exception``: a
+        failed blocking request turns into sleeping out the rest.
         """
         ...
 
@@ -73,6 +90,11 @@ class Store(Protocol):
         failed request fails only the leases it carried. Renewal uses it.
         """
         ...
+
+
+def sleep(seconds: float) -> Steps[None]:
+    """``wait`` for a store that cannot be woken: sleep the whole time."""
+    yield Sleep(seconds)
 
 
 def extend_each(store: Store, leases: Sequence[Lease]) -> Steps[list[Renewed]]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TypeAlias, TypeVar, cast
 
 from .lease import Lease
+from .waiting import Wakeup
 
 T = TypeVar("T")
 
@@ -57,7 +58,20 @@ class Sleep:
     seconds: float
 
 
-Effect: TypeAlias = Call | Callback | Sleep
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Wait ``seconds`` on the instance's clock, or less if ``wakeup`` is set meanwhile.
+
+    Only the system clock waits on the wakeup; any other clock sleeps the
+    whole time (a :class:`~dmutex.ManualClock` advances), so that a test's
+    time moves as it always did.
+    """
+
+    wakeup: Wakeup
+    seconds: float
+
+
+Effect: TypeAlias = Call | Callback | Sleep | Wait
 Steps: TypeAlias = Generator[Effect, object, T]
 
 

@@ -21,6 +21,8 @@ Rules of this module:
 7. A release stops renewal before it is sent (``Lease.released``), and an
    answer that shows a lease gone marks it lost (``renewal.lose``); when to
    renew and when to give up is ``renewal.py``'s.
+8. A retrying acquire waits as ``waiting.py`` says, through the store,
+   which may be woken by a release; the next attempt decides, always.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ from .._validate import (
     check_token,
     check_ttl,
 )
-from . import renewal
-from .effects import Callback, Sleep, Steps, completing
+from . import renewal, waiting
+from .effects import Callback, Steps, completing
 from .lease import Lease, new_token, now_ms, ttl_to_ms
+from .waiting import Waiter
 
 H = TypeVar("H")
 
@@ -82,14 +85,16 @@ class Engine:
         check_key(key)
         return self._attempt(*self._request(key, self.ttl_ms(ttl)))
 
-    def _request(self, key: str, ttl_ms: int) -> tuple[str, str, int, Steps[Lease | None]]:
+    def _request(
+        self, key: str, ttl_ms: int, waiter: Waiter | None = None
+    ) -> tuple[str, str, int, Steps[Lease | None]]:
         """A new token and the store's steps to acquire with it.
 
         Called before any generator of the operation runs: a store refuses
         here a key it cannot serve as configured (rule 3).
         """
         token = new_token()
-        return key, token, ttl_ms, self._store.acquire(key, token, ttl_ms)
+        return key, token, ttl_ms, self._store.acquire(key, token, ttl_ms, waiter)
 
     def _attempt(
         self, key: str, token: str, ttl_ms: int, steps: Steps[Lease | None]
@@ -113,17 +118,21 @@ class Engine:
     ) -> Steps[Lease | None]:
         """Try to take a permit until ``timeout`` seconds have passed.
 
-        Sleeps ``retry_delay`` between attempts, never past the deadline, and
-        makes one last attempt at the deadline. Time is monotonic.
+        Waits at most ``retry_delay`` between attempts, less when a release
+        or an expiry the store knows of comes first (``waiting.py``), never
+        past the deadline, and makes one last attempt at the deadline. Time
+        is monotonic.
         """
         check_key(key)
         ttl_ms = self.ttl_ms(ttl)
         timeout, retry_delay = check_timeout(timeout), check_retry_delay(retry_delay)
-        return self._retry(self._request(key, ttl_ms), timeout, retry_delay)
+        waiter = waiting.waiter(retry_delay) if timeout > 0 else None
+        return self._retry(self._request(key, ttl_ms, waiter), waiter, timeout, retry_delay)
 
     def _retry(
         self,
         first: tuple[str, str, int, Steps[Lease | None]],
+        waiter: Waiter | None,
         timeout: float,
         retry_delay: float,
     ) -> Steps[Lease | None]:
@@ -131,13 +140,13 @@ class Engine:
         deadline = self.clock.monotonic() + timeout
         while True:
             lease = yield from self._attempt(*request)
-            if lease is not None:
-                return lease
             remaining = deadline - self.clock.monotonic()
-            if remaining <= 0:
-                return None
-            yield Sleep(min(retry_delay, remaining))
-            request = self._request(key, ttl_ms)
+            if lease is not None or remaining <= 0 or waiter is None:
+                return lease
+            seconds = waiting.next_wait(retry_delay, remaining, waiter.expires_in)
+            yield from self._store.wait(key, waiter, seconds)
+            waiter.last = deadline - self.clock.monotonic() <= 0
+            request = self._request(key, ttl_ms, waiter)
 
     def run(
         self,

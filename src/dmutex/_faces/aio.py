@@ -23,7 +23,7 @@ from .._core.engine import Engine
 from .._core.lease import Lease
 from .._validate import check_timeout
 from .base import MutexBase, SemaphoreBase, Wrapping
-from .drive import AsyncDriver, on_loop
+from .drive import AsyncDriver, waker
 from .handles import HandleBase, SlotMixin
 from .renewers import AsyncRenewer
 
@@ -68,16 +68,7 @@ class _AsyncHandle(HandleBase[AsyncDriver]):
         """
         seconds = None if timeout is None else check_timeout(timeout)
         lease = self._lease
-        loop = asyncio.get_running_loop()
-        ended: asyncio.Future[None] = loop.create_future()
-
-        def settle() -> None:
-            if not ended.done():
-                ended.set_result(None)
-
-        def wake() -> None:
-            on_loop(loop, settle)
-
+        ended, wake = waker()
         if lease.released or not lease.listen(wake):
             return self.lost
         try:

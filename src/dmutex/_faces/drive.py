@@ -20,9 +20,10 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar, cast
 
 from .._backends.shapes import wrong_face
-from .._clock import Clock
-from .._core.effects import Call, Callback, Sleep, Steps
+from .._clock import Clock, SystemClock
+from .._core.effects import Call, Callback, Sleep, Steps, Wait
 from .._core.lease import Lease
+from .._core.waiting import Wakeup
 from .._errors import LeaseLostError
 
 if sys.version_info >= (3, 11):
@@ -107,6 +108,12 @@ class SyncDriver:
                     elif isinstance(effect, Sleep):
                         value = None
                         self._clock.sleep(effect.seconds)
+                    elif isinstance(effect, Wait):
+                        value = None
+                        if isinstance(self._clock, SystemClock):
+                            effect.wakeup.wait(effect.seconds)
+                        elif not effect.wakeup.is_set():
+                            self._clock.sleep(effect.seconds)
                     else:
                         assert_never(effect)
                 except BaseException as exc:  # noqa: BLE001 - handed to the algorithm
@@ -186,6 +193,13 @@ class AsyncDriver:
                                 result = _until_lost(result, lease)
                         case Sleep(seconds):
                             result = self._clock.sleep_async(seconds)
+                        case Wait(wakeup, seconds):
+                            if isinstance(self._clock, SystemClock):
+                                result = _woken(wakeup, seconds)
+                            elif wakeup.is_set():
+                                result = asyncio.sleep(0)
+                            else:
+                                result = self._clock.sleep_async(seconds)
                         case _:
                             assert_never(effect)
                     if shielded:
@@ -218,6 +232,33 @@ def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], object]) -> None:
         fn()
     elif not loop.is_closed():
         loop.call_soon_threadsafe(fn)
+
+
+def waker() -> tuple[asyncio.Future[None], Callable[[], None]]:
+    """A future of the running loop, and a function any thread may call to settle it."""
+    loop = asyncio.get_running_loop()
+    woken: asyncio.Future[None] = loop.create_future()
+
+    def settle() -> None:
+        if not woken.done():
+            woken.set_result(None)
+
+    def wake() -> None:
+        on_loop(loop, settle)
+
+    return woken, wake
+
+
+async def _woken(wakeup: Wakeup, seconds: float) -> None:
+    """Wait until ``wakeup`` is set (from any thread) or ``seconds`` pass."""
+    woken, wake = waker()
+    if not wakeup.listen(wake):
+        return
+    try:
+        await asyncio.wait((woken,), timeout=seconds)
+    finally:
+        wakeup.unlisten(wake)
+        woken.cancel()
 
 
 async def _until_lost(callback: Awaitable[T], lease: Lease) -> T:

@@ -1,0 +1,118 @@
+"""Waiting for a permit: when a retrying acquire tries again, and what wakes it.
+
+Rules of this module:
+
+1. ``retry_delay`` is the longest gap between two attempts, as it always
+   was. Each wait lasts a random ``U(0.5, 1) * retry_delay`` (never past the
+   deadline), so that waiters that failed together do not retry together.
+2. A wait may end early, never late: a release that the store can signal
+   (Redis, :class:`~dmutex.InMemoryBackend`) ends it, and so does the
+   expiry of the lease in the way, where the store knows it. A signal is a
+   hint to try now, never a grant: the attempt after it decides.
+3. No waiter depends on a signal. An expiry, a holder that crashed, a
+   release by the TypeScript library: none sends one, and the waiter tries
+   again when its wait ends anyway.
+4. The policy is here, the mechanism is the store's: a store registers a
+   :class:`Waiter` when its attempt fails and yields the wait itself
+   (``Store.wait``), as a blocking request or a :class:`Wakeup` to wait on.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# How long past its wait a waiter's registration outlives it on a server: the
+# time between the failed attempt's reply and the blocking request reaching
+# the server, with room for a slow client.
+REGISTRATION_MARGIN_MS = 1000
+
+
+class Wakeup:
+    """A flag that a release sets and one waiter's driver waits on; thread-safe.
+
+    The sync driver blocks on it (``wait``); the async driver listens for it
+    (``listen``) and awaits a future that the listener settles.
+    """
+
+    __slots__ = ("__weakref__", "_event", "_listeners", "_lock")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[], None]] = []
+
+    def set(self) -> None:
+        """Wake the waiter (now, or its next wait returns at once)."""
+        with self._lock:
+            self._event.set()
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
+
+    def clear(self) -> None:
+        """Forget an earlier wake: the waiter is about to register again."""
+        self._event.clear()
+
+    def is_set(self) -> bool:
+        """Whether a wake arrived since the last :meth:`clear`."""
+        return self._event.is_set()
+
+    def wait(self, seconds: float) -> bool:
+        """Block until woken or ``seconds`` pass; whether it was woken."""
+        return self._event.wait(seconds)
+
+    def listen(self, listener: Callable[[], None]) -> bool:
+        """Call ``listener()`` on the next wake; False (and no call) if already woken."""
+        with self._lock:
+            if self._event.is_set():
+                return False
+            self._listeners.append(listener)
+            return True
+
+    def unlisten(self, listener: Callable[[], None]) -> None:
+        """Forget ``listener`` if it was not called."""
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+
+@dataclass(slots=True, eq=False)
+class Waiter:
+    """One retrying acquire, as the store sees it between its attempts.
+
+    ``name`` identifies it in a server-side registration (random, like a
+    token); ``window_ms`` is how long one registration lasts. The engine
+    sets ``last`` before the attempt at the deadline: a store then does not
+    register it again. The store sets ``registered`` when an attempt
+    registered it, and ``expires_in`` (seconds) when it knows when the lease
+    in the way runs out.
+    """
+
+    window_ms: int
+    name: str = field(default_factory=lambda: f"dmutex:waiter:{os.urandom(12).hex()}")
+    wakeup: Wakeup = field(default_factory=Wakeup)
+    last: bool = False
+    registered: bool = False
+    expires_in: float | None = None
+
+
+def waiter(retry_delay: float) -> Waiter:
+    """A waiter for an acquire that waits at most ``retry_delay`` seconds at a time."""
+    return Waiter(math.ceil(retry_delay * 1000) + REGISTRATION_MARGIN_MS)
+
+
+def next_wait(retry_delay: float, remaining: float, expires_in: float | None) -> float:
+    """Seconds to wait before the next attempt: rule 1, cut short by a known expiry (rule 2)."""
+    seconds = retry_delay * (0.5 + 0.5 * random.random())  # jitter, not secrecy
+    if seconds >= 0.001:
+        # Whole milliseconds, as every stored time is: a ManualClock's
+        # readings stay exact, and a server counts a block in milliseconds.
+        seconds = math.floor(seconds * 1000) / 1000
+    if expires_in is not None:
+        seconds = min(seconds, max(expires_in, 0.0))
+    return min(seconds, remaining)
