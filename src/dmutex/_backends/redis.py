@@ -528,8 +528,13 @@ class RedisStore:
         Blocks only when the last attempt registered ``waiter`` and a
         connection of the pool is to spare (see :class:`_Blockers`). A
         failed block (a socket timeout, a server that refuses the command)
-        sleeps the rest of the wait: it never raises, and never makes the
-        wait longer.
+        sleeps the rest of the wait: it never raises.
+
+        Caveat: a client that re-sends a command whose connection was cut
+        (redis-py's default retry policy) re-sends the BLPOP with its whole
+        timeout, so a cut in the middle of a block stretches that one wait
+        by up to the client's retries times the block. A release still
+        ends it at once; only what sends no signal waits longer.
         """
         blockers = self._blockers
         block = min(seconds, self._block_cap)
