@@ -89,15 +89,15 @@ if ARGV[3] == 'fence' then
     end
   end
 end
-local function ours()
-  local kind = redis.call('TYPE', waiters).ok
-  if kind ~= 'none' and not (kind == 'zset' and redis.call('ZSCORE', waiters, MARK)) then
+-- Which waiting record, if any, dmutex did not write. pcall: a record of
+-- another type answers an error (a table) instead of stopping the script.
+local function foreign()
+  local marked = redis.pcall('ZSCORE', waiters, MARK)
+  if type(marked) == 'table' or (not marked and redis.call('EXISTS', waiters) == 1) then
     return waiters
   end
-  kind = redis.call('TYPE', signal).ok
-  if kind ~= 'none' and not (kind == 'list' and redis.call('LINDEX', signal, 0) == SIGNAL) then
-    return signal
-  end
+  local head = redis.pcall('LINDEX', signal, 0)
+  if type(head) == 'table' or (head and head ~= SIGNAL) then return signal end
 end
 local slot = -1
 if n == 1 then
@@ -123,13 +123,14 @@ if slot >= 0 then
     fence = fence + 1
     redis.call('SET', counter, string.format('dmutex:fence:%d', fence))
   end
-  if waiter and ARGV[6] == '1' and not ours() then redis.call('ZREM', waiters, waiter) end
+  -- Its own member, uniquely named: removing it never touches another's record.
+  if waiter and ARGV[6] == '1' then redis.pcall('ZREM', waiters, waiter) end
   return {slot, fence}
 end
 if not waiter then return {-1, 0} end
-local foreign = ours()
-if foreign then
-  return redis.error_reply('DMUTEX ' .. foreign .. ' holds a value dmutex did not write')
+local theirs = foreign()
+if theirs then
+  return redis.error_reply('DMUTEX ' .. theirs .. ' holds a value dmutex did not write')
 end
 local window = tonumber(ARGV[5])
 if window > 0 then
@@ -139,7 +140,7 @@ if window > 0 then
   redis.call('ZADD', waiters, '+inf', MARK, string.format('%d', now + window), waiter)
   if redis.call('PTTL', waiters) < window then redis.call('PEXPIRE', waiters, window) end
 elseif ARGV[6] == '1' then
-  redis.call('ZREM', waiters, waiter)
+  redis.pcall('ZREM', waiters, waiter)
 end
 return {-1, 0, n == 1 and redis.call('PTTL', KEYS[1]) or -1}
 """
@@ -149,10 +150,12 @@ _FOREIGN = "holds a value dmutex did not write"
 # ARGV: token, and max_permits when the last two KEYS are the lock's waiters
 # and signal records. Deletes the key that holds the token and returns 1, or
 # 0. A release that deleted a key wakes a waiter if one is registered: it
-# pushes a signal, unless the signal list already holds one per waiter (or
-# per permit), and gives the list the waiters record's expiry. With no one
-# waiting it writes nothing more (one TYPE read). It never fails after the
-# DEL: a waiters or signal record that dmutex did not write is left alone.
+# pushes a signal, unless the signal list already holds one per registered
+# waiter (or per permit), and gives the list the waiters record's expiry.
+# Registrations of waiters that vanished count until a waiter's attempt
+# prunes them (a needless signal, at worst). With no one waiting it writes
+# nothing more (one ZSCORE read). It never fails after the DEL: a waiters or
+# signal record that dmutex did not write is left alone.
 _RELEASE = """\
 local token, permits = ARGV[1], tonumber(ARGV[2])
 local MARK, SIGNAL = 'dmutex:waiters', 'dmutex:signal'
@@ -168,17 +171,15 @@ else
 end
 if done == 1 and permits then
   local waiters, signal = KEYS[n + 1], KEYS[n + 2]
-  if redis.call('TYPE', waiters).ok == 'zset' and redis.call('ZSCORE', waiters, MARK) then
-    local kind = redis.call('TYPE', signal).ok
-    if kind == 'none' or (kind == 'list' and redis.call('LINDEX', signal, 0) == SIGNAL) then
-      local t = redis.call('TIME')
-      local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-      local waiting = redis.call('ZCOUNT', waiters, string.format('%d', now), '(+inf')
+  -- pcall: a record of another type answers an error (a table), and is left alone.
+  local marked = redis.pcall('ZSCORE', waiters, MARK)
+  if type(marked) == 'string' then
+    local waiting = redis.call('ZCARD', waiters) - 1
+    local head = redis.pcall('LINDEX', signal, 0)
+    if waiting > 0 and (head == false or head == SIGNAL) then
       local left = redis.call('PTTL', waiters)
-      if waiting > 0 and left > 0 then
-        if redis.call('LLEN', signal) < math.min(waiting, permits) then
-          redis.call('LPUSH', signal, SIGNAL)
-        end
+      if left > 0 and redis.call('LLEN', signal) < math.min(waiting, permits) then
+        redis.call('LPUSH', signal, SIGNAL)
         redis.call('PEXPIRE', signal, left)
       end
     end
