@@ -293,7 +293,11 @@ def test_a_block_ends_before_the_socket_timeout() -> None:
 
 
 def _wait_effects(store: RedisStore, registered: bool, seconds: float) -> list[object]:
-    made = Waiter(1000, registered=registered)
+    return _wait_effects_of(store, Waiter(1000, registered=registered), seconds)
+
+
+def _wait_effects_of(store: RedisStore, made: Waiter, seconds: float) -> list[object]:
+    """The effects of one wait, each answered None (a BLPOP that timed out)."""
     steps = store.wait("job", made, seconds)
     effects: list[object] = []
     try:
@@ -341,3 +345,34 @@ def test_a_failed_block_sleeps_the_rest_and_never_raises() -> None:
     assert rest.seconds == pytest.approx(0.15)
     with pytest.raises(StopIteration):
         steps.send(None)
+
+
+def woken(made: Waiter) -> bool:
+    """``made.woken``, read through a call: each read may differ (mypy narrows attributes)."""
+    return made.woken
+
+
+def test_a_woken_waiter_that_lost_pauses_before_blocking_again() -> None:
+    client = _Client(_Pool(10))
+    store = RedisStore(client, "_dmutex_svc:", 1, SYSTEM_CLOCK)
+    made = Waiter(1000, registered=True)
+    steps = store.wait("job", made, 0.25)
+    assert isinstance(next(steps), Call)
+    with pytest.raises(StopIteration):
+        steps.send([b"_dmutex_svc:signal:job", b"dmutex:signal"])  # a signal woke it
+    assert woken(made) is True
+    # Its attempt lost; the next wait is a pause, not a block that the next
+    # release of a tight loop would end only for it to lose again.
+    (pause,) = _wait_effects_of(store, made, 0.25)
+    assert isinstance(pause, Sleep)
+    assert 0.005 <= pause.seconds <= 0.01
+    assert woken(made) is False
+    (block,) = _wait_effects_of(store, made, 0.25)
+    assert isinstance(block, Call), "then it blocks again"
+
+
+def test_a_block_that_times_out_is_not_a_wake() -> None:
+    store = RedisStore(_Client(_Pool(10)), "_dmutex_svc:", 1, SYSTEM_CLOCK)
+    made = Waiter(1000, registered=True)
+    assert [type(e) for e in _wait_effects_of(store, made, 0.25)] == [Call]
+    assert made.woken is False

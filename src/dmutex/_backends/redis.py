@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from .._clock import Clock, SystemClock
 from .._core.effects import Call, Sleep, Steps
 from .._core.lease import MAX_EXPIRY_MS, Lease, now_ms
-from .._core.waiting import Waiter
+from .._core.waiting import Waiter, lost_pause
 from .._errors import DMutexError, InvalidArgumentError
 from .cluster import hash_slot, same_hash_slot
 from .shapes import defines, is_cluster_client, method
@@ -538,6 +538,11 @@ class RedisStore:
         ends it at once; only what sends no signal waits longer.
         """
         blockers = self._blockers
+        if waiter.woken:
+            # Woken, then beaten to the permit: pause before blocking (waiting.py, rule 4).
+            waiter.woken = False
+            yield Sleep(lost_pause(seconds))
+            return
         block = min(seconds, self._block_cap)
         if not waiter.registered or blockers is None or block < MIN_BLOCK or not blockers.take():
             yield Sleep(seconds)
@@ -546,9 +551,13 @@ class RedisStore:
         started = self._clock.monotonic()
         failed = False
         try:
-            yield Call(self._execute, ("BLPOP", f"{self._prefix}signal:{key}", f"{block:.3f}"))
+            reply = yield Call(
+                self._execute, ("BLPOP", f"{self._prefix}signal:{key}", f"{block:.3f}")
+            )
         except Exception:  # noqa: BLE001 - the wait degrades to sleeping, rule 3 of waiting.py
             failed = True
+        else:
+            waiter.woken = reply is not None
         finally:
             blockers.give()
         rest = seconds - (self._clock.monotonic() - started)

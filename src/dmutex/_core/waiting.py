@@ -12,7 +12,12 @@ Rules of this module:
 3. No waiter depends on a signal. An expiry, a holder that crashed, a
    release by the TypeScript library: none sends one, and the waiter tries
    again when its wait ends anyway.
-4. The policy is here, the mechanism is the store's: a store registers a
+4. A waiter that a signal woke and that then lost the race (the holder
+   that released took the permit again first, as a tight loop does) pauses
+   a few milliseconds (:data:`LOST_PAUSE`) before it blocks again: blocked,
+   every release of that loop would wake it only to lose again, at two
+   requests each. The pause is part of the wait, never longer.
+5. The policy is here, the mechanism is the store's: a store registers a
    :class:`Waiter` when its attempt fails and yields the wait itself
    (``Store.wait``), as a blocking request or a :class:`Wakeup` to wait on.
 """
@@ -30,6 +35,10 @@ from dataclasses import dataclass, field
 # time between the failed attempt's reply and the blocking request reaching
 # the server, with room for a slow client.
 REGISTRATION_MARGIN_MS = 1000
+# Rule 4's pause, in seconds, before the jitter: long enough for a holder's
+# tight loop to run a few cycles undisturbed, short enough that the end of
+# the loop is noticed within it.
+LOST_PAUSE = 0.01
 
 
 class Wakeup:
@@ -89,8 +98,9 @@ class Waiter:
     token); ``window_ms`` is how long one registration lasts. The engine
     sets ``last`` before the attempt at the deadline: a store then does not
     register it again. The store sets ``registered`` when an attempt
-    registered it, and ``expires_in`` (seconds) when it knows when the lease
-    in the way runs out.
+    registered it, ``expires_in`` (seconds) when it knows when the lease in
+    the way runs out, and ``woken`` when a signal ended its last wait (rule
+    4: if the attempt after it fails, the next wait starts with a pause).
     """
 
     window_ms: int
@@ -99,6 +109,7 @@ class Waiter:
     last: bool = False
     registered: bool = False
     expires_in: float | None = None
+    woken: bool = False
 
 
 def waiter(retry_delay: float) -> Waiter:
@@ -116,3 +127,8 @@ def next_wait(retry_delay: float, remaining: float, expires_in: float | None) ->
     if expires_in is not None:
         seconds = min(seconds, max(expires_in, 0.0))
     return min(seconds, remaining)
+
+
+def lost_pause(seconds: float) -> float:
+    """Rule 4: how long a woken waiter that lost pauses, jittered, within a wait of ``seconds``."""
+    return min(seconds, LOST_PAUSE * (0.5 + 0.5 * random.random()))  # jitter, not secrecy
