@@ -246,6 +246,7 @@ class _Client:
     def __init__(self, pool: object = None, connection: object = None) -> None:
         self.connection_pool = pool
         self.connection = connection
+        self.single_connection_client = False
         self.sent: list[tuple[object, ...]] = []
 
     def execute_command(self, *args: object) -> object:
@@ -276,6 +277,12 @@ def test_blocking_waits_take_at_most_half_the_pool(client: _Client, budget: int 
     assert [blockers.take() for _ in range(budget + 1)] == [True] * budget + [False]
     blockers.give()
     assert blockers.take() is True
+
+
+def test_an_asyncio_single_connection_client_never_blocks_before_its_first_command() -> None:
+    client = _Client(_Pool(10))  # redis.asyncio: no connection yet, only the flag
+    client.single_connection_client = True
+    assert _blocking(client) is None
 
 
 def test_instances_on_one_pool_share_its_budget() -> None:
@@ -314,7 +321,21 @@ def test_a_registered_waiter_blocks_on_the_signal_list() -> None:
     store = RedisStore(client, "_dmutex_svc:", 1, SYSTEM_CLOCK)
     (effect,) = _wait_effects(store, True, 0.25)
     assert isinstance(effect, Call)
-    assert effect.args == ("BLPOP", "_dmutex_svc:signal:job", "0.250")
+    # A tick less than the wait: the server ends a block on its next tick.
+    assert effect.args == ("BLPOP", "_dmutex_svc:signal:job", "0.150")
+    (short,) = _wait_effects(store, True, 0.08)
+    assert isinstance(short, Call)
+    assert short.args == ("BLPOP", "_dmutex_svc:signal:job", "0.080"), "shorter than a tick"
+
+
+def test_a_short_wait_cut_by_the_holders_expiry_sleeps() -> None:
+    store = RedisStore(_Client(_Pool(10)), "_dmutex_svc:", 1, SYSTEM_CLOCK)
+    made = Waiter(1000, registered=True, expires_in=0.04)
+    # A block would end on the server's tick, up to 0.1 s after the expiry.
+    assert _wait_effects_of(store, made, 0.04) == [Sleep(0.04)]
+    made.expires_in = 5.0
+    (block,) = _wait_effects_of(store, made, 0.04)
+    assert isinstance(block, Call), "a wait that the expiry did not cut blocks"
 
 
 @pytest.mark.parametrize(

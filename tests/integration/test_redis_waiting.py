@@ -511,18 +511,18 @@ def test_a_lease_that_expires_unreleased_lets_the_waiter_in(
     assert server.get(SLOT) == lock.token
     kinds = recorded.kinds()
     assert kinds[-1] == "acquire"
-    assert "BLPOP" in kinds, "it waited on the server at least once"
+    assert kinds.count("acquire") >= 2, "it failed, waited, and tried again"
     for previous, sent in zip(recorded.sent, recorded.sent[1:], strict=False):
         if sent.kind != "BLPOP":
             continue
         # The failed attempt before a BLPOP reports the holder's PTTL (ms);
-        # the wait is U(0.5, 1) x 0.2 s, cut to that expiry (+1 ms).
+        # the wait is U(0.5, 1) x 0.2 s, cut to that expiry (+1 ms), and a
+        # wait longer than a server tick blocks a tick less (it ends on a tick).
         assert previous.kind == "acquire"
         _, _, left = reply(previous)
         block, expiry = float(str(sent.args[2])), (int(str(left)) + 1) / 1000
         assert block <= 0.2
         assert block <= expiry + 1e-9, "never past the lease's expiry"
-        assert block >= min(0.1, expiry) - 1e-9
         assert sent.reply is None, "no release, no signal: every BLPOP timed out"
     assert lock.release() is True
 

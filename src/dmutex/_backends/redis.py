@@ -289,6 +289,11 @@ def _as_int(reply: object, low: int, high: int) -> int:
 # A wait shorter than this sleeps: BLPOP counts its timeout in milliseconds,
 # and a timeout that rounds to 0 would block forever.
 MIN_BLOCK = 0.002
+# A server ends a blocked command whose timeout passed on its next timer
+# tick, every 1/hz seconds (hz 10 by default; 6.2, 7.0 and 7.4 alike): a
+# BLPOP of 0.15 s returns after 0.2 s. A longer wait blocks this much less
+# than it lasts, so that it still ends on time.
+TICK = 0.1
 
 
 class _Blockers:
@@ -332,7 +337,10 @@ def _blocking(client: object) -> tuple[_Blockers, float] | None:
     ``max_connections`` (none below 2); a block lasts at most 0.8 of the
     pool's ``socket_timeout``, so that it ends before the socket gives up.
     """
-    if getattr(client, "connection", None) is not None:
+    # redis.asyncio makes the one connection at the first command: the flag says it first.
+    if getattr(client, "connection", None) is not None or (
+        getattr(client, "single_connection_client", False) is True
+    ):
         return None
     pool = getattr(client, "connection_pool", None)
     limit = getattr(pool, "max_connections", None)
@@ -531,6 +539,12 @@ class RedisStore:
         failed block (a socket timeout, a server that refuses the command)
         sleeps the rest of the wait: it never raises.
 
+        A wait longer than a server tick (:data:`TICK`) blocks a tick less
+        than it lasts, and may end that much early; a shorter one blocks
+        all of it and may end up to a tick late, since the server times
+        the block out only on its tick, unless the holder's expiry cuts it
+        short: that one sleeps, to try on time.
+
         Caveat: a client that re-sends a command whose connection was cut
         (redis-py's default retry policy) re-sends the BLPOP with its whole
         timeout, so a cut in the middle of a block stretches that one wait
@@ -544,6 +558,11 @@ class RedisStore:
             yield Sleep(lost_pause(seconds))
             return
         block = min(seconds, self._block_cap)
+        if block >= TICK + MIN_BLOCK:
+            block -= TICK
+        elif waiter.expires_in is not None and seconds >= waiter.expires_in:
+            # Cut short by the holder's expiry: a block would end a tick late.
+            block = 0.0
         if not waiter.registered or blockers is None or block < MIN_BLOCK or not blockers.take():
             yield Sleep(seconds)
             return
