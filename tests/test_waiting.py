@@ -22,7 +22,7 @@ from dmutex._backends import memory
 from dmutex._backends.redis import MIN_BLOCK, RedisStore, _blocking
 from dmutex._clock import SYSTEM_CLOCK
 from dmutex._core.effects import Call, Sleep
-from dmutex._core.waiting import Waiter, next_wait, waiter
+from dmutex._core.waiting import REGISTRATION_MARGIN_MS, Waiter, next_wait, waiter
 
 BOUND = 20.0  # seconds a woken waiter may take before the test fails instead of hanging
 LONG = 30.0  # a retry_delay no test waits out: a waiter that returns was woken
@@ -86,7 +86,7 @@ def test_waits_are_spread_not_in_lockstep() -> None:
 
 def test_a_waiter_registers_for_its_window() -> None:
     made = waiter(0.25)
-    assert made.window_ms == 250 + 1000
+    assert made.window_ms == 250 + REGISTRATION_MARGIN_MS
     assert made.name.startswith("dmutex:waiter:")
     assert made.name != waiter(0.25).name
 

@@ -41,6 +41,7 @@ from dmutex import (
     RedisReply,
 )
 from dmutex._backends.redis import ACQUIRE, RELEASE
+from dmutex._core.waiting import REGISTRATION_MARGIN_MS
 from tests._support.processes import stop_process
 from tests._support.redis_cluster import LocalCluster, slot_ranges
 from tests._support.redis_servers import Executable, Pool, executables
@@ -439,7 +440,7 @@ def test_a_blocked_waiter_acquires_on_release_without_polling(redis_url: str, fa
 
     # While it blocked: one waiter, its registration deadline a window ahead of
     # the server's clock, beside the marker; the record expires with that window.
-    window_ms = math.ceil(PATIENT * 1000) + 1000
+    window_ms = math.ceil(PATIENT * 1000) + REGISTRATION_MARGIN_MS
     (member, deadline), (marker, score) = seen.registration
     assert member.startswith("dmutex:waiter:")
     assert (marker, score) == (MARK, math.inf)
@@ -602,7 +603,7 @@ def test_a_killed_waiter_leaves_nothing_without_a_ttl(
     until(lambda: connected(server, KILLED) == 0, "the server drops the killed waiter")
     assert blocked_clients(server) == 0
     assert server.exists(WAITERS) == 1, "it had registered"
-    assert server.pttl(WAITERS) <= math.ceil(PATIENT * 1000) + 1000
+    assert server.pttl(WAITERS) <= math.ceil(PATIENT * 1000) + REGISTRATION_MARGIN_MS
     _expiring(server)
     # The holder's release still succeeds, and what it signals expires too.
     assert holder.release() is True

@@ -60,7 +60,8 @@ from .store import Renewed
 # ARGV: token, ttl ms, then "fence" when the key before any waiting keys is
 # the lock's fence counter ("-" when not); then, for an attempt of a retrying
 # acquire, the waiter's name, its registration window in ms ("0": do not
-# register, the attempt is its last) and "1" if an earlier attempt
+# register, the attempt is its last; "-1": an earlier attempt registered it
+# recently enough, leave the records alone) and "1" if an earlier attempt
 # registered it; the last two KEYS are then the waiters and signal records.
 # Returns {position, fence[, expiry]}: the 0-based position of the key that
 # holds the token (taken now, or by an earlier copy of this request) or -1
@@ -128,18 +129,18 @@ if slot >= 0 then
   return {slot, fence}
 end
 if not waiter then return {-1, 0} end
-local theirs = foreign()
+local window = tonumber(ARGV[5])
+local theirs = window >= 0 and foreign()
 if theirs then
   return redis.error_reply('DMUTEX ' .. theirs .. ' holds a value dmutex did not write')
 end
-local window = tonumber(ARGV[5])
 if window > 0 then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   redis.call('ZREMRANGEBYSCORE', waiters, '-inf', string.format('(%d', now))
   redis.call('ZADD', waiters, '+inf', MARK, string.format('%d', now + window), waiter)
   if redis.call('PTTL', waiters) < window then redis.call('PEXPIRE', waiters, window) end
-elseif ARGV[6] == '1' then
+elseif window == 0 and ARGV[6] == '1' then
   redis.pcall('ZREM', waiters, waiter)
 end
 return {-1, 0, n == 1 and redis.call('PTTL', KEYS[1]) or -1}
@@ -178,7 +179,8 @@ if done == 1 and permits then
     local head = redis.pcall('LINDEX', signal, 0)
     if waiting > 0 and (head == false or head == SIGNAL) then
       local left = redis.call('PTTL', waiters)
-      if left > 0 and redis.call('LLEN', signal) < math.min(waiting, permits) then
+      local pending = head and (permits > 1 and redis.call('LLEN', signal) or 1) or 0
+      if left > 0 and pending < math.min(waiting, permits) then
         redis.call('LPUSH', signal, SIGNAL)
         redis.call('PEXPIRE', signal, left)
       end
@@ -289,6 +291,9 @@ def _as_int(reply: object, low: int, high: int) -> int:
 # A wait shorter than this sleeps: BLPOP counts its timeout in milliseconds,
 # and a timeout that rounds to 0 would block forever.
 MIN_BLOCK = 0.002
+# Seconds after which a waiter's failed attempt registers it again: well
+# inside the registration's margin past its longest wait (REGISTRATION_MARGIN_MS).
+REFRESH = 1.0
 # A server ends a blocked command whose timeout passed on its next timer
 # tick, every 1/hz seconds (hz 10 by default; 6.2, 7.0 and 7.4 alike): a
 # BLPOP of 0.15 s returns after 0.2 s. A longer wait blocks this much less
@@ -505,7 +510,10 @@ class RedisStore:
         expires = now_ms(self._clock) + ttl_ms
         args: tuple[object, ...] = (token, ttl_ms) if counter is None else (token, ttl_ms, "fence")
         if waiter is not None:
+            started = self._clock.monotonic()
             window = 0 if waiter.last else waiter.window_ms
+            if window and waiter.registered and started - waiter.registered_at < REFRESH:
+                window = -1  # registered a moment ago: no need to again
             registered = "1" if waiter.registered else "0"
             fencing = "-" if counter is None else "fence"
             args = (token, ttl_ms, fencing, waiter.name, window, registered)
@@ -528,6 +536,8 @@ class RedisStore:
             first += len(group)
             if waiter is not None:
                 waiter.registered = not waiter.last
+                if window > 0:
+                    waiter.registered_at = started
                 waiter.expires_in = (left + 1) / 1000 if left >= 0 else None
         return None
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 # How long past its wait a waiter's registration outlives it on a server: the
 # time between the failed attempt's reply and the blocking request reaching
 # the server, with room for a slow client.
-REGISTRATION_MARGIN_MS = 1000
+REGISTRATION_MARGIN_MS = 2000
 # Rule 4's pause, in seconds, before the jitter: long enough for a holder's
 # tight loop to run a few cycles undisturbed, short enough that the end of
 # the loop is noticed within it.
@@ -101,6 +101,8 @@ class Waiter:
     registered it, ``expires_in`` (seconds) when it knows when the lease in
     the way runs out, and ``woken`` when a signal ended its last wait (rule
     4: if the attempt after it fails, the next wait starts with a pause).
+    ``registered_at`` is when (on the store's monotonic clock) the store
+    last registered it, so that it need not on every attempt.
     """
 
     window_ms: int
@@ -110,6 +112,7 @@ class Waiter:
     registered: bool = False
     expires_in: float | None = None
     woken: bool = False
+    registered_at: float = 0.0
 
 
 def waiter(retry_delay: float) -> Waiter:
