@@ -113,7 +113,12 @@ def _report_errors(
 
 
 def mutex_counter_worker(
-    worker: int, reports: Reports, barrier: Barrier, url: str, cycles: int
+    worker: int,
+    reports: Reports,
+    barrier: Barrier,
+    url: str,
+    cycles: int,
+    retry_delay: float = RETRY_DELAY,
 ) -> None:
     """``cycles`` times: lock, GET the counter, SET it to one more, unlock."""
 
@@ -128,7 +133,7 @@ def mutex_counter_worker(
                 if lock is None:
                     tally.refused += 1
                     lock = mutex.acquire_with_retry(
-                        LOCK_KEY, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=RETRY_DELAY
+                        LOCK_KEY, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=retry_delay
                     )
                 assert lock is not None, "acquire_with_retry timed out"
                 if _as_str(client.get(MUTEX_SLOT_KEY)) != lock.token:
@@ -283,6 +288,7 @@ def test_semaphore_bounds_concurrency_across_processes(
 
 WAKE_PROCESSES = 8
 WAKE_CYCLES = 1000
+DEFAULT_RETRY_DELAY = 0.1  # acquire_with_retry's default
 
 
 def mutex_wakeup_worker(
@@ -296,30 +302,7 @@ def mutex_wakeup_worker(
     alone the releasing worker re-acquires at once and the others mostly
     sleep, so the lock changes hands far less often (not more slowly).
     """
-
-    def body(tally: Tally) -> None:
-        client = redis.Redis.from_url(url)
-        try:
-            mutex = DMutex(MUTEX_SERVICE, client)
-            client.ping()
-            barrier.wait(BARRIER_TIMEOUT)
-            for _ in range(cycles):
-                lock = mutex.acquire(LOCK_KEY, ttl=TTL)
-                if lock is None:
-                    tally.refused += 1
-                    lock = mutex.acquire_with_retry(LOCK_KEY, ttl=TTL, timeout=RETRY_TIMEOUT)
-                assert lock is not None, "acquire_with_retry timed out"
-                if _as_str(client.get(MUTEX_SLOT_KEY)) != lock.token:
-                    tally.foreign += 1
-                value = client.get(COUNTER)
-                client.set(COUNTER, int(value or 0) + 1)
-                if not lock.release():
-                    tally.failed_releases += 1
-                tally.cycles += 1
-        finally:
-            client.close()
-
-    _report_errors(body, worker, reports, barrier)
+    mutex_counter_worker(worker, reports, barrier, url, cycles, retry_delay=DEFAULT_RETRY_DELAY)
 
 
 def _calls(client: redis.Redis, *commands: str) -> dict[str, int]:
