@@ -1,10 +1,18 @@
-"""A sampler thread for the fault tests: call a check every so often while a block runs."""
+"""Watching from a test: a sampler thread, a bounded poll, a process's state.
+
+- :func:`sampling`: call a check every so often while a block runs;
+- :func:`until`: poll a condition, failing the test after a timeout;
+- :func:`process_state`: a process's state letter from /proc ("T" when stopped).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
+
+import pytest
 
 
 @contextlib.contextmanager
@@ -32,3 +40,21 @@ def sampling(sample: Callable[[], None], every: float, name: str) -> Iterator[No
         thread.join(10)
     assert not thread.is_alive(), f"the sampler {name} did not stop"
     assert not errors, f"the sampler {name} raised: {errors!r}"
+
+
+def until(condition: Callable[[], bool], what: str, timeout: float, *, poll: float = 0.005) -> None:
+    """Poll ``condition()`` every ``poll`` s until it holds; fail the test after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not after {timeout} s")
+        time.sleep(poll)
+
+
+def process_state(pid: int) -> str | None:
+    """The process state letter from /proc ("T" when stopped), or None without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return None

@@ -31,7 +31,6 @@ import multiprocessing.synchronize
 import os
 import queue
 import signal
-import time
 import traceback
 import uuid
 import warnings
@@ -57,6 +56,7 @@ from dmutex import (
 )
 from tests._support.mongo_servers import Session
 from tests._support.redis_servers import Pool
+from tests._support.sampling import process_state, until
 
 Backend: TypeAlias = Literal["redis", "mongodb"]
 Kind: TypeAlias = Literal["mutex", "semaphore"]
@@ -334,24 +334,6 @@ def side(request: pytest.FixtureRequest) -> Iterator[Side]:
         made.close()
 
 
-def _state(pid: int) -> str | None:
-    """The process state letter from /proc ("T" when stopped), or None without /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0]
-    except FileNotFoundError:
-        return None
-
-
-def _until(condition: Any, what: str, timeout: float = STEP_TIMEOUT) -> None:
-    """Poll ``condition()`` until it is true; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not after {timeout} s")
-        time.sleep(POLL)
-
-
 def _report(reports: Reports, expected: str, timeout: float) -> object:
     try:
         kind, payload = reports.get(timeout=timeout)
@@ -396,9 +378,19 @@ def test_a_holder_paused_past_its_ttl_cannot_touch_its_successor(side: Side) -> 
         assert child.pid is not None
         os.kill(child.pid, signal.SIGSTOP)
         stopped = True
-        if _state(child.pid) is not None:
-            _until(lambda: _state(child.pid or 0) in ("T", "t"), "the holder stopped")
-        _until(lambda: side.expired(slot, token), "the paused holder's lease expired")
+        if process_state(child.pid) is not None:
+            until(
+                lambda: process_state(child.pid or 0) in ("T", "t"),
+                "the holder stopped",
+                STEP_TIMEOUT,
+                poll=POLL,
+            )
+        until(
+            lambda: side.expired(slot, token),
+            "the paused holder's lease expired",
+            STEP_TIMEOUT,
+            poll=POLL,
+        )
 
         taker = instance.acquire(KEY, ttl=NEW_TTL)
         assert taker is not None, "the expired lease should be free to take over"

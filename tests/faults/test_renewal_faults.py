@@ -113,6 +113,7 @@ from dmutex._backends.redis import EXTEND
 from tests._support.fault_proxy import Fault, FaultProxy, Rates
 from tests._support.mongo_servers import Session
 from tests._support.redis_servers import Pool, Server
+from tests._support.sampling import process_state, until
 from tests._support.sampling import sampling as sampling_thread
 
 Doc: TypeAlias = dict[str, Any]
@@ -1428,23 +1429,6 @@ def pause_side(request: pytest.FixtureRequest) -> Iterator[PauseSide]:
         side.close()
 
 
-def _state(pid: int) -> str | None:
-    """The process state letter from /proc ("T" when stopped), or None without /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0]
-    except FileNotFoundError:
-        return None
-
-
-def _until(condition: Callable[[], bool], what: str, timeout: float = STEP_TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not after {timeout} s")
-        time.sleep(POLL)
-
-
 def _report(reports: Reports, expected: str, timeout: float) -> object:
     try:
         kind, payload = reports.get(timeout=timeout)
@@ -1479,9 +1463,19 @@ def test_a_renewed_holder_paused_past_its_ttl_learns_it_lost(pause_side: PauseSi
         assert child.pid is not None
         os.kill(child.pid, signal.SIGSTOP)
         stopped = True
-        if _state(child.pid) is not None:
-            _until(lambda: _state(child.pid or 0) in ("T", "t"), "the holder stopped")
-        _until(lambda: side.expired(token), "the paused holder's lease expired")
+        if process_state(child.pid) is not None:
+            until(
+                lambda: process_state(child.pid or 0) in ("T", "t"),
+                "the holder stopped",
+                STEP_TIMEOUT,
+                poll=POLL,
+            )
+        until(
+            lambda: side.expired(token),
+            "the paused holder's lease expired",
+            STEP_TIMEOUT,
+            poll=POLL,
+        )
 
         taker = side.lock().acquire(PAUSE_KEY, ttl=NEW_TTL)
         assert taker is not None, "the expired lease should be free to take over"

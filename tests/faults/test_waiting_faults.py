@@ -88,7 +88,8 @@ from dmutex import (
 from dmutex._backends.redis import ACQUIRE, RELEASE
 from tests._support import fault_servers
 from tests._support.fault_proxy import FaultProxy, Rates
-from tests._support.sampling import sampling
+from tests._support.sampling import process_state, sampling
+from tests._support.sampling import until as poll_until
 
 Face: TypeAlias = Literal["sync", "async"]
 Kind: TypeAlias = Literal["mutex", "semaphore"]
@@ -120,6 +121,9 @@ KILLED_TTL = 1.5  # scenario 4: the killed holder's lease
 KILLED_RETRY_DELAY = 0.4
 RESTART_RETRY = (0.05, 200)  # scenario 2: redis-py retries (backoff s, count) span a restart
 MS = 0.0005  # BLPOP's timeout is sent with three decimals
+
+# Every wait of a test for a condition: bounded by STEP.
+until = partial(poll_until, timeout=STEP, poll=POLL)
 
 # Scenario 5.
 RUN_WORKERS = 4
@@ -644,15 +648,6 @@ class Crew:
 # --- checks ---------------------------------------------------------------------------------
 
 
-def until(condition: Callable[[], bool], what: str, timeout: float = STEP) -> None:
-    """Poll ``condition()`` until it holds; fail the test after ``timeout`` seconds."""
-    ends = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > ends:
-            pytest.fail(f"{what}: not after {timeout} s")
-        time.sleep(POLL)
-
-
 def blocked(client: redis.Redis) -> int:
     info: dict[str, Any] = client.info("clients")
     return int(info["blocked_clients"])
@@ -919,15 +914,6 @@ def test_a_restart_that_loses_the_lease_lets_the_waiters_in(
 # --- 3. the server paused --------------------------------------------------------------------
 
 
-def _state(pid: int) -> str | None:
-    """The process state letter from /proc ("T" when stopped), or None without /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0]
-    except FileNotFoundError:
-        return None
-
-
 PAUSE_CASES: list[Face] = ["sync", "async"]
 
 
@@ -946,8 +932,8 @@ def test_waiters_proceed_after_the_server_is_continued(rig: Rig, face: Face) -> 
     pid = rig.server.pid
     os.kill(pid, signal.SIGSTOP)
     try:
-        if _state(pid) is not None:
-            until(lambda: _state(pid) in ("T", "t"), "the server stopped")
+        if process_state(pid) is not None:
+            until(lambda: process_state(pid) in ("T", "t"), "the server stopped")
         releaser.start()
         # Long enough for every waiter's block to run out while the server sleeps.
         time.sleep(PAUSE_WAITS * RETRY_DELAY)

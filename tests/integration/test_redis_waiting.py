@@ -45,6 +45,7 @@ from dmutex._core.waiting import REGISTRATION_MARGIN_MS
 from tests._support.processes import stop_process
 from tests._support.redis_cluster import LocalCluster, slot_ranges
 from tests._support.redis_servers import Executable, Pool, executables
+from tests._support.sampling import until as poll_until
 
 T = TypeVar("T")
 
@@ -233,13 +234,8 @@ class Background(Generic[T]):
         return self._value
 
 
-def until(condition: Callable[[], bool], what: str, within: float = SETTLE) -> None:
-    """Return once ``condition()`` holds; fail the test if it does not within ``within`` s."""
-    deadline = time.monotonic() + within
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {within} s: {what}")
-        time.sleep(0.005)
+# Every wait of a test for the server or a thread: bounded by SETTLE.
+until = partial(poll_until, timeout=SETTLE)
 
 
 async def until_async(condition: Callable[[], bool], what: str, within: float = SETTLE) -> None:
@@ -590,7 +586,7 @@ def test_a_killed_waiter_leaves_nothing_without_a_ttl(
         until(
             lambda: blocked(server, KILLED) == 1 or process.poll() is not None,
             "the waiter process blocks on the server",
-            within=3 * SETTLE,  # a cold start of Python and redis-py on a busy machine
+            timeout=3 * SETTLE,  # a cold start of Python and redis-py on a busy machine
         )
         assert process.poll() is None, process.communicate()[1]
         process.kill()
