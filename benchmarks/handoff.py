@@ -96,7 +96,7 @@ from redis_cycle import (
     Target,
     machine,
     measure,
-    private_server,
+    run,
     shown,
     throughput_target,
 )
@@ -1278,20 +1278,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        if args.url:
-            result = bench(args.url, args)
-        else:
-            with private_server(args.server) as url:
-                result = bench(url, args)
-    except (BenchmarkError, redis.RedisError, OSError) as error:
-        print(f"benchmark failed: {error}", file=sys.stderr)
-        return 2
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"figures written to {args.json}")
-    return 0  # a report, not a test: a missed target is printed, not an error
+    return run(bench, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -467,21 +467,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(measure: Callable[[str, argparse.Namespace], object], args: argparse.Namespace) -> int:
+    """Run ``measure(url, args)`` on ``--url`` or a private server; write ``--json``; exit code.
+
+    Shared by the benchmarks here: 2 when the run failed, else 0 (a report,
+    not a test: a missed target is printed, not an error).
+    """
     try:
         if args.url:
-            report = bench(args.url, args)
+            report = measure(args.url, args)
         else:
             with private_server(args.server) as url:
-                report = bench(url, args)
+                report = measure(url, args)
     except (BenchmarkError, redis.RedisError, OSError) as error:
         print(f"benchmark failed: {error}", file=sys.stderr)
         return 2
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"figures written to {args.json}")
-    return 0  # a report, not a test: a missed target is printed, not an error
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(bench, parse_args(argv))
 
 
 if __name__ == "__main__":
