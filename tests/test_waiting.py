@@ -22,7 +22,13 @@ from dmutex._backends import memory
 from dmutex._backends.redis import MIN_BLOCK, RedisStore, _blocking
 from dmutex._clock import SYSTEM_CLOCK
 from dmutex._core.effects import Call, Sleep
-from dmutex._core.waiting import REGISTRATION_MARGIN_MS, Waiter, next_wait, waiter
+from dmutex._core.waiting import (
+    MAX_WAIT,
+    REGISTRATION_MARGIN_MS,
+    Waiter,
+    next_wait,
+    waiter,
+)
 
 BOUND = 20.0  # seconds a woken waiter may take before the test fails instead of hanging
 LONG = 30.0  # a retry_delay no test waits out: a waiter that returns was woken
@@ -75,6 +81,12 @@ def test_a_wait_is_jittered_and_never_longer_than_retry_delay(
         and (expires_in is None or seconds < expires_in)
     ):
         assert seconds * 1000 == pytest.approx(round(seconds * 1000)), "whole milliseconds"
+
+
+@pytest.mark.parametrize("retry_delay", [MAX_WAIT * 2, 1e12, 1e308])
+def test_a_huge_retry_delay_waits_at_most_max_wait(retry_delay: float) -> None:
+    assert MAX_WAIT / 2 <= next_wait(retry_delay, 1e308, None) <= MAX_WAIT
+    assert waiter(retry_delay).window_ms == MAX_WAIT * 1000 + REGISTRATION_MARGIN_MS
 
 
 def test_waits_are_spread_not_in_lockstep() -> None:

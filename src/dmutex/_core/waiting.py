@@ -5,6 +5,9 @@ Rules of this module:
 1. ``retry_delay`` is the longest gap between two attempts, as it always
    was. Each wait lasts a random ``U(0.5, 1) * retry_delay`` (never past the
    deadline), so that waiters that failed together do not retry together.
+   No single wait outlasts :data:`MAX_WAIT`: a longer ``retry_delay`` only
+   means an extra attempt, which rule 2 allows, and no clock or socket is
+   asked for a timeout beyond what it can represent.
 2. A wait may end early, never late: a release that the store can signal
    (Redis, :class:`~dmutex.InMemoryBackend`) ends it, and so does the
    expiry of the lease in the way, where the store knows it. A signal is a
@@ -39,6 +42,9 @@ REGISTRATION_MARGIN_MS = 2000
 # tight loop to run a few cycles undisturbed, short enough that the end of
 # the loop is noticed within it.
 LOST_PAUSE = 0.01
+# Rule 1's ceiling on one wait, in seconds: far beyond any useful retry_delay,
+# far below what threading, time.sleep and a server's timeout accept.
+MAX_WAIT = 3600.0
 
 
 class Wakeup:
@@ -117,12 +123,12 @@ class Waiter:
 
 def waiter(retry_delay: float) -> Waiter:
     """A waiter for an acquire that waits at most ``retry_delay`` seconds at a time."""
-    return Waiter(math.ceil(retry_delay * 1000) + REGISTRATION_MARGIN_MS)
+    return Waiter(math.ceil(min(retry_delay, MAX_WAIT) * 1000) + REGISTRATION_MARGIN_MS)
 
 
 def next_wait(retry_delay: float, remaining: float, expires_in: float | None) -> float:
     """Seconds to wait before the next attempt: rule 1, cut short by a known expiry (rule 2)."""
-    seconds = retry_delay * (0.5 + 0.5 * random.random())  # jitter, not secrecy
+    seconds = min(retry_delay * (0.5 + 0.5 * random.random()), MAX_WAIT)  # jitter, not secrecy
     if seconds >= 0.001:
         # Whole milliseconds, as every stored time is: a ManualClock's
         # readings stay exact, and a server counts a block in milliseconds.
