@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -23,9 +24,116 @@ class _Record:
     expires_ms: int
 
 
-# prefix -> key -> slot -> record, mirroring the Redis key layout
-# f"{prefix}permit:{slot}:{key}" without having to parse it back.
-_Records = dict[str, dict[str, dict[int, _Record]]]
+# A key's expiry heap is rebuilt once it holds more than twice as many entries
+# as the key has records, plus this slack: the rebuild then costs O(1)
+# amortised per stale entry, and the heap stays within that size.
+_STALE_SLACK = 16
+
+
+class _Slots:
+    """The permits of one key: its records by slot, with the indexes that spare a scan.
+
+    Every operation costs O(1) or O(log N) amortised in the number of slots,
+    and memory stays proportional to the most slots the key has held at once.
+    ``records`` is the truth; the indexes follow it:
+
+    - ``_by_token``: the slot each token holds (tokens are random per
+      acquire; were one reused, the lookup would find its latest slot only);
+    - ``_free`` and ``_top``: every slot from ``_top`` up is free, and
+      ``_free`` is a min-heap of exactly the free slots below it, so the
+      lowest free slot is taken first, as a scan from 0 would take it;
+    - ``_expiries``: a min-heap of ``(expires_ms, slot, token)``, one entry
+      pushed per expiry set. Entries are deleted lazily: one counts only
+      while the record at its slot still has its token and expiry.
+
+    Caveat: not thread-safe; the backend's lock guards it.
+    """
+
+    __slots__ = ("_by_token", "_expiries", "_free", "_top", "records")
+
+    def __init__(self) -> None:
+        self.records: dict[int, _Record] = {}
+        self._by_token: dict[str, int] = {}
+        self._free: list[int] = []
+        self._top = 0
+        self._expiries: list[tuple[int, int, str]] = []
+
+    def active(self, token: str, slot: int | None, now: int) -> int | None:
+        """The slot whose active record holds ``token`` (``slot`` only, if given)."""
+        number = self._by_token.get(token) if slot is None else slot
+        rec = None if number is None else self.records.get(number)
+        if rec is None or rec.token != token or rec.expires_ms <= now:
+            return None
+        return number
+
+    def reap(self, now: int) -> None:
+        """Remove every record expired at ``now``, freeing its slot."""
+        while self._expiries and self._expiries[0][0] <= now:
+            entry = heapq.heappop(self._expiries)
+            if self._current(entry):
+                self._drop(entry[1])
+        self._compact()
+
+    def lowest_free(self) -> int:
+        """The lowest slot with no record (expired records count until reaped)."""
+        return self._free[0] if self._free else self._top
+
+    def add(self, token: str, expires_ms: int) -> int:
+        """Record ``token`` in the lowest free slot, and return that slot."""
+        if self._free:
+            slot = heapq.heappop(self._free)
+        else:
+            slot = self._top
+            self._top += 1
+        self.records[slot] = _Record(token, expires_ms)
+        self._by_token[token] = slot
+        self._push((expires_ms, slot, token))
+        return slot
+
+    def remove(self, slot: int) -> None:
+        """Delete the record in ``slot``, freeing it."""
+        self._drop(slot)
+        self._compact()
+
+    def set_expiry(self, slot: int, expires_ms: int) -> None:
+        """Move the expiry of the record in ``slot``; its old heap entry goes stale."""
+        rec = self.records[slot]
+        rec.expires_ms = expires_ms
+        self._push((expires_ms, slot, rec.token))
+
+    def earliest(self) -> int:
+        """The earliest expiry among the records; there must be at least one."""
+        while not self._current(self._expiries[0]):
+            heapq.heappop(self._expiries)
+        return self._expiries[0][0]
+
+    def _current(self, entry: tuple[int, int, str]) -> bool:
+        """Whether an expiry heap entry still describes the record at its slot."""
+        expires_ms, slot, token = entry
+        rec = self.records.get(slot)
+        return rec is not None and rec.token == token and rec.expires_ms == expires_ms
+
+    def _drop(self, slot: int) -> None:
+        rec = self.records.pop(slot)
+        if self._by_token.get(rec.token) == slot:
+            del self._by_token[rec.token]
+        heapq.heappush(self._free, slot)
+
+    def _push(self, entry: tuple[int, int, str]) -> None:
+        heapq.heappush(self._expiries, entry)
+        self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the expiry heap from the records once it is mostly stale entries."""
+        if len(self._expiries) > 2 * len(self.records) + _STALE_SLACK:
+            self._expiries = [(rec.expires_ms, n, rec.token) for n, rec in self.records.items()]
+            heapq.heapify(self._expiries)
+
+
+# prefix -> key -> its slots, mirroring the Redis key layout
+# f"{prefix}permit:{slot}:{key}" without having to parse it back. A key
+# whose last record is released is removed.
+_Records = dict[str, dict[str, _Slots]]
 
 
 class InMemoryBackend:
@@ -82,7 +190,7 @@ class InMemoryBackend:
                 f"{prefix}permit:{slot}:{key}": (rec.token, expiry_datetime(rec.expires_ms))
                 for prefix, keys in self._records.items()
                 for key, slots in keys.items()
-                for slot, rec in slots.items()
+                for slot, rec in slots.records.items()
                 if now < rec.expires_ms
             }
 
@@ -98,9 +206,14 @@ class InMemoryBackend:
         expired = 0
         with self._lock:
             for keys in self._records.values():
-                for number, rec in keys.get(key, {}).items():
-                    if (slot is None or number == slot) and now < rec.expires_ms:
-                        rec.expires_ms = now
+                slots = keys.get(key)
+                if slots is None:
+                    continue
+                numbers = list(slots.records) if slot is None else [slot]
+                for number in numbers:
+                    rec = slots.records.get(number)
+                    if rec is not None and now < rec.expires_ms:
+                        slots.set_expiry(number, now)
                         expired += 1
             woken = [self._waiters.pop((prefix, key), ()) for prefix in self._records]
         _wake(wakeup for wakeups in woken for wakeup in wakeups)
@@ -130,19 +243,17 @@ class MemoryStore:
     def clock(self) -> Clock:
         return self._backend.clock
 
-    def _active(self, key: str, token: str, slot: int | None) -> int | None:
-        """The slot of the active record of ``key`` holding ``token``.
+    def _active(self, key: str, token: str, slot: int | None) -> tuple[_Slots, int] | None:
+        """The slots of ``key`` and the one whose active record holds ``token``.
 
-        The caller holds the backend's lock.
+        O(1): a lookup by token (or by ``slot`` if given), not a scan. The
+        caller holds the backend's lock.
         """
-        slots = self._backend._records.get(self._prefix, {}).get(key, {})
-        now = now_ms(self.clock)
-        numbers = range(self._max_permits) if slot is None else (slot,)
-        for number in numbers:
-            rec = slots.get(number)
-            if rec is not None and rec.token == token and now < rec.expires_ms:
-                return number
-        return None
+        slots = self._backend._records.get(self._prefix, {}).get(key)
+        if slots is None:
+            return None
+        number = slots.active(token, slot, now_ms(self.clock))
+        return None if number is None else (slots, number)
 
     # Each operation is a generator with nothing to yield: no I/O. The
     # ``yield from ()`` makes it one, so that it fits the Store seam.
@@ -157,20 +268,23 @@ class MemoryStore:
         with self._backend._lock:
             now = now_ms(self.clock)
             keys = self._backend._records.setdefault(self._prefix, {})
-            slots = keys.setdefault(key, {})
-            for number in range(self._max_permits):
-                rec = slots.get(number)
-                if rec is None or rec.expires_ms <= now:
-                    slots[number] = _Record(token, now + ttl_ms)
-                    fence = None
-                    if self._fencing:
-                        fences = self._backend._fences.setdefault(self._prefix, {})
-                        fence = fences[key] = fences.get(key, 0) + 1
-                    if waiter is not None:
-                        self._register(key, waiter, None)
-                    return Lease(key, token, number, now + ttl_ms, fence)
+            slots = keys.get(key)
+            if slots is None:
+                slots = keys[key] = _Slots()
+            # Expired records free their slots first, so the lowest free or
+            # expired slot is taken, as a scan from slot 0 would take it.
+            slots.reap(now)
+            if slots.lowest_free() < self._max_permits:
+                number = slots.add(token, now + ttl_ms)
+                fence = None
+                if self._fencing:
+                    fences = self._backend._fences.setdefault(self._prefix, {})
+                    fence = fences[key] = fences.get(key, 0) + 1
+                if waiter is not None:
+                    self._register(key, waiter, None)
+                return Lease(key, token, number, now + ttl_ms, fence)
             if waiter is not None:
-                first = min(rec.expires_ms for rec in slots.values())
+                first = slots.earliest()
                 self._register(key, waiter, None if waiter.last else (first - now) / 1000)
         return None
 
@@ -202,13 +316,13 @@ class MemoryStore:
     def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
         yield from ()
         with self._backend._lock:
-            number = self._active(key, token, slot)
-            if number is None:
+            found = self._active(key, token, slot)
+            if found is None:
                 return False
-            keys = self._backend._records[self._prefix]
-            del keys[key][number]
-            if not keys[key]:
-                del keys[key]
+            slots, number = found
+            slots.remove(number)
+            if not slots.records:
+                del self._backend._records[self._prefix][key]
             woken = self._backend._waiters.pop((self._prefix, key), ())
         _wake(woken)
         return True
@@ -216,12 +330,13 @@ class MemoryStore:
     def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
         yield from ()
         with self._backend._lock:
-            number = self._active(key, token, slot)
-            if number is None:
+            found = self._active(key, token, slot)
+            if found is None:
                 return None
-            rec = self._backend._records[self._prefix][key][number]
-            rec.expires_ms = now_ms(self.clock) + ttl_ms
-            return rec.expires_ms
+            slots, number = found
+            expires_ms = now_ms(self.clock) + ttl_ms
+            slots.set_expiry(number, expires_ms)
+            return expires_ms
 
     def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
         return extend_each(self, leases)
