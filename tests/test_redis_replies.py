@@ -77,12 +77,13 @@ def test_fence_zero_means_no_counter_and_no_fence() -> None:
     assert "fence" not in command
 
 
-def test_the_counter_is_the_last_declared_key() -> None:
+def test_the_counter_then_the_index_follow_the_slot_keys() -> None:
     client = Scripted([1, 3])
     DSemaphore("svc", client, max_permits=2).acquire("k")
     (command,) = client.commands
-    keys = ["_dsemaphore_svc:permit:0:k", "_dsemaphore_svc:permit:1:k", "_dsemaphore_svc:fence:k"]
-    assert command[2:] == (3, *keys, command[-3], command[-2], "fence")
+    keys = ["_dsemaphore_svc:permit:0:k", "_dsemaphore_svc:permit:1:k"]
+    records = ["_dsemaphore_svc:fence:k", "_dsemaphore_svc:holders:k"]
+    assert command[2:] == (4, *keys, *records, command[-3], command[-2], "fence+holders")
 
 
 @pytest.mark.parametrize("reply", [2, -1, "yes", None])

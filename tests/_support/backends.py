@@ -97,7 +97,24 @@ class _Redis:
 
     def force_expire(self, key: str, slot: int | None = None) -> None:
         for name in self._inspector.keys(f"*permit:{'*' if slot is None else slot}:{key}"):
+            self._expire_in_index(str(name), key)
             self._inspector.pexpireat(name, 1)
+
+    def _expire_in_index(self, name: str, key: str) -> None:
+        """Give the lease in slot key ``name`` an expiry in the past in its semaphore's index too.
+
+        As a real expiry would find it: the index scores each token with its
+        lease's expiry (ms * 1024 + slot). Deleting only the slot key is
+        another thing, a holder removed by hand, which the index does not see.
+        """
+        number = name.rsplit(":", 2)[-2] if name.endswith(f":{key}") else None
+        tail = f"permit:{number}:{key}"
+        token = self._inspector.get(name)
+        if number is None or token is None or not name.endswith(tail):
+            return
+        holders = f"{name[: -len(tail)]}holders:{key}"
+        if self._inspector.type(holders) == "zset":
+            self._inspector.zadd(holders, {str(token): 1024 + int(number)}, xx=True)
 
     def active(self, prefix: str) -> dict[str, str]:
         # A key may expire between KEYS and GET.

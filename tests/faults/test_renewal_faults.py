@@ -244,7 +244,8 @@ class Script(Protocol):
 
 
 # dmutex's renewal scripts: the one-lease extend, and the batched renewal
-# where this version of dmutex has one (ARGV: token and TTL per key, in pairs).
+# where this version of dmutex has one (ARGV: token, TTL and the position of
+# a semaphore's holders index, per lease).
 _BATCH: Script | None = getattr(redis_backend, "RENEW", None)
 RENEWAL_SCRIPTS: list[Script] = [EXTEND] if _BATCH is None else [EXTEND, _BATCH]
 RENEWAL_NAMES = {name for script in RENEWAL_SCRIPTS for name in (script.sha, script.text)}
@@ -255,7 +256,9 @@ def renewal_tokens(args: tuple[object, ...]) -> list[str]:
     if len(args) < 3 or args[0] not in ("EVALSHA", "EVAL") or args[1] not in RENEWAL_NAMES:
         return []
     keys = int(str(args[2]))
-    return [str(token) for token in args[3 + keys :: 2]]  # ... key..., token, ttl, token, ttl
+    if args[1] in (EXTEND.sha, EXTEND.text):
+        return [str(args[3 + keys])]  # ... key..., token, ttl[, "holders"]
+    return [str(token) for token in args[3 + keys :: 3]]  # ... key..., token, ttl, index, ...
 
 
 def outcomes_of(reply: object) -> list[Outcome]:

@@ -96,7 +96,9 @@ class Cluster:
             with redis.Redis(host=host, port=port, decode_responses=True) as node:
                 for key in node.scan_iter(count=1000):
                     assert hash_slot(key) in owned, (key, port)
-                    value = node.get(key)
+                    # A semaphore's holders index is a sorted set: its members, sorted.
+                    is_zset = node.type(key) == "zset"
+                    value = " ".join(sorted(node.zrange(key, 0, -1))) if is_zset else node.get(key)
                     assert value is not None
                     found[key] = (value, node.pttl(key))
         return found
@@ -371,9 +373,16 @@ def test_tagged_semaphore_takes_one_request_per_operation(
     # The fence counter shares the tag, so the acquire's own script counts.
     fence_key = "_dsemaphore_svc:fence:{orders}"
     assert [p.fence for p in permits] == [1, 2, 3, 4, 5]
+    # So does the holders index, which answered the full acquire.
+    holders = "_dsemaphore_svc:holders:{orders}"
+
+    def index(*tokens: str) -> str:
+        return " ".join(sorted(["dmutex:holders", *tokens]))
+
     assert cluster.values() == {
         **{keys[p.slot]: p.token for p in permits},
         fence_key: "dmutex:fence:5",
+        holders: index(*(p.token for p in permits)),
     }
 
     assert permits[0].extend(ttl=TTL)
@@ -392,6 +401,7 @@ def test_tagged_semaphore_takes_one_request_per_operation(
     assert cluster.values() == {
         **{keys[i]: permits[i].token for i in (1, 2, 3)},
         fence_key: "dmutex:fence:5",
+        holders: index(*(permits[i].token for i in (1, 2, 3))),
     }
 
 

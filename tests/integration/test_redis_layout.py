@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from dmutex import DMutex, DMutexError, DSemaphore
-from dmutex._backends.redis import ACQUIRE
+from dmutex._backends.redis import ACQUIRE, EXTEND, RELEASE
 from tests._support.redis_clients import Recording
 
 
@@ -29,8 +29,19 @@ def recording(redis_url: str) -> Iterator[Recording]:
 
 
 def stored(server: redis.Redis) -> dict[str, str]:
-    """Every key and its value (the client decodes replies to str)."""
-    return {str(name): str(server.get(name)) for name in server.keys("*")}
+    """Every string key and its value (the client decodes replies to str)."""
+    return {
+        str(name): str(server.get(name))
+        for name in server.keys("*")
+        if server.type(name) == "string"
+    }
+
+
+def index(server: redis.Redis, name: str) -> dict[str, float]:
+    """A semaphore's holders index: each token's score, and the mark at +inf."""
+    assert server.type(name) == "zset"
+    members = [str(member) for member in server.zrange(name, 0, -1)]
+    return {member: float(server.zscore(name, member) or 0) for member in members}
 
 
 @pytest.mark.parametrize("fencing", [None, False])
@@ -57,6 +68,19 @@ def test_semaphore_and_mutex_leave_exactly_the_typescript_keys(
     assert stored(server) == (slots if fencing is False else {**slots, **counters})
     for name in slots:
         assert 59_000 < server.pttl(name) <= 60_000
+    # The semaphore's holders index: its mark, and each token scored by the
+    # slot and the expiry (in server milliseconds); it expires with them.
+    holders = "_dsemaphore_orders:holders:api"
+    scores = index(server, holders)
+    assert scores.pop("dmutex:holders") == math.inf
+    assert sorted(scores) == sorted(tokens)
+    now_ms = int(server.time()[0]) * 1000
+    for slot, token in enumerate(tokens):
+        expiry, slot_of = divmod(int(scores[token]), 1024)
+        assert slot_of == slot
+        assert now_ms + 58_000 < expiry <= now_ms + 61_000
+    assert 59_000 < server.pttl(holders) <= 60_000
+    assert set(server.keys("*")) == {*stored(server), holders}
     for name in counters:
         assert server.pttl(name) == (-2 if fencing is False else -1), "counters never expire"
 
@@ -76,7 +100,8 @@ def test_ttl_is_sent_as_px_milliseconds_rounded_up(recording: Recording) -> None
     assert (name, sha) in {("EVALSHA", ACQUIRE.sha), ("EVAL", ACQUIRE.text)}
     # Every slot key declared, in slot order, and the counter; then the token and PX.
     keys = ["_dsemaphore_svc:permit:0:api", "_dsemaphore_svc:permit:1:api"]
-    assert rest == [3, *keys, "_dsemaphore_svc:fence:api", permit.token, 1, "fence"]
+    records = ["_dsemaphore_svc:fence:api", "_dsemaphore_svc:holders:api"]
+    assert rest == [4, *keys, *records, permit.token, 1, "fence+holders"]
 
 
 def test_key_prefix_replaces_the_default(server: redis.Redis) -> None:
@@ -153,6 +178,7 @@ def test_no_write_touches_a_name_outside_the_lock_s_slot_keys(server: redis.Redi
         assert 0 < server.pttl(name) <= 60_000
         assert theirs.acquire("job") is None, "still held: no second holder got in"
         counters = ["_dsemaphore_s:fence:permit:0:job", "_dsemaphore_s:hint:fence:job"]
+        # The holders index went with the last release.
         assert sorted(server.keys("*")) == sorted([name, *counters])
 
 
@@ -191,6 +217,8 @@ def _touched(command: str) -> list[str]:
     name, *args = [part.strip('"') for part in command.split(" ")]
     if name.upper() == "MGET":
         return args
+    if name.upper() == "TIME":
+        return []
     return args[:1]
 
 
@@ -201,6 +229,8 @@ def test_every_key_a_script_touches_is_declared(redis_url: str) -> None:
     proxies, ACL key patterns and stricter Redis-compatible servers rely on it.
     """
     with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+        for script in (ACQUIRE, RELEASE, EXTEND):
+            client.script_load(script.text)  # EVALSHA only: MONITOR quotes a script's text
         monitor = client.monitor()
         with monitor:
             sem = DSemaphore("svc", client, max_permits=3)
@@ -230,6 +260,6 @@ def test_every_key_a_script_touches_is_declared(redis_url: str) -> None:
                 elif seen.get("client_type") == "lua":
                     scripted += 1
                     keys = _touched(command)
-                    assert keys, command
+                    assert keys or command == "TIME", command
                     assert set(keys) <= declared, f"{command!r} touches an undeclared key"
     assert scripted >= 20, "MONITOR showed the commands the scripts ran"

@@ -24,8 +24,15 @@ class Recording(RedisRecording):
     """The recording client, which also counts the keys of each renewal request."""
 
     def renewals(self) -> list[int]:
-        """How many keys each renewal request carried, in order; then forget them."""
-        counts = [int(str(c[2])) for c in self.commands if c[1] in (RENEW.sha, RENEW.text)]
+        """How many leases each renewal request carried, in order; then forget them.
+
+        ARGV holds three arguments per lease (token, TTL, its index's position).
+        """
+        counts = [
+            (len(c) - 3 - int(str(c[2]))) // 3
+            for c in self.commands
+            if c[1] in (RENEW.sha, RENEW.text)
+        ]
         self.commands.clear()
         return counts
 
@@ -59,6 +66,14 @@ def test_many_leases_renew_in_batches_of_256(server: redis.Redis, recording: Rec
     assert sorted(recording.renewals()) == sorted([RENEW_BATCH, 300 - RENEW_BATCH, 3])
     for name in server.keys("*permit:*"):
         assert server.pttl(name) > 50_000, f"{name!r} was renewed to a full TTL"
+    # The semaphore's holders index moved with them: expiry ms * 1024 + slot.
+    now_ms = int(server.time()[0]) * 1000
+    for permit in permits:
+        assert permit is not None
+        score = server.zscore("_dsemaphore_svc:holders:api", permit.token)
+        assert score is not None
+        assert divmod(int(score), 1024)[1] == permit.slot
+        assert divmod(int(score), 1024)[0] > now_ms + 50_000, "renewed in the index too"
     assert not any(h.lost for h in held)
     assert all(h.release() for h in held)
 

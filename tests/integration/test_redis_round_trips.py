@@ -37,6 +37,21 @@ SCRIPT_REQUESTS = ("evalsha", "eval")
 # What the release/extend scripts may run inside their one request: one read
 # (GET of the one slot key, or MGET of all), then DEL or PEXPIRE.
 COMPARE_INSIDE = {"get", "mget", "del", "pexpire"}
+# What a semaphore's scripts run on its holders index: ZSCORE (its mark, a
+# token), ZCOUNT (the active holders), the server's TIME, and the writes.
+INDEX = {"zscore", "zcount", "time", "zremrangebyscore", "zadd", "zrange", "pexpireat", "zrem"}
+INDEX |= {"exists"}  # of an index that is not there yet
+
+
+def without_index_ttl(server: dict[str, int]) -> dict[str, int]:
+    """``server`` less the index's expiry: its latest lease read (ZRANGE), then PEXPIREAT.
+
+    The index is deleted instead when the last lease leaves it (one more DEL).
+    """
+    assert server.get("zrange") == 1
+    assert server.get("pexpireat", 0) + server.get("del", 0) >= 1
+    return {name: n for name, n in server.items() if name not in ("zrange", "pexpireat")}
+
 
 # (kind, max_permits): one permit is a one-key script, more read every slot
 # key with one MGET.
@@ -240,18 +255,27 @@ def test_acquire_is_one_request_free_and_full(rig: Rig, kind: str, permits: int)
         if permits == 1:
             assert seen.server == {"evalsha": 1, "get": 1, "set": 2}
         else:
-            # One MGET read every slot; one SET NX took the first free one.
-            assert seen.server == {"evalsha": 1, "get": 1, "mget": 1, "set": 2}
+            # One MGET read every slot; one SET NX took the first free one;
+            # the holders index (made by the first grant) records the token.
+            index = {"zscore": 1, "exists": 1} if slot == 0 else {"zscore": 2, "zcount": 1}
+            grant = {"evalsha": 1, "get": 1, "mget": 1, "set": 2, "time": 1}
+            assert without_index_ttl(seen.server) == {
+                **grant,
+                **index,
+                "zremrangebyscore": 1,
+                "zadd": 1,
+            }
 
     refused, seen = rig.measure(client, lambda: lock.acquire("k"))
     assert refused is None, "all permits are held"
     assert seen.requests == ["EVALSHA"]
     assert seen.server_requests == 1
-    # A mutex's SET NX fails, then GET shows another token; a full semaphore's
-    # MGET shows every slot held, and nothing is written (the counter is only read).
-    full = {"evalsha": 1, "get": 1, "mget": 1}
+    # A mutex's SET NX fails, then GET shows another token. A full
+    # semaphore's index counts every permit held: no slot key is read, and
+    # nothing is written (the counter is only read).
+    full = {"evalsha": 1, "get": 1, "zscore": 2, "time": 1, "zcount": 1}
     expected = {"evalsha": 1, "set": 1, "get": 2} if permits == 1 else full
-    assert seen.server == expected, f"every one of {permits} slots looked at in one request"
+    assert seen.server == expected, f"a full semaphore of {permits} answered by its index"
 
 
 @pytest.mark.parametrize(("kind", "permits"), SHAPES, ids=SHAPE_IDS)
@@ -260,25 +284,45 @@ def test_release_and_extend_by_handle_are_one_request(rig: Rig, kind: str, permi
     lock = rig.make(kind, client, permits)
     handles = [held(lock.acquire("k")) for _ in range(permits)]
     for handle in handles:
+        # A semaphore's index also moves the token's expiry (ZSCORE of its
+        # mark and of the token, then ZADD XX).
+        indexed = permits > 1
         extended, seen = rig.measure(client, partial(handle.extend, 60))
         assert extended is True
         assert seen.requests == ["EVALSHA"]
-        assert seen.server == {"evalsha": 1, "get": 1, "pexpire": 1}, "only its own slot key"
+        expected = {"evalsha": 1, "get": 1}
+        if indexed:
+            expected |= {"zscore": 2, "time": 1, "zadd": 1}
+        if indexed:
+            expected |= {"pexpire": 1}
+            assert without_index_ttl(seen.server) == expected, "only its own slot key"
+        else:
+            assert seen.server == {**expected, "pexpire": 1}, "only its own slot key"
 
         released, seen = rig.measure(client, handle.release)
         assert released is True
         assert seen.requests == ["EVALSHA"]
         # Its own slot key, and one ZSCORE of the waiters record: nobody
-        # waits, so nothing more is read or written.
+        # waits, so nothing more is read or written. The index forgets the token.
         expected = {"evalsha": 1, "get": 1, "del": 1, "zscore": 1}
-        assert seen.server == expected, "only its own slot key"
+        if indexed:
+            # The index goes with the last lease in it: a second DEL.
+            expected |= {"zscore": 2, "zrem": 1, "del": 2 if handle is handles[-1] else 1}
+            assert without_index_ttl(seen.server) == expected, "only its own slot key"
+        else:
+            assert seen.server == expected, "only its own slot key"
 
         # Gone now: the answer is False, still in one request.
         for action in (handle.release, partial(handle.extend, 60)):
             done, seen = rig.measure(client, action)
             assert done is False
             assert seen.requests == ["EVALSHA"]
-            assert seen.server == {"evalsha": 1, "get": 1}
+            gone = {"evalsha": 1, "get": 1}
+            if indexed and rig.admin.exists("_dsemaphore_svc:holders:k"):
+                gone |= {"zscore": 1, "zrem": 1} if action == handle.release else {"zscore": 2}
+            elif indexed:  # gone with the last lease: its mark not found, nor the record
+                gone |= {"zscore": 1, "exists": 1}
+            assert seen.server == gone
     assert rig.admin.keys("*permit:*") == []
 
 
@@ -293,14 +337,23 @@ def test_release_and_extend_by_token_are_one_request(rig: Rig, permits: int) -> 
     def check(seen: Seen, inside: str | None) -> None:
         assert seen.requests == ["EVALSHA"]
         assert seen.server_requests == 1
-        # Every slot read by one command, whatever max_permits is.
+        if permits > 1 and inside is not None:
+            # The index names the token's slot: that one key is read, not all.
+            assert "mget" not in seen.server
+            assert seen.server["get"] == 1
+            assert set(seen.server) <= {"evalsha", *COMPARE_INSIDE, *INDEX}
+            assert seen.server[inside] >= 1
+            return
+        # A token the index does not know: every slot read by one command.
         assert seen.server[read_of(permits)] == 1
         # A release that deleted a permit asks whether anyone waits: one ZSCORE.
         woken = {"zscore"} if inside == "del" else set()
-        assert set(seen.server) <= {"evalsha", *COMPARE_INSIDE, *woken}
+        assert set(seen.server) <= {"evalsha", *COMPARE_INSIDE, *woken, "zscore", "zrem", "exists"}
         if inside is not None:
             assert seen.server[inside] == 1
-        assert len(seen.server) == 2 + (inside is not None) + len(woken), "nothing else ran"
+        # Beside the index's reads (and the ZREM of a token it does not hold):
+        rest = set(seen.server) - {"zscore", "zrem", "exists"}
+        assert len(rest) == 2 + (inside is not None), "nothing else ran"
 
     extended, seen = rig.measure(client, lambda: sem.extend("k", last.token, 60))
     assert extended is True
@@ -386,7 +439,11 @@ def test_set_eval_path_is_one_call_per_operation(rig: Rig, kind: str, permits: i
         took = {"eval": 1, "get": 1, "set": 2}
         if permits > 1:
             took["mget"] = 1
-        assert seen.server == took
+            index = {"zscore": 1, "exists": 1} if slot == 0 else {"zscore": 2, "zcount": 1}
+            took |= {**index, "time": 1, "zremrangebyscore": 1, "zadd": 1}
+            assert without_index_ttl(seen.server) == took
+        else:
+            assert seen.server == took
     refused, seen = rig.measure(client, lambda: lock.acquire("k"))
     assert refused is None
     assert seen.requests == [call]
@@ -408,4 +465,4 @@ def test_set_eval_path_is_one_call_per_operation(rig: Rig, kind: str, permits: i
         assert result is expected
         assert seen.requests == ["EVAL"]
         assert seen.server_requests == 1
-        assert set(seen.server) <= {"eval", *COMPARE_INSIDE}
+        assert set(seen.server) <= {"eval", *COMPARE_INSIDE, *(INDEX if permits > 1 else ())}

@@ -48,6 +48,7 @@ from .._core.effects import Call, Sleep, Steps
 from .._core.lease import MAX_EXPIRY_MS, Lease, now_ms
 from .._core.waiting import Waiter, lost_pause
 from .._errors import DMutexError, InvalidArgumentError
+from .._validate import MAX_PERMITS
 from .cluster import hash_slot, same_hash_slot
 from .shapes import defines, is_cluster_client, method
 from .store import Renewed
@@ -56,31 +57,104 @@ from .store import Renewed
 # slot on a cluster. Slot numbers are positions in KEYS (0-based, KEYS is
 # 1-based), so a script never builds a key name: what it touches is what the
 # request declares, as Redis, ACL key patterns, proxies and clusters require.
+# After the slot keys come the lock's extra records that the request names.
 
-# ARGV: token, ttl ms, then "fence" when the key before any waiting keys is
-# the lock's fence counter ("-" when not); then, for an attempt of a retrying
-# acquire, the waiter's name, its registration window in ms ("0": do not
-# register, the attempt is its last; "-1": an earlier attempt registered it
-# recently enough, leave the records alone) and "1" if an earlier attempt
-# registered it; the last two KEYS are then the waiters and signal records.
+# The holders index of a semaphore (``{prefix}holders:{key}``), so that a
+# full semaphore, and a release or extend by token, cost the same whatever
+# max_permits is: a sorted set whose member MARK, at +inf, says that dmutex
+# wrote it, and whose other members are the tokens of the leases that dmutex
+# granted, each scored ``expiry_ms * SLOTS + slot``. It is a hint, never the
+# truth: the slot keys are. It may only under-report (a holder that the
+# TypeScript library or an older dmutex granted is not in it, and an expiry
+# past HORIZON, the year 2248, is stored rounded down to it): then the
+# script reads the slot keys, as it would without the index. It
+# over-reports only when a slot key that dmutex granted is deleted by
+# someone else, and then for no longer than that lease's TTL. A record of
+# that name that dmutex did not write is neither read nor written. Scores
+# are exact integers below 2^53: expiry_ms <= HORIZON and slot < SLOTS.
+SLOTS = 1024
+HORIZON = 2**53 // SLOTS - 1
+if MAX_PERMITS > SLOTS:  # pragma: no cover - a guard on the two constants
+    raise ImportError(f"the holders index scores fit {SLOTS} slots, not {MAX_PERMITS}")
+_HOLDERS = f"""\
+local MARK, SLOTS, HORIZON = 'dmutex:holders', {SLOTS}, {HORIZON}
+-- 1: dmutex's index; 0: absent, dmutex may create it; false: another's record.
+-- pcall: a record of another type answers an error (a table).
+local function index_of(holders)
+  local marked = redis.pcall('ZSCORE', holders, MARK)
+  if type(marked) == 'string' then return 1 end
+  if type(marked) == 'table' or redis.call('EXISTS', holders) == 1 then return false end
+  return 0
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function score(expires, slot)
+  return string.format('%d', math.min(expires, HORIZON) * SLOTS + slot)
+end
+-- The slot the index has for token, if any.
+local function indexed(holders, token)
+  local mine = redis.call('ZSCORE', holders, token)
+  return mine and tonumber(mine) % SLOTS
+end
+-- The index lasts exactly as long as the latest lease in it: with none, it goes.
+-- The mark scores +inf, so the member before it is the latest lease.
+local function settle(holders)
+  local last = redis.call('ZRANGE', holders, -2, -2, 'WITHSCORES')
+  if #last == 0 then
+    redis.call('DEL', holders)
+  else
+    local ends = math.floor(tonumber(last[2]) / SLOTS) + 1
+    redis.call('PEXPIREAT', holders, string.format('%d', ends))
+  end
+end
+-- Record (or move) token's expiry. ttl is the ARGV string.
+local function note(holders, token, slot, ttl, fresh, now)
+  local at = score((now or now_ms()) + tonumber(ttl), slot)
+  if fresh then
+    redis.call('ZADD', holders, '+inf', MARK, at, token)
+  else
+    redis.call('ZADD', holders, 'XX', at, token)
+  end
+  settle(holders)
+end
+-- Scores from time now on: the active leases'.
+local function from(now)
+  return string.format('%d', now * SLOTS)
+end
+"""
+
+# ARGV: token, ttl ms, then the extra records before any waiting keys:
+# "fence" (the lock's fence counter), "holders" (the index above), both as
+# "fence+holders", or "-"; then, for an attempt of a retrying acquire, the
+# waiter's name, its registration window in ms ("0": do not register, the
+# attempt is its last; "-1": an earlier attempt registered it recently
+# enough, leave the records alone) and "1" if an earlier attempt registered
+# it; the last two KEYS are then the waiters and signal records.
 # Returns {position, fence[, expiry]}: the 0-based position of the key that
 # holds the token (taken now, or by an earlier copy of this request) or -1
 # when every key is held by another token; the grant's fence, 0 without a
-# counter; and for a failed waiting attempt the PTTL of a mutex's holder (-1
-# for a semaphore). MGET reads every slot in one server-side call; SET NX,
-# not SET, because MGET also answers nil for a key of another type, which is
-# not free. Every record dmutex does not own stops the script before it
-# writes: a counter value it did not write, or (only when registering) a
-# waiters or signal record it did not write; GET, TYPE and ZSCORE raise
-# WRONGTYPE or find no mark.
-_ACQUIRE = """\
-local token, ttl, waiter = ARGV[1], ARGV[2], ARGV[4]
-local MARK, SIGNAL = 'dmutex:waiters', 'dmutex:signal'
-local n, counter, fence, waiters, signal = #KEYS, nil, 0, nil, nil
+# counter; and for a failed waiting attempt the time left on the lease in
+# the way: a mutex's PTTL, the earliest expiry in a full index, else -1.
+# A semaphore whose index counts max_permits active holders is full without
+# a look at its slot keys; otherwise MGET reads every slot in one
+# server-side call. SET NX, not SET, because MGET also answers nil for a key
+# of another type, which is not free. Every record dmutex does not own stops
+# the script before it writes: a counter value it did not write, or (only
+# when registering) a waiters or signal record it did not write; GET, TYPE
+# and ZSCORE raise WRONGTYPE or find no mark.
+_ACQUIRE = (
+    _HOLDERS
+    + """\
+local token, ttl, records, waiter = ARGV[1], ARGV[2], ARGV[3] or '-', ARGV[4]
+local WAITERS, SIGNAL = 'dmutex:waiters', 'dmutex:signal'
+local n, counter, holders, fence, waiters, signal = #KEYS, nil, nil, 0, nil, nil
 if waiter then
   waiters, signal, n = KEYS[#KEYS - 1], KEYS[#KEYS], #KEYS - 2
 end
-if ARGV[3] == 'fence' then
+if string.find(records, 'holders', 1, true) then holders, n = KEYS[n], n - 1 end
+if string.find(records, 'fence', 1, true) then
   counter, n = KEYS[n], n - 1
   local stored = redis.call('GET', counter)
   if stored then
@@ -93,16 +167,26 @@ end
 -- Which waiting record, if any, dmutex did not write. pcall: a record of
 -- another type answers an error (a table) instead of stopping the script.
 local function foreign()
-  local marked = redis.pcall('ZSCORE', waiters, MARK)
+  local marked = redis.pcall('ZSCORE', waiters, WAITERS)
   if type(marked) == 'table' or (not marked and redis.call('EXISTS', waiters) == 1) then
     return waiters
   end
   local head = redis.pcall('LINDEX', signal, 0)
   if type(head) == 'table' or (head and head ~= SIGNAL) then return signal end
 end
-local slot = -1
-if n == 1 then
-  if redis.call('SET', KEYS[1], token, 'PX', ttl, 'NX') or redis.call('GET', KEYS[1]) == token then
+local slot, taken, full, index, now = -1, false, false, holders and index_of(holders), nil
+if index == 1 then
+  now = now_ms()
+  local mine = indexed(holders, token)
+  if mine and mine < n and redis.call('GET', KEYS[mine + 1]) == token then slot = mine end
+  full = slot < 0 and redis.call('ZCOUNT', holders, from(now), '(+inf') >= n
+end
+if slot >= 0 or full then
+  -- known from the index: a copy of this request took it, or all are held
+elseif n == 1 then
+  if redis.call('SET', KEYS[1], token, 'PX', ttl, 'NX') then
+    slot, taken = 0, true
+  elseif redis.call('GET', KEYS[1]) == token then
     slot = 0
   end
 else
@@ -113,7 +197,7 @@ else
   if slot < 0 then
     for i = 1, n do
       if not values[i] and redis.call('SET', KEYS[i], token, 'PX', ttl, 'NX') then
-        slot = i - 1
+        slot, taken = i - 1, true
         break
       end
     end
@@ -123,6 +207,12 @@ if slot >= 0 then
   if counter then
     fence = fence + 1
     redis.call('SET', counter, string.format('dmutex:fence:%d', fence))
+  end
+  -- index is 0 (absent: create it) or 1 here; false leaves another's record alone.
+  if taken and index then
+    now = now or now_ms()
+    redis.call('ZREMRANGEBYSCORE', holders, '-inf', '(' .. from(now))
+    note(holders, token, slot, ttl, true, now)
   end
   -- Its own member, uniquely named: removing it never touches another's record.
   if waiter and ARGV[6] == '1' then redis.pcall('ZREM', waiters, waiter) end
@@ -135,45 +225,67 @@ if theirs then
   return redis.error_reply('DMUTEX ' .. theirs .. ' holds a value dmutex did not write')
 end
 if window > 0 then
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.call('ZREMRANGEBYSCORE', waiters, '-inf', string.format('(%d', now))
-  redis.call('ZADD', waiters, '+inf', MARK, string.format('%d', now + window), waiter)
+  local t = now_ms()
+  redis.call('ZREMRANGEBYSCORE', waiters, '-inf', string.format('(%d', t))
+  redis.call('ZADD', waiters, '+inf', WAITERS, string.format('%d', t + window), waiter)
   if redis.call('PTTL', waiters) < window then redis.call('PEXPIRE', waiters, window) end
 elseif window == 0 and ARGV[6] == '1' then
   redis.pcall('ZREM', waiters, waiter)
 end
-return {-1, 0, n == 1 and redis.call('PTTL', KEYS[1]) or -1}
+local left = -1
+if n == 1 then
+  left = redis.call('PTTL', KEYS[1])
+elseif full then
+  local first = redis.call('ZRANGEBYSCORE', holders, from(now), '(+inf',
+    'WITHSCORES', 'LIMIT', 0, 1)
+  left = math.max(math.floor(tonumber(first[2]) / SLOTS) - now, 0)
+end
+return {-1, 0, left}
 """
+)
+# The extra records an acquire may name, in the order of KEYS and ARGV[3].
+_RECORDS = ("fence", "holders")
 # How the client reports that answer (redis-py: ResponseError, the code kept).
 _FOREIGN = "holds a value dmutex did not write"
 
-# ARGV: token, and max_permits when the last two KEYS are the lock's waiters
-# and signal records. Deletes the key that holds the token and returns 1, or
-# 0. A release that deleted a key wakes a waiter if one is registered: it
-# pushes a signal, unless the signal list already holds one per registered
-# waiter (or per permit), and gives the list the waiters record's expiry.
-# Registrations of waiters that vanished count until a waiter's attempt
-# prunes them (a needless signal, at worst). With no one waiting it writes
-# nothing more (one ZSCORE read). It never fails after the DEL: a waiters or
-# signal record that dmutex did not write is left alone.
-_RELEASE = """\
+# ARGV: token; then max_permits when the last two KEYS are the lock's
+# waiters and signal records, "-" when not; then "holders" when the KEYS
+# before those (or the last) is the index. Deletes the key that holds the
+# token and returns 1, or 0; a slot the index names for the token is the one
+# it checks, else every slot. A release that deleted a key wakes a waiter if
+# one is registered: it pushes a signal, unless the signal list already holds
+# one per registered waiter (or per permit), and gives the list the waiters
+# record's expiry. Registrations of waiters that vanished count until a
+# waiter's attempt prunes them (a needless signal, at worst). With no one
+# waiting it writes nothing more (one ZSCORE read). It never fails after the
+# DEL: a waiters or signal record that dmutex did not write is left alone.
+_RELEASE = (
+    _HOLDERS
+    + """\
 local token, permits = ARGV[1], tonumber(ARGV[2])
-local MARK, SIGNAL = 'dmutex:waiters', 'dmutex:signal'
-local n, done = #KEYS, 0
-if permits then n = n - 2 end
+local WAITERS, SIGNAL = 'dmutex:waiters', 'dmutex:signal'
+local n, done, holders, waiters, signal = #KEYS, 0, nil, nil, nil
+if permits then waiters, signal, n = KEYS[n - 1], KEYS[n], n - 2 end
+if ARGV[3] == 'holders' then holders, n = KEYS[n], n - 1 end
+local index = holders and index_of(holders) == 1
+local mine = index and n > 1 and indexed(holders, token)
 if n == 1 then
   if redis.call('GET', KEYS[1]) == token then done = redis.call('DEL', KEYS[1]) end
+elseif mine then
+  if mine < n and redis.call('GET', KEYS[mine + 1]) == token then
+    done = redis.call('DEL', KEYS[mine + 1])
+  end
 else
   local values = redis.call('MGET', unpack(KEYS, 1, n))
   for i = 1, n do
     if values[i] == token then done = redis.call('DEL', KEYS[i]) break end
   end
 end
+-- Its own member: after this the token holds nothing.
+if index and redis.call('ZREM', holders, token) == 1 then settle(holders) end
 if done == 1 and permits then
-  local waiters, signal = KEYS[n + 1], KEYS[n + 2]
   -- pcall: a record of another type answers an error (a table), and is left alone.
-  local marked = redis.pcall('ZSCORE', waiters, MARK)
+  local marked = redis.pcall('ZSCORE', waiters, WAITERS)
   if type(marked) == 'string' then
     local waiting = redis.call('ZCARD', waiters) - 1
     local head = redis.pcall('LINDEX', signal, 0)
@@ -189,21 +301,35 @@ if done == 1 and permits then
 end
 return done
 """
+)
 
-# ARGV: token, ttl ms. Sets the expiry of the key that holds the token to
-# now + ttl and returns 1, or 0.
-_EXTEND = """\
+# ARGV: token, ttl ms, and "holders" when the last KEYS is the index. Sets
+# the expiry of the key that holds the token to now + ttl, and the token's
+# expiry in the index if it has one; returns 1, or 0.
+_EXTEND = (
+    _HOLDERS
+    + """\
 local token, ttl = ARGV[1], ARGV[2]
-if #KEYS == 1 then
-  if redis.call('GET', KEYS[1]) == token then return redis.call('PEXPIRE', KEYS[1], ttl) end
-  return 0
+local n, holders = #KEYS, nil
+if ARGV[3] == 'holders' then holders, n = KEYS[n], n - 1 end
+local mine = holders and index_of(holders) == 1 and indexed(holders, token)
+local at = -1
+if n == 1 then
+  if redis.call('GET', KEYS[1]) == token then at = 1 end
+elseif mine then
+  if mine < n and redis.call('GET', KEYS[mine + 1]) == token then at = mine + 1 end
+else
+  local values = redis.call('MGET', unpack(KEYS, 1, n))
+  for i = 1, n do
+    if values[i] == token then at = i break end
+  end
 end
-local values = redis.call('MGET', unpack(KEYS))
-for i = 1, #KEYS do
-  if values[i] == token then return redis.call('PEXPIRE', KEYS[i], ttl) end
-end
-return 0
+if at < 0 then return 0 end
+redis.call('PEXPIRE', KEYS[at], ttl)
+if mine then note(holders, token, mine, ttl, false) end
+return 1
 """
+)
 
 
 @dataclass(frozen=True)
@@ -217,21 +343,31 @@ class _Script:
         return cls(text, hashlib.sha1(text.encode()).hexdigest())
 
 
-# The renewal of many leases at once. KEYS: one slot key per lease; ARGV: its
-# token and TTL ms, pair by pair. Sets the expiry of each key that still holds
-# its token; returns one 1 or 0 per key, in order.
-_RENEW = """\
-local done = {}
-for i = 1, #KEYS do
-  local token, ttl = ARGV[2 * i - 1], ARGV[2 * i]
+# The renewal of many leases at once. KEYS: one slot key per lease, then the
+# holders indexes of the semaphores among them; ARGV: per lease, its token,
+# TTL ms and the position in KEYS of its index ("0": none). Sets the expiry
+# of each key that still holds its token, and the token's expiry in its
+# index; returns one 1 or 0 per lease, in order.
+_RENEW = (
+    _HOLDERS
+    + """\
+local done, ours = {}, {}
+for i = 1, #ARGV / 3 do
+  local token, ttl, at = ARGV[3 * i - 2], ARGV[3 * i - 1], tonumber(ARGV[3 * i])
   if redis.call('GET', KEYS[i]) == token then
     done[i] = redis.call('PEXPIRE', KEYS[i], ttl)
+    if at > 0 then
+      if ours[at] == nil then ours[at] = index_of(KEYS[at]) == 1 end
+      local mine = ours[at] and indexed(KEYS[at], token)
+      if mine then note(KEYS[at], token, mine, ttl, false) end
+    end
   else
     done[i] = 0
   end
 end
 return done
 """
+)
 
 ACQUIRE, RELEASE, EXTEND = _Script.of(_ACQUIRE), _Script.of(_RELEASE), _Script.of(_EXTEND)
 RENEW = _Script.of(_RENEW)
@@ -468,6 +604,21 @@ class RedisStore:
             return None
         return name
 
+    def _holders(self, key: str, groups: list[list[str]]) -> str | None:
+        """The holders index of ``key`` (``_HOLDERS``), or None: a mutex, or no shared hash slot.
+
+        A semaphore's scripts read it to answer without looking at every
+        slot key; on a cluster it must share the slot keys' hash slot.
+        """
+        if self._permits == 1:
+            return None
+        name = f"{self._prefix}holders:{key}"
+        # By handle, ``groups`` is the one slot key: where only it shares the
+        # index's hash slot, no acquire wrote an index, and the script finds none.
+        if self._cluster and (len(groups) > 1 or not same_hash_slot([groups[0][0], name])):
+            return None
+        return name
+
     def _wakes(self, key: str, groups: list[list[str]]) -> list[str]:
         """The waiters and signal records of ``key``, or none: its waiters are not woken.
 
@@ -493,9 +644,9 @@ class RedisStore:
         Raises before any request when ``fencing=True`` cannot be met.
         """
         groups = self._groups(key)
-        counter = self._counter(key, groups)
+        records = [self._counter(key, groups), self._holders(key, groups)]
         wakes = self._wakes(key, groups) if waiter is not None else []
-        return self._acquire(key, token, ttl_ms, groups, counter, waiter if wakes else None, wakes)
+        return self._acquire(key, token, ttl_ms, groups, records, waiter if wakes else None, wakes)
 
     def _acquire(
         self,
@@ -503,23 +654,25 @@ class RedisStore:
         token: str,
         ttl_ms: int,
         groups: list[list[str]],
-        counter: str | None,
+        records: list[str | None],
         waiter: Waiter | None,
         wakes: list[str],
     ) -> Steps[Lease | None]:
         expires = now_ms(self._clock) + ttl_ms
-        args: tuple[object, ...] = (token, ttl_ms) if counter is None else (token, ttl_ms, "fence")
+        # The extra records, named in ARGV as the script reads them.
+        extra = [name for name in records if name is not None]
+        kinds = "+".join(kind for kind, name in zip(_RECORDS, records, strict=True) if name) or "-"
+        args: tuple[object, ...] = (token, ttl_ms) if not extra else (token, ttl_ms, kinds)
         if waiter is not None:
             started = self._clock.monotonic()
             window = 0 if waiter.last else waiter.window_ms
             if window and waiter.registered and started - waiter.registered_at < REFRESH:
                 window = -1  # registered a moment ago: no need to again
             registered = "1" if waiter.registered else "0"
-            fencing = "-" if counter is None else "fence"
-            args = (token, ttl_ms, fencing, waiter.name, window, registered)
+            args = (token, ttl_ms, kinds, waiter.name, window, registered)
         first = 0
         for group in groups:
-            keys = [*group, *([counter] if counter else []), *wakes]
+            keys = [*group, *extra, *wakes]
             try:
                 reply = yield from self._run(ACQUIRE, keys, args)
             except Exception as error:
@@ -606,17 +759,24 @@ class RedisStore:
 
         ``head`` is the script's arguments (the token, and the TTL for
         extend). ``wake``: the script is the release, and gets the lock's
-        waiting records where its waiters can be woken. Returns whether a
-        key held it.
+        waiting records where its waiters can be woken. A semaphore's
+        scripts also get its holders index, which names the token's slot.
+        Returns whether a key held it.
         """
         if slot is not None or self._permits == 1:
             groups = [[f"{self._prefix}permit:{slot or 0}:{key}"]]
         else:
             groups = self._groups(key)
+        holders = self._holders(key, groups)
         wakes = self._wakes(key, groups) if wake else []
-        args = (*head, self._permits) if wakes else head
+        args = head
+        if wake and (wakes or holders):
+            args = (*head, self._permits if wakes else "-")
+        if holders:
+            args = (*args, "holders")
         for group in groups:
-            if _as_int((yield from self._run(script, [*group, *wakes], args)), 0, 1) == 1:
+            keys = [*group, *([holders] if holders else []), *wakes]
+            if _as_int((yield from self._run(script, keys, args)), 0, 1) == 1:
                 return True
         return False
 
@@ -657,8 +817,18 @@ class RedisStore:
     ) -> Steps[list[Renewed]]:
         """One RENEW request for the leases at ``chunk``: each one's new expiry or None."""
         expires = [now_ms(self._clock) + leases[i].ttl_ms for i in chunk]
-        args = tuple(a for i in chunk for a in (leases[i].token, leases[i].ttl_ms))
-        reply = yield from self._run(RENEW, [names[i] for i in chunk], args)
+        keys = [names[i] for i in chunk]
+        # Each semaphore's index once, after the slot keys: its position in KEYS.
+        where: dict[str, int] = {}
+        args: list[object] = []
+        for i in chunk:
+            lease = leases[i]
+            holders = self._holders(lease.key, [[names[i]]])
+            at = 0
+            if holders is not None:
+                at = where.get(holders) or where.setdefault(holders, len(chunk) + len(where) + 1)
+            args += (lease.token, lease.ttl_ms, at)
+        reply = yield from self._run(RENEW, [*keys, *where], tuple(args))
         if not isinstance(reply, (list, tuple)) or len(reply) != len(chunk):
             raise DMutexError(f"unexpected reply from Redis: {reply!r}")
         return [e if _as_int(d, 0, 1) == 1 else None for d, e in zip(reply, expires, strict=True)]

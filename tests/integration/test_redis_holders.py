@@ -1,0 +1,210 @@
+"""A semaphore's holders index on real servers: a hint that is never trusted for safety.
+
+The index (``{prefix}holders:{key}``, see ``_HOLDERS`` in the Redis store)
+lets a full semaphore, and a release or extend by token, skip reading every
+slot key. These tests pin down what it may and may not do: it may
+under-report (holders it never saw), and then the slot keys decide; a
+record of that name that dmutex did not write is never used nor changed;
+and the one case where it over-reports (a slot key deleted by hand) lasts
+until the index is deleted too, or the lease's TTL runs out.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from dmutex import MAX_PERMITS, DSemaphore
+from dmutex._backends.redis import ACQUIRE, RedisStore
+from dmutex._clock import SYSTEM_CLOCK
+from dmutex._core.waiting import waiter
+from dmutex._faces.drive import SyncDriver
+from tests._support.redis_clients import Recording
+from tests._support.sampling import until
+
+HOLDERS = "_dsemaphore_svc:holders:api"
+MARK = "dmutex:holders"
+
+
+def slot_key(slot: int) -> str:
+    return f"_dsemaphore_svc:permit:{slot}:api"
+
+
+@pytest.fixture
+def server(redis_url: str) -> Iterator[redis.Redis]:
+    """A sync client reading strings, on an empty database."""
+    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+        yield client
+
+
+def held(sem: DSemaphore, count: int, ttl: float = 60) -> list[str]:
+    """Take ``count`` permits of ``"api"``; their tokens."""
+    tokens = []
+    for _ in range(count):
+        permit = sem.acquire("api", ttl)
+        assert permit is not None
+        tokens.append(permit.token)
+    return tokens
+
+
+def test_holders_the_index_never_saw_are_found_in_the_slot_keys(server: redis.Redis) -> None:
+    """Permits the TypeScript library took are not in the index: the slot keys decide."""
+    sem = DSemaphore("svc", server, max_permits=3)
+    mine = held(sem, 1)
+    theirs = [str(uuid.uuid4()) for _ in range(2)]
+    for slot, token in zip((1, 2), theirs, strict=True):
+        assert server.set(slot_key(slot), token, px=60_000, nx=True)
+    assert server.zcard(HOLDERS) == 2, "the mark and the one token dmutex granted"
+    assert sem.acquire("api") is None, "full, though the index counts one holder"
+    assert sem.extend("api", theirs[0], 30) is True
+    assert 0 < server.pttl(slot_key(1)) <= 30_000
+    assert sem.release("api", theirs[1]) is True
+    assert server.get(slot_key(2)) is None
+    again = sem.acquire("api")
+    assert again is not None
+    assert again.slot == 2
+    assert sem.release("api", mine[0]) is True
+
+
+@pytest.mark.parametrize("kind", ["string", "list", "zset without the mark"])
+def test_a_record_dmutex_did_not_write_at_the_index_name_is_left_alone(
+    server: redis.Redis, kind: str
+) -> None:
+    """Key prefixes are free-form: ``_dsemaphore_svc:holders:api`` is also slot
+    ``api`` of ``DSemaphore("svc:holders")``... or anything someone stored there.
+    The semaphore still works, by its slot keys; the record keeps its value and expiry.
+    """
+    if kind == "string":
+        server.set(HOLDERS, "a token", px=90_000)
+    elif kind == "list":
+        server.rpush(HOLDERS, "x")
+        server.pexpire(HOLDERS, 90_000)
+    else:
+        server.zadd(HOLDERS, {"someone": 1.0})
+        server.pexpire(HOLDERS, 90_000)
+    before = server.dump(HOLDERS)
+    sem = DSemaphore("svc", server, max_permits=2)
+    tokens = held(sem, 2)
+    assert sem.acquire("api") is None
+    assert sem.extend("api", tokens[0], 30) is True
+    assert sem.release("api", tokens[1]) is True
+    permit = sem.acquire("api")
+    assert permit is not None
+    assert permit.extend(30) is True
+    assert permit.release() is True
+    assert server.dump(HOLDERS) == before
+    assert 80_000 < server.pttl(HOLDERS) <= 90_000
+
+
+def test_a_lease_that_expires_leaves_the_index_and_its_slot_is_taken(server: redis.Redis) -> None:
+    sem = DSemaphore("svc", server, max_permits=2)
+    held(sem, 1)
+    short = sem.acquire("api", 0.05)
+    assert short is not None
+    assert sem.acquire("api") is None
+    until(lambda: sem.acquire("api") is not None, "the expired permit's slot is free", 5)
+    # The grant pruned the expired token from the index.
+    assert short.token not in server.zrange(HOLDERS, 0, -1)
+    assert server.zcard(HOLDERS) == 3, "the mark and two holders"
+
+
+def test_the_index_lasts_as_long_as_its_latest_lease(server: redis.Redis) -> None:
+    sem = DSemaphore("svc", server, max_permits=3)
+    long, short = sem.acquire("api", 60), sem.acquire("api", 5)
+    assert long is not None
+    assert short is not None
+    assert 59_000 < server.pttl(HOLDERS) <= 60_001
+    assert long.release() is True
+    assert 4_000 < server.pttl(HOLDERS) <= 5_001, "now the short lease's expiry"
+    assert short.extend(20) is True
+    assert 19_000 < server.pttl(HOLDERS) <= 20_001
+    assert short.release() is True
+    assert server.exists(HOLDERS) == 0
+
+
+def test_the_index_stays_as_small_as_the_semaphore(server: redis.Redis) -> None:
+    """Each grant prunes the expired tokens, so leases that expire leave nothing behind."""
+    sem = DSemaphore("svc", server, max_permits=4)
+    for _ in range(40):
+        tokens = held(sem, 4)
+        for slot in range(4):
+            server.pexpireat(slot_key(slot), 1)
+        for token in tokens:  # as the expiry would leave them: scored in the past
+            server.zadd(HOLDERS, {token: 1024 + tokens.index(token)}, xx=True)
+    assert server.zcard(HOLDERS) <= 1 + 4 + 4
+
+
+def test_a_re_sent_acquire_finds_its_own_grant_in_a_full_index(redis_url: str) -> None:
+    """The reply of an acquire that took the last permit is lost; the client sends it again."""
+    with redis.Redis.from_url(redis_url) as client:
+        recording = Recording(client)
+        sem = DSemaphore("svc", recording, max_permits=2)
+        held(sem, 1)
+        last = sem.acquire("api")
+        assert last is not None
+        command = recording.commands[-1]
+        assert command[1] in (ACQUIRE.sha, ACQUIRE.text)
+        again = client.execute_command(*command)
+        assert int(again[0]) == last.slot, "the same permit, not a second one"
+        # A copy counts a fence of its own, above every grant before it.
+        assert last.fence is not None
+        assert int(again[1]) == last.fence + 1
+        assert sem.acquire("api") is None
+
+
+def test_a_slot_key_deleted_by_hand_stays_taken_until_the_index_goes_too(
+    server: redis.Redis,
+) -> None:
+    """The one case where the index over-reports: a holder removed by hand, not by dmutex.
+
+    The README says so: to free a semaphore's permit by hand, delete the
+    key's holders record with its slot keys (always safe: it is only a hint).
+    """
+    sem = DSemaphore("svc", server, max_permits=2)
+    held(sem, 2)
+    server.delete(slot_key(0))
+    assert sem.acquire("api") is None, "the index still counts the deleted holder"
+    server.delete(HOLDERS)
+    permit = sem.acquire("api")
+    assert permit is not None
+    assert permit.slot == 0
+
+
+def test_a_lease_past_the_index_horizon_still_counts(server: redis.Redis) -> None:
+    """Expiries past 2^43 ms (the year 2248) are stored rounded down to it: still ahead."""
+    sem = DSemaphore("svc", server, max_permits=2)
+    tokens = held(sem, 2, ttl=300 * 365 * 86_400)
+    score = server.zscore(HOLDERS, tokens[1])
+    assert score == (2**43 - 1) * 1024 + 1
+    assert sem.acquire("api") is None
+    assert sem.release("api", tokens[1]) is True
+
+
+def test_max_permits_slots_fit_the_score(server: redis.Redis) -> None:
+    """The last slot of the largest semaphore is the score's lowest ten bits."""
+    sem = DSemaphore("svc", server, max_permits=MAX_PERMITS)
+    for slot in range(MAX_PERMITS - 1):
+        server.set(slot_key(slot), "theirs", px=60_000)
+    token = held(sem, 1)[0]
+    score = server.zscore(HOLDERS, token)
+    assert score is not None
+    assert int(score) % 1024 == MAX_PERMITS - 1
+    assert sem.extend("api", token, 30) is True
+    assert sem.release("api", token) is True
+    assert server.exists(HOLDERS) == 0, "gone with the last lease dmutex granted"
+
+
+def test_a_waiter_of_a_full_semaphore_learns_the_earliest_expiry(server: redis.Redis) -> None:
+    """The index gives a waiting attempt the time left on the first lease to end (rule 2)."""
+    sem = DSemaphore("svc", server, max_permits=2)
+    sem.acquire("api", 60)
+    sem.acquire("api", 20)
+    store = RedisStore(server, "_dsemaphore_svc:", 2, SYSTEM_CLOCK)
+    made = waiter(0.1)
+    drive = SyncDriver(SYSTEM_CLOCK, store.ready)
+    assert drive(store.acquire("api", str(uuid.uuid4()), 60_000, made)) is None
+    assert made.expires_in is not None
+    assert 19 < made.expires_in <= 20.001
