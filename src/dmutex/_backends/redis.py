@@ -243,8 +243,6 @@ end
 return {-1, 0, left}
 """
 )
-# The extra records an acquire may name, in the order of KEYS and ARGV[3].
-_RECORDS = ("fence", "holders")
 # How the client reports that answer (redis-py: ResponseError, the code kept).
 _FOREIGN = "holds a value dmutex did not write"
 
@@ -644,7 +642,14 @@ class RedisStore:
         Raises before any request when ``fencing=True`` cannot be met.
         """
         groups = self._groups(key)
-        records = [self._counter(key, groups), self._holders(key, groups)]
+        counter = self._counter(key, groups)
+        holders = None if self._permits == 1 else self._holders(key, groups)
+        # The extra records, as KEYS and as ARGV names them.
+        records: tuple[list[str], str]
+        if holders is None:
+            records = ([counter], "fence") if counter else ([], "-")
+        else:
+            records = ([counter, holders], "fence+holders") if counter else ([holders], "holders")
         wakes = self._wakes(key, groups) if waiter is not None else []
         return self._acquire(key, token, ttl_ms, groups, records, waiter if wakes else None, wakes)
 
@@ -654,14 +659,12 @@ class RedisStore:
         token: str,
         ttl_ms: int,
         groups: list[list[str]],
-        records: list[str | None],
+        records: tuple[list[str], str],
         waiter: Waiter | None,
         wakes: list[str],
     ) -> Steps[Lease | None]:
         expires = now_ms(self._clock) + ttl_ms
-        # The extra records, named in ARGV as the script reads them.
-        extra = [name for name in records if name is not None]
-        kinds = "+".join(kind for kind, name in zip(_RECORDS, records, strict=True) if name) or "-"
+        extra, kinds = records
         args: tuple[object, ...] = (token, ttl_ms) if not extra else (token, ttl_ms, kinds)
         if waiter is not None:
             started = self._clock.monotonic()
@@ -767,15 +770,19 @@ class RedisStore:
             groups = [[f"{self._prefix}permit:{slot or 0}:{key}"]]
         else:
             groups = self._groups(key)
-        holders = self._holders(key, groups)
+        holders = None if self._permits == 1 else self._holders(key, groups)
         wakes = self._wakes(key, groups) if wake else []
         args = head
-        if wake and (wakes or holders):
-            args = (*head, self._permits if wakes else "-")
-        if holders:
+        if holders is None:
+            if wakes:
+                args = (*head, self._permits)
+            after = wakes
+        else:
+            args = (*head, self._permits if wakes else "-") if wake else head
             args = (*args, "holders")
+            after = [holders, *wakes]
         for group in groups:
-            keys = [*group, *([holders] if holders else []), *wakes]
+            keys = [*group, *after] if after else group
             if _as_int((yield from self._run(script, keys, args)), 0, 1) == 1:
                 return True
         return False
