@@ -77,51 +77,63 @@ HORIZON = 2**53 // SLOTS - 1
 if MAX_PERMITS > SLOTS:  # pragma: no cover - a guard on the two constants
     raise ImportError(f"the holders index scores fit {SLOTS} slots, not {MAX_PERMITS}")
 _HOLDERS = f"""\
-local MARK, SLOTS, HORIZON = 'dmutex:holders', {SLOTS}, {HORIZON}
--- 1: dmutex's index; 0: absent, dmutex may create it; false: another's record.
--- pcall: a record of another type answers an error (a table).
-local function index_of(holders)
-  local marked = redis.pcall('ZSCORE', holders, MARK)
-  if type(marked) == 'string' then return 1 end
-  if type(marked) == 'table' or redis.call('EXISTS', holders) == 1 then return false end
-  return 0
-end
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local function score(expires, slot)
-  return string.format('%d', math.min(expires, HORIZON) * SLOTS + slot)
-end
--- The slot the index has for token, if any.
-local function indexed(holders, token)
-  local mine = redis.call('ZSCORE', holders, token)
-  return mine and tonumber(mine) % SLOTS
-end
--- The index lasts exactly as long as the latest lease in it: with none, it goes.
--- The mark scores +inf, so the member before it is the latest lease.
-local function settle(holders)
-  local last = redis.call('ZRANGE', holders, -2, -2, 'WITHSCORES')
-  if #last == 0 then
-    redis.call('DEL', holders)
-  else
-    local ends = math.floor(tonumber(last[2]) / SLOTS) + 1
-    redis.call('PEXPIREAT', holders, string.format('%d', ends))
+-- The index's helpers, made only by a script that names an index: a
+-- mutex's scripts never pay for them.
+local function index_helpers()
+  local H, MARK, SLOTS, HORIZON = {{}}, 'dmutex:holders', {SLOTS}, {HORIZON}
+  function H.now_ms()
+    local t = redis.call('TIME')
+    return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   end
-end
--- Record (or move) token's expiry. ttl is the ARGV string.
-local function note(holders, token, slot, ttl, fresh, now)
-  local at = score((now or now_ms()) + tonumber(ttl), slot)
-  if fresh then
-    redis.call('ZADD', holders, '+inf', MARK, at, token)
-  else
-    redis.call('ZADD', holders, 'XX', at, token)
+  -- 1: dmutex's index; 0: absent, dmutex may create it; false: another's record.
+  -- pcall: a record of another type answers an error (a table).
+  function H.state(holders)
+    local marked = redis.pcall('ZSCORE', holders, MARK)
+    if type(marked) == 'string' then return 1 end
+    if type(marked) == 'table' or redis.call('EXISTS', holders) == 1 then return false end
+    return 0
   end
-  settle(holders)
-end
--- Scores from time now on: the active leases'.
-local function from(now)
-  return string.format('%d', now * SLOTS)
+  -- The slot the index has for token, if any.
+  function H.slot(holders, token)
+    local mine = redis.call('ZSCORE', holders, token)
+    return mine and tonumber(mine) % SLOTS
+  end
+  -- Scores from time now on: the active leases'.
+  function H.from(now)
+    return string.format('%d', now * SLOTS)
+  end
+  -- The latest expiry of a lease in it, or nil; the mark scores +inf.
+  function H.latest(holders)
+    local last = redis.call('ZRANGE', holders, -2, -2, 'WITHSCORES')
+    return last[2] and math.floor(tonumber(last[2]) / SLOTS)
+  end
+  -- The earliest expiry of an active lease in it, from time now on.
+  function H.earliest(holders, now)
+    local first = redis.call('ZRANGEBYSCORE', holders, H.from(now), '(+inf',
+      'WITHSCORES', 'LIMIT', 0, 1)
+    return math.floor(tonumber(first[2]) / SLOTS)
+  end
+  -- The index lasts exactly as long as the latest lease in it: with none, it goes.
+  function H.settle(holders)
+    local ends = H.latest(holders)
+    if ends then
+      redis.call('PEXPIREAT', holders, string.format('%d', ends + 1))
+    else
+      redis.call('DEL', holders)
+    end
+  end
+  -- Record (or move) token's expiry. ttl is the ARGV string.
+  function H.note(holders, token, slot, ttl, fresh, now)
+    local expires = math.min((now or H.now_ms()) + tonumber(ttl), HORIZON)
+    local at = string.format('%d', expires * SLOTS + slot)
+    if fresh then
+      redis.call('ZADD', holders, '+inf', MARK, at, token)
+    else
+      redis.call('ZADD', holders, 'XX', at, token)
+    end
+    H.settle(holders)
+  end
+  return H
 end
 """
 
@@ -174,12 +186,13 @@ local function foreign()
   local head = redis.pcall('LINDEX', signal, 0)
   if type(head) == 'table' or (head and head ~= SIGNAL) then return signal end
 end
-local slot, taken, full, index, now = -1, false, false, holders and index_of(holders), nil
+local H = holders and index_helpers()
+local slot, taken, full, index, now = -1, false, false, H and H.state(holders), nil
 if index == 1 then
-  now = now_ms()
-  local mine = indexed(holders, token)
+  now = H.now_ms()
+  local mine = H.slot(holders, token)
   if mine and mine < n and redis.call('GET', KEYS[mine + 1]) == token then slot = mine end
-  full = slot < 0 and redis.call('ZCOUNT', holders, from(now), '(+inf') >= n
+  full = slot < 0 and redis.call('ZCOUNT', holders, H.from(now), '(+inf') >= n
 end
 if slot >= 0 or full then
   -- known from the index: a copy of this request took it, or all are held
@@ -210,9 +223,9 @@ if slot >= 0 then
   end
   -- index is 0 (absent: create it) or 1 here; false leaves another's record alone.
   if taken and index then
-    now = now or now_ms()
-    redis.call('ZREMRANGEBYSCORE', holders, '-inf', '(' .. from(now))
-    note(holders, token, slot, ttl, true, now)
+    now = now or H.now_ms()
+    redis.call('ZREMRANGEBYSCORE', holders, '-inf', '(' .. H.from(now))
+    H.note(holders, token, slot, ttl, true, now)
   end
   -- Its own member, uniquely named: removing it never touches another's record.
   if waiter and ARGV[6] == '1' then redis.pcall('ZREM', waiters, waiter) end
@@ -225,7 +238,8 @@ if theirs then
   return redis.error_reply('DMUTEX ' .. theirs .. ' holds a value dmutex did not write')
 end
 if window > 0 then
-  local t = now_ms()
+  local clock = redis.call('TIME')
+  local t = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
   redis.call('ZREMRANGEBYSCORE', waiters, '-inf', string.format('(%d', t))
   redis.call('ZADD', waiters, '+inf', WAITERS, string.format('%d', t + window), waiter)
   if redis.call('PTTL', waiters) < window then redis.call('PEXPIRE', waiters, window) end
@@ -236,9 +250,7 @@ local left = -1
 if n == 1 then
   left = redis.call('PTTL', KEYS[1])
 elseif full then
-  local first = redis.call('ZRANGEBYSCORE', holders, from(now), '(+inf',
-    'WITHSCORES', 'LIMIT', 0, 1)
-  left = math.max(math.floor(tonumber(first[2]) / SLOTS) - now, 0)
+  left = math.max(H.earliest(holders, now) - now, 0)
 end
 return {-1, 0, left}
 """
@@ -265,8 +277,9 @@ local WAITERS, SIGNAL = 'dmutex:waiters', 'dmutex:signal'
 local n, done, holders, waiters, signal = #KEYS, 0, nil, nil, nil
 if permits then waiters, signal, n = KEYS[n - 1], KEYS[n], n - 2 end
 if ARGV[3] == 'holders' then holders, n = KEYS[n], n - 1 end
-local index = holders and index_of(holders) == 1
-local mine = index and n > 1 and indexed(holders, token)
+local H = holders and index_helpers()
+local index = H and H.state(holders) == 1
+local mine = index and n > 1 and H.slot(holders, token)
 if n == 1 then
   if redis.call('GET', KEYS[1]) == token then done = redis.call('DEL', KEYS[1]) end
 elseif mine then
@@ -280,7 +293,7 @@ else
   end
 end
 -- Its own member: after this the token holds nothing.
-if index and redis.call('ZREM', holders, token) == 1 then settle(holders) end
+if index and redis.call('ZREM', holders, token) == 1 then H.settle(holders) end
 if done == 1 and permits then
   -- pcall: a record of another type answers an error (a table), and is left alone.
   local marked = redis.pcall('ZSCORE', waiters, WAITERS)
@@ -310,7 +323,8 @@ _EXTEND = (
 local token, ttl = ARGV[1], ARGV[2]
 local n, holders = #KEYS, nil
 if ARGV[3] == 'holders' then holders, n = KEYS[n], n - 1 end
-local mine = holders and index_of(holders) == 1 and indexed(holders, token)
+local H = holders and index_helpers()
+local mine = H and H.state(holders) == 1 and H.slot(holders, token)
 local at = -1
 if n == 1 then
   if redis.call('GET', KEYS[1]) == token then at = 1 end
@@ -324,7 +338,7 @@ else
 end
 if at < 0 then return 0 end
 redis.call('PEXPIRE', KEYS[at], ttl)
-if mine then note(holders, token, mine, ttl, false) end
+if mine then H.note(holders, token, mine, ttl, false) end
 return 1
 """
 )
@@ -349,15 +363,15 @@ class _Script:
 _RENEW = (
     _HOLDERS
     + """\
-local done, ours = {}, {}
+local done, ours, H = {}, {}, #KEYS > #ARGV / 3 and index_helpers()
 for i = 1, #ARGV / 3 do
   local token, ttl, at = ARGV[3 * i - 2], ARGV[3 * i - 1], tonumber(ARGV[3 * i])
   if redis.call('GET', KEYS[i]) == token then
     done[i] = redis.call('PEXPIRE', KEYS[i], ttl)
     if at > 0 then
-      if ours[at] == nil then ours[at] = index_of(KEYS[at]) == 1 end
-      local mine = ours[at] and indexed(KEYS[at], token)
-      if mine then note(KEYS[at], token, mine, ttl, false) end
+      if ours[at] == nil then ours[at] = H.state(KEYS[at]) == 1 end
+      local mine = ours[at] and H.slot(KEYS[at], token)
+      if mine then H.note(KEYS[at], token, mine, ttl, false) end
     end
   else
     done[i] = 0
