@@ -190,9 +190,16 @@ local H = holders and index_helpers()
 local slot, taken, full, index, now = -1, false, false, H and H.state(holders), nil
 if index == 1 then
   now = H.now_ms()
-  local mine = H.slot(holders, token)
-  if mine and mine < n and redis.call('GET', KEYS[mine + 1]) == token then slot = mine end
-  full = slot < 0 and redis.call('ZCOUNT', holders, H.from(now), '(+inf') >= n
+  -- Full by the index, unless a copy of this request took the last permit.
+  -- Not full: the slot keys' MGET below finds such a copy's grant.
+  if redis.call('ZCOUNT', holders, H.from(now), '(+inf') >= n then
+    local mine = H.slot(holders, token)
+    if mine and mine < n and redis.call('GET', KEYS[mine + 1]) == token then
+      slot = mine
+    else
+      full = true
+    end
+  end
 end
 if slot >= 0 or full then
   -- known from the index: a copy of this request took it, or all are held
