@@ -4,14 +4,18 @@ Layout (shared with the TypeScript dmutex): slot ``i`` of lock ``key`` is the
 string key ``f"{key_prefix}permit:{i}:{key}"``, its value the holder's token,
 its expiry set with ``PX`` in milliseconds. Redis deletes a key whose expiry
 has passed, so "active" is simply "the key exists and holds the token".
-dmutex writes nothing else.
+Beside them dmutex keeps only records of its own, each marked as dmutex's
+and never written where something else is: a lock's fence counter, a
+semaphore's holders index (``_HOLDERS``: a hint that spares reading every
+slot key, never trusted for safety) and, while someone waits, its waiting
+records.
 
 Guarantees, on one Redis server: at most ``max_permits`` keys of a lock exist
 at any instant, because each is created only by ``SET ... NX``; release and
 extend compare the token and act in one atomic script, so a holder whose lease
 expired and was taken over cannot touch the new holder's key. Every script
 declares, in ``KEYS``, every key it touches, and writes only slot keys that
-are absent or hold the caller's own token.
+are absent or hold the caller's own token (and the records above).
 
 An acquire is idempotent: the token is fixed before the first send, and a
 script that finds the token already in a slot returns that slot. So when a
