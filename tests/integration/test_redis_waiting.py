@@ -879,6 +879,8 @@ def test_a_cluster_waiter_blocks_only_on_a_hash_tagged_key(
         else:
             assert "BLPOP" not in recorded.kinds
             assert set(recorded.kinds) == {"acquire"}
-            assert len(recorded.kinds) >= 5
+            # Four attempts before the release (the fourth may be the one
+            # that wins, if the release ran while it was on its way).
+            assert len(recorded.kinds) >= 4
             assert inner.exists(f"{PREFIX}waiters:{key}") == 0, "no registration"
         assert lock.release() is True
