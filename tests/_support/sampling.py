@@ -58,3 +58,9 @@ def process_state(pid: int) -> str | None:
             return stat.read().rpartition(")")[2].split()[0]
     except FileNotFoundError:
         return None
+
+
+def wait_stopped(pid: int, timeout: float, *, poll: float = 0.005) -> None:
+    """After a SIGSTOP to ``pid``: wait until /proc shows it stopped (no wait without /proc)."""
+    if process_state(pid) is not None:
+        until(lambda: process_state(pid) in ("T", "t"), "the holder stopped", timeout, poll=poll)

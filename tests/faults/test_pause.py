@@ -56,7 +56,7 @@ from dmutex import (
 )
 from tests._support.mongo_servers import Session
 from tests._support.redis_servers import Pool
-from tests._support.sampling import process_state, until
+from tests._support.sampling import until, wait_stopped
 
 Backend: TypeAlias = Literal["redis", "mongodb"]
 Kind: TypeAlias = Literal["mutex", "semaphore"]
@@ -378,13 +378,7 @@ def test_a_holder_paused_past_its_ttl_cannot_touch_its_successor(side: Side) -> 
         assert child.pid is not None
         os.kill(child.pid, signal.SIGSTOP)
         stopped = True
-        if process_state(child.pid) is not None:
-            until(
-                lambda: process_state(child.pid or 0) in ("T", "t"),
-                "the holder stopped",
-                STEP_TIMEOUT,
-                poll=POLL,
-            )
+        wait_stopped(child.pid, STEP_TIMEOUT, poll=POLL)
         until(
             lambda: side.expired(slot, token),
             "the paused holder's lease expired",

@@ -113,8 +113,8 @@ from dmutex._backends.redis import EXTEND
 from tests._support.fault_proxy import Fault, FaultProxy, Rates
 from tests._support.mongo_servers import Session
 from tests._support.redis_servers import Pool, Server
-from tests._support.sampling import process_state, until
 from tests._support.sampling import sampling as sampling_thread
+from tests._support.sampling import until, wait_stopped
 
 Doc: TypeAlias = dict[str, Any]
 Handle: TypeAlias = DMutexLock | AsyncDMutexLock
@@ -1466,13 +1466,7 @@ def test_a_renewed_holder_paused_past_its_ttl_learns_it_lost(pause_side: PauseSi
         assert child.pid is not None
         os.kill(child.pid, signal.SIGSTOP)
         stopped = True
-        if process_state(child.pid) is not None:
-            until(
-                lambda: process_state(child.pid or 0) in ("T", "t"),
-                "the holder stopped",
-                STEP_TIMEOUT,
-                poll=POLL,
-            )
+        wait_stopped(child.pid, STEP_TIMEOUT, poll=POLL)
         until(
             lambda: side.expired(token),
             "the paused holder's lease expired",
