@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 import pytest
 
 from dmutex import ManualClock
-from dmutex._backends.store import Renewed, extend_each, sleep
+from dmutex._backends.store import Inspection, Renewed, extend_each, sleep
 from dmutex._clock import Clock
 from dmutex._core.effects import Call, Callback, Effect, Sleep, Steps
 from dmutex._core.engine import Engine
@@ -47,6 +47,11 @@ class ScriptedStore:
 
     def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
         return extend_each(self, leases)
+
+    def holders(self, key: str) -> Steps[Inspection]:
+        reply = yield Call(server, ("HOLDERS", key))
+        assert isinstance(reply, Inspection)
+        return reply
 
     def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
         return sleep(seconds)

@@ -1,8 +1,8 @@
-"""dmutex: distributed mutexes and semaphores over MongoDB and Redis.
+"""dmutex: distributed mutexes and semaphores over MongoDB, Redis and SQLite.
 
 Token-protected leases with a TTL. Inject the client your application already
-uses; dmutex imports none of them. ``InMemoryBackend`` stands in for a server
-in tests.
+uses; dmutex imports none of them. ``SQLiteBackend`` serves the processes of
+one host from a file; ``InMemoryBackend`` stands in for a server in tests.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ._backends.clients import (
     RedisSetEvalClient,
 )
 from ._backends.memory import InMemoryBackend
+from ._backends.sqlite import SQLiteBackend
 from ._clock import Clock, ManualClock, SystemClock
 from ._errors import (
     AmbiguousClientError,
@@ -78,6 +79,7 @@ __all__ = [
     "RedisCommandClient",
     "RedisReply",
     "RedisSetEvalClient",
+    "SQLiteBackend",
     "SyncClient",
     "SystemClock",
     "UnsupportedClientError",

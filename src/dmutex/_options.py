@@ -50,7 +50,9 @@ class Options:
     """The Redis key prefix: ``key_prefix``, else ``f"{kind's prefix}{service_name}:"``."""
     clock: Clock | None
     fencing: bool | None
-    """``fencing=``: None keeps a fence where it costs no request (Redis, memory)."""
+    """``fencing=``: None keeps a fence where it costs no request (Redis, SQLite, memory)."""
+    table_name: str
+    """The SQLite table: ``table_name``, else ``table_prefix`` + service name."""
 
     @classmethod
     def check(
@@ -66,6 +68,8 @@ class Options:
         key_prefix: object,
         clock: object,
         fencing: object,
+        table_name: object,
+        table_prefix: object,
         /,
     ) -> Options:
         """Check every argument, in the order the constructors' signatures give them."""
@@ -85,6 +89,10 @@ class Options:
             keys = f"{DEFAULT_PREFIX[kind]}{service}:"
         else:
             keys = check_str("key_prefix", key_prefix, allow_empty=True)
+        if table_name is None:
+            table = check_str("table_prefix", table_prefix, allow_empty=True) + service
+        else:
+            table = check_str("table_name", table_name)
         return cls(
             kind=kind,
             service_name=service,
@@ -97,4 +105,5 @@ class Options:
             key_prefix=keys,
             clock=check_clock(clock),
             fencing=None if fencing is None else check_flag("fencing", fencing),
+            table_name=table,
         )

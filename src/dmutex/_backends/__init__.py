@@ -3,7 +3,7 @@
 - ``store.py``: the :class:`Store` protocol the engine talks to;
 - ``shapes.py``: detection and every other check of a client's shape;
 - ``clients.py``: the client contracts, published as ``typing.Protocol``;
-- ``memory.py``, ``redis.py`` (with ``cluster.py``), ``mongo.py``: one store each.
+- ``memory.py``, ``redis.py`` (with ``cluster.py``), ``mongo.py``, ``sqlite.py``: one store each.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from .memory import InMemoryBackend, MemoryStore
 from .mongo import MongoStore
 from .redis import RedisStore
 from .shapes import defines, detect, method, refuse_asyncio, refuse_sync
+from .sqlite import SQLiteBackend, SQLiteStore, quote
 from .store import Store
 
 
@@ -37,6 +38,13 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
         fencing = options.fencing is not False
         return MemoryStore(client, options.key_prefix, options.max_permits, fencing=fencing)
     clock = SYSTEM_CLOCK if options.clock is None else options.clock
+    if isinstance(client, SQLiteBackend):
+        quote(options.table_name)  # refuses a name SQLite cannot hold, before any request
+        fencing = options.fencing is not False
+        table, permits = options.table_name, options.max_permits
+        return SQLiteStore(
+            client, table, permits, clock, asynchronous=asynchronous, fencing=fencing
+        )
     if found == "redis":
         name = "execute_command" if defines(client, "execute_command") else "eval"
         (refuse_sync if asynchronous else refuse_asyncio)(client, name, "client")
@@ -50,4 +58,4 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
     return MongoStore(collection, options.max_permits, clock, fencing=options.fencing is True)
 
 
-__all__ = ["InMemoryBackend", "Store", "open_store"]
+__all__ = ["InMemoryBackend", "SQLiteBackend", "Store", "open_store"]

@@ -13,7 +13,7 @@ from .._clock import SYSTEM_CLOCK, Clock
 from .._core.effects import Steps, Wait
 from .._core.lease import MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
 from .._core.waiting import Waiter, Wakeup
-from .store import Renewed, extend_each
+from .store import Holder, Inspection, Renewed, extend_each
 
 __all__ = ["InMemoryBackend", "MemoryStore"]
 
@@ -340,3 +340,17 @@ class MemoryStore:
 
     def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
         return extend_each(self, leases)
+
+    def holders(self, key: str) -> Steps[Inspection]:
+        yield from ()
+        with self._backend._lock:
+            now = now_ms(self.clock)
+            slots = self._backend._records.get(self._prefix, {}).get(key)
+            records = {} if slots is None else slots.records
+            found = [
+                Holder(number, rec.token, rec.expires_ms)
+                for number, rec in sorted(records.items())
+                if now < rec.expires_ms
+            ]
+            fence = self._backend._fences.get(self._prefix, {}).get(key)
+        return Inspection(found, fence if self._fencing else None, now)

@@ -31,15 +31,17 @@ Limits:
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import cast
 
 from .._clock import Clock
 from .._core.effects import Call, Steps
-from .._core.lease import MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
+from .._core.lease import EPOCH, MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
 from .._core.waiting import Waiter
 from .._errors import DMutexError, UnsupportedClientError
 from .shapes import method
-from .store import Renewed, extend_each, sleep
+from .store import Holder, Inspection, Renewed, extend_each, sleep
 
 DUPLICATE_KEY = 11000
 # Marks a fence counter document as dmutex's own.
@@ -57,6 +59,14 @@ def _count(result: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise DMutexError(f"unexpected result from MongoDB: {name}={value!r}")
     return value
+
+
+def _found(find: Callable[..., object], query: Mapping[str, object]) -> list[object]:
+    """Every document ``find(query)`` gives: the cursor read to its end."""
+    cursor = find(query)
+    if not isinstance(cursor, Iterable):
+        raise DMutexError(f"find() gave {type(cursor).__name__}, not a cursor to read")
+    return list(cursor)
 
 
 def _fencing_method(collection: object) -> Callable[..., object]:
@@ -88,6 +98,7 @@ class MongoStore:
         self._delete = method(collection, "delete_one")
         self._distinct = method(collection, "distinct")
         self._create_index = method(collection, "create_index")
+        self._collection = collection
         self._permits = max_permits
         self._clock = clock
 
@@ -230,6 +241,31 @@ class MongoStore:
     def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
         """One ``update_one`` per lease, in turn: each must match its own token."""
         return extend_each(self, leases)
+
+    def holders(self, key: str) -> Steps[Inspection]:
+        """The active slot documents of ``key`` and its fence counter: one ``find``.
+
+        Sync collections only (``find`` returns a cursor, which is read
+        here); the collection needs ``find``, which no other operation uses.
+        """
+        now = now_ms(self._clock)
+        names = [*self._ids(key), f"fence:{key}"]
+        query = {"_id": {"$in": names}}
+        docs = yield Call(_found, (method(self._collection, "find"), query))
+        found: list[Holder] = []
+        fence: int | None = None
+        for doc in cast("list[Mapping[str, object]]", docs):
+            name, value, at = doc.get("_id"), doc.get("value"), doc.get("expiredAt")
+            if name == names[-1]:
+                counted = doc.get("fence")
+                if doc.get("kind") == _FENCE_KIND and isinstance(counted, int):
+                    fence = counted
+            elif isinstance(name, str) and isinstance(value, str) and isinstance(at, datetime):
+                at = at if at.tzinfo else at.replace(tzinfo=timezone.utc)
+                expires = round((at - EPOCH).total_seconds() * 1000)
+                if expires > now:
+                    found.append(Holder(int(name.split(":", 2)[1]), value, expires))
+        return Inspection(sorted(found), fence, now)
 
     def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
         """Sleep: nothing here signals a release (jittered polling, ``waiting.py``)."""

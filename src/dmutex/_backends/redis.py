@@ -55,7 +55,7 @@ from .._errors import DMutexError, InvalidArgumentError
 from .._validate import MAX_PERMITS
 from .cluster import hash_slot, same_hash_slot
 from .shapes import defines, is_cluster_client, method
-from .store import Renewed
+from .store import Holder, Inspection, Renewed
 
 # KEYS of every script: slot keys of one lock, in slot order, all in one hash
 # slot on a cluster. Slot numbers are positions in KEYS (0-based, KEYS is
@@ -392,8 +392,30 @@ return done
 """
 )
 
+# What a lock's records hold, for ``dmutex status``; writes nothing. KEYS: slot
+# keys of one group, then the fence counter if ARGV[1] is "1". Returns the
+# server's time in ms, the counter's value (or nil), then slot position,
+# token and PTTL of each slot key that holds a string.
+_INSPECT = """\
+local now = redis.call('TIME')
+local slots = #KEYS - tonumber(ARGV[1])
+local out = {tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000), false}
+if slots < #KEYS then out[2] = redis.call('GET', KEYS[#KEYS]) end
+for i = 1, slots do
+  if redis.call('TYPE', KEYS[i]).ok == 'string' then
+    local left = redis.call('PTTL', KEYS[i])
+    if left ~= -2 then
+      out[#out + 1] = i - 1
+      out[#out + 1] = redis.call('GET', KEYS[i])
+      out[#out + 1] = left
+    end
+  end
+end
+return out
+"""
+
 ACQUIRE, RELEASE, EXTEND = _Script.of(_ACQUIRE), _Script.of(_RELEASE), _Script.of(_EXTEND)
-RENEW = _Script.of(_RENEW)
+RENEW, INSPECT = _Script.of(_RENEW), _Script.of(_INSPECT)
 # At most this many leases per renewal request: a request of this size blocks
 # the server for well under a millisecond.
 RENEW_BATCH = 256
@@ -843,6 +865,35 @@ class RedisStore:
                 for i, answer in zip(chunk, done, strict=True):
                     answers[i] = answer
         return answers
+
+    def holders(self, key: str) -> Steps[Inspection]:
+        """The slot keys of ``key`` that exist, and its fence counter: one read-only script.
+
+        On a cluster with the slot keys in different hash slots, one request
+        per slot key. Expiries are the server's (``PTTL`` from its ``TIME``);
+        a key without one shows the latest expiry a lease may have.
+        """
+        groups = self._groups(key)
+        counter = self._counter(key, groups)
+        found: list[Holder] = []
+        fence: int | None = None
+        now = 0
+        first = 0
+        for number, group in enumerate(groups):
+            extra = [counter] if counter and number == 0 else []
+            reply = yield from self._run(INSPECT, [*group, *extra], ("1" if extra else "0",))
+            if not isinstance(reply, (list, tuple)) or len(reply) < 2 or len(reply) % 3 != 2:
+                raise DMutexError(f"unexpected reply from Redis: {reply!r}")
+            now = _as_int(reply[0], 0, MAX_EXPIRY_MS)
+            if extra and reply[1] is not None:
+                fence = _as_int(reply[1], 0, 2**63 - 1)
+            for at in range(2, len(reply), 3):
+                position, token, left = reply[at : at + 3]
+                expires = MAX_EXPIRY_MS if left == -1 else now + _as_int(left, 0, MAX_EXPIRY_MS)
+                shown = token.decode() if isinstance(token, bytes) else str(token)
+                found.append(Holder(first + _as_int(position, 0, len(group)), shown, expires))
+            first += len(group)
+        return Inspection(found, fence, now)
 
     def _renew(
         self, chunk: list[int], leases: Sequence[Lease], names: list[str]

@@ -23,8 +23,9 @@ from typing import Literal
 from .._errors import AmbiguousClientError, UnsupportedClientError
 from .._validate import BackendName
 from .memory import InMemoryBackend
+from .sqlite import SQLiteBackend
 
-Found = Literal["memory", "mongodb", "redis"]
+Found = Literal["memory", "mongodb", "redis", "sqlite"]
 
 _NEEDS: dict[BackendName, str] = {
     "mongodb": "get_database(name)",
@@ -67,11 +68,14 @@ def _shapes(client: object) -> set[BackendName]:
 def detect(client: object, backend: BackendName | None) -> Found:
     """Name the backend for ``client``; raise if there is none or it is ambiguous.
 
-    An :class:`InMemoryBackend` is accepted whatever ``backend`` says, so that
-    code which passes ``backend=`` from its configuration can be tested with one.
+    An :class:`InMemoryBackend` or an :class:`SQLiteBackend` is accepted
+    whatever ``backend`` says, so that code which passes ``backend=`` from its
+    configuration can be tested with one.
     """
     if isinstance(client, InMemoryBackend):
         return "memory"
+    if isinstance(client, SQLiteBackend):
+        return "sqlite"
     shapes = _shapes(client)
     if backend is not None:
         if backend not in shapes:
@@ -89,7 +93,7 @@ def detect(client: object, backend: BackendName | None) -> Found:
     raise UnsupportedClientError(
         f"{_described(client)} is not a client dmutex can use. A MongoDB client needs "
         f"{_NEEDS['mongodb']}; a Redis client needs {_NEEDS['redis']}; "
-        "or pass a dmutex.InMemoryBackend"
+        "or pass a dmutex.SQLiteBackend or dmutex.InMemoryBackend"
     )
 
 

@@ -10,6 +10,7 @@ Adding a backend means adding a store module beside this one and a branch in
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
 from .._clock import Clock
@@ -19,6 +20,28 @@ from .._core.waiting import Waiter
 
 Renewed: TypeAlias = "int | Exception | None"
 """One lease's answer to ``extend_many``: its new expiry, None (not active), or the error."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Holder:
+    """One active permit as storage holds it: its slot, token and expiry (epoch ms)."""
+
+    slot: int
+    token: str
+    expires_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Inspection:
+    """What a key's storage holds at ``now_ms``: its active permits, and its fence counter.
+
+    ``fence`` is the counter's value, which is the latest grant's fence, or
+    None where the store keeps no counter for the key.
+    """
+
+    holders: list[Holder]
+    fence: int | None
+    now_ms: int
 
 
 class Store(Protocol):
@@ -80,6 +103,10 @@ class Store(Protocol):
 
         Returns the new expiry, or None if no active permit holds ``token``.
         """
+        ...
+
+    def holders(self, key: str) -> Steps[Inspection]:
+        """The active permits of ``key`` by slot, and its fence counter; changes nothing."""
         ...
 
     def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:

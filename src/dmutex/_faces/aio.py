@@ -19,6 +19,7 @@ from .._backends.clients import (
     AsyncRedisSetEvalClient,
 )
 from .._backends.memory import InMemoryBackend
+from .._backends.sqlite import SQLiteBackend
 from .._core.engine import Engine
 from .._core.lease import Lease
 from .._validate import check_timeout
@@ -40,7 +41,11 @@ H = TypeVar("H", bound="_AsyncHandle")
 Self = TypeVar("Self", bound="_AsyncHandle")
 
 AsyncClient: TypeAlias = (
-    InMemoryBackend | AsyncMongoClientLike | AsyncRedisCommandClient | AsyncRedisSetEvalClient
+    InMemoryBackend
+    | SQLiteBackend
+    | AsyncMongoClientLike
+    | AsyncRedisCommandClient
+    | AsyncRedisSetEvalClient
 )
 """Any client an asyncio class accepts."""
 

@@ -74,16 +74,20 @@ class SemaphoreBase(Face[ClientT]):
         key_prefix: str | None = None,
         clock: Clock | None = None,
         fencing: bool | None = None,
+        table_name: str | None = None,
+        table_prefix: str = "_dsemaphore_",
     ) -> None:
         """Make a semaphore of ``max_permits`` permits per key for ``service_name``.
 
         ``client`` is a MongoDB or Redis client (detected from its shape; force
-        with ``backend=``) or an :class:`InMemoryBackend`. ``default_ttl_seconds``
-        is the lease length when a call gives no ``ttl``. MongoDB uses database
-        ``db_name`` and collection ``collection_name`` or
-        ``collection_prefix + service_name``; Redis uses keys under
-        ``key_prefix`` (default ``f"_dsemaphore_{service_name}:"``). Options of
-        the other backend are ignored.
+        with ``backend=``), an :class:`SQLiteBackend` or an
+        :class:`InMemoryBackend`. ``default_ttl_seconds`` is the lease length
+        when a call gives no ``ttl``. MongoDB uses database ``db_name`` and
+        collection ``collection_name`` or ``collection_prefix + service_name``;
+        Redis uses keys under ``key_prefix`` (default
+        ``f"_dsemaphore_{service_name}:"``); SQLite the table ``table_name`` or
+        ``table_prefix + service_name``. Options of the other backends are
+        ignored.
 
         ``clock`` is where this instance reads the time: the expiries it
         writes (MongoDB) or estimates (Redis: ``expired_at``), and its retry
@@ -93,7 +97,8 @@ class SemaphoreBase(Face[ClientT]):
         ``fencing``: whether grants carry a fencing token (``handle.fence``).
         None (the default) keeps one where it costs no extra request: Redis
         (in the acquire's own script; on a cluster only for a key with a
-        hash tag) and :class:`InMemoryBackend`. True also on MongoDB, where
+        hash tag), SQLite (in the acquire's transaction) and
+        :class:`InMemoryBackend`. True also on MongoDB, where
         it costs one more request per successful acquire, and makes a
         cluster key without a hash tag an error. False keeps none, and Redis
         then writes no counter records.
@@ -105,6 +110,7 @@ class SemaphoreBase(Face[ClientT]):
         options = Options.check(
             "semaphore", service_name, max_permits, default_ttl_seconds, backend,
             db_name, collection_name, collection_prefix, key_prefix, clock, fencing,
+            table_name, table_prefix,
         )  # fmt: skip
         self._open(client, options)
 
@@ -125,6 +131,8 @@ class MutexBase(Face[ClientT]):
         key_prefix: str | None = None,
         clock: Clock | None = None,
         fencing: bool | None = None,
+        table_name: str | None = None,
+        table_prefix: str = "_dmutex_",
     ) -> None:
         """Make a mutex for ``service_name``: one holder per key at a time.
 
@@ -135,5 +143,6 @@ class MutexBase(Face[ClientT]):
         options = Options.check(
             "mutex", service_name, 1, default_ttl_seconds, backend,
             db_name, collection_name, collection_prefix, key_prefix, clock, fencing,
+            table_name, table_prefix,
         )  # fmt: skip
         self._open(client, options)

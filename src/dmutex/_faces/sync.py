@@ -15,6 +15,7 @@ from typing import TypeAlias, TypeVar, cast
 
 from .._backends.clients import MongoClientLike, RedisCommandClient, RedisSetEvalClient
 from .._backends.memory import InMemoryBackend
+from .._backends.sqlite import SQLiteBackend
 from .._core.engine import Engine
 from .._core.lease import Lease
 from .._validate import check_timeout
@@ -29,7 +30,9 @@ T = TypeVar("T")
 H = TypeVar("H", bound="_SyncHandle")
 Self = TypeVar("Self", bound="_SyncHandle")
 
-SyncClient: TypeAlias = InMemoryBackend | MongoClientLike | RedisCommandClient | RedisSetEvalClient
+SyncClient: TypeAlias = (
+    InMemoryBackend | SQLiteBackend | MongoClientLike | RedisCommandClient | RedisSetEvalClient
+)
 """Any client a sync class accepts."""
 
 
@@ -208,10 +211,10 @@ class _SyncFace(Wrapping[H]):
 class DSemaphore(_SyncFace[DSemaphorePermit], SemaphoreBase[SyncClient]):
     """A distributed semaphore: at most ``max_permits`` holders per key.
 
-    Each permit is a token-protected lease with a TTL, kept in MongoDB or Redis
-    (or an :class:`InMemoryBackend`). A holder that stops without releasing
-    loses its permit when the TTL runs out. All callers of one key must use the
-    same ``max_permits``.
+    Each permit is a token-protected lease with a TTL, kept in MongoDB, Redis
+    or an :class:`SQLiteBackend` file (or an :class:`InMemoryBackend`). A
+    holder that stops without releasing loses its permit when the TTL runs out.
+    All callers of one key must use the same ``max_permits``.
     """
 
     def _wrap(self, lease: Lease) -> DSemaphorePermit:
@@ -228,10 +231,11 @@ class DSemaphore(_SyncFace[DSemaphorePermit], SemaphoreBase[SyncClient]):
 class DMutex(_SyncFace[DMutexLock], MutexBase[SyncClient]):
     """A distributed mutex: one holder per key at a time (a one-permit semaphore).
 
-    The lock is a token-protected lease with a TTL, kept in MongoDB or Redis
-    (or an :class:`InMemoryBackend`). A holder that stops without releasing
-    loses the lock when the TTL runs out; one that outlives its TTL must
-    ``extend()`` or it may find another holder in its place.
+    The lock is a token-protected lease with a TTL, kept in MongoDB, Redis or
+    an :class:`SQLiteBackend` file (or an :class:`InMemoryBackend`). A holder
+    that stops without releasing loses the lock when the TTL runs out; one that
+    outlives its TTL must ``extend()`` or it may find another holder in its
+    place.
     """
 
     def _wrap(self, lease: Lease) -> DMutexLock:

@@ -1,0 +1,33 @@
+"""Reading what a lock's storage holds, without changing it: ``dmutex status``.
+
+Sync clients only. The store is prepared first (SQLite: its table created
+if missing, MongoDB: its index), as before any operation.
+"""
+
+from __future__ import annotations
+
+from .._faces.drive import SyncDriver
+from .._options import DEFAULT_PREFIX, Kind, Options
+from . import open_store
+from .store import Holder, Inspection
+
+__all__ = ["Holder", "Inspection", "read_holders"]
+
+
+def read_holders(
+    client: object, *, service: str, limit: int, key: str, db_name: str = "dmutex"
+) -> Inspection:
+    """The active permits of ``key`` for ``service``'s lock of ``limit`` permits, and its fence.
+
+    ``limit`` 1 reads a :class:`~dmutex.DMutex`'s records, more a
+    :class:`~dmutex.DSemaphore`'s, under the default names for ``service``.
+    Raises what the client raises; bad arguments raise before any request.
+    """
+    kind: Kind = "mutex" if limit == 1 else "semaphore"
+    prefix = DEFAULT_PREFIX[kind]
+    options = Options.check(
+        kind, service, limit, 300, None, db_name, None, prefix, None, None, None, None, prefix
+    )
+    store = open_store(client, options, asynchronous=False)
+    drive = SyncDriver(store.clock, store.ready)
+    return drive(store.holders(key))

@@ -1,0 +1,483 @@
+"""The SQLite store: leases as rows of one table in a file that the processes of one host share.
+
+Layout (shared with the TypeScript dmutex's D1 store): table ``table_name``,
+else ``table_prefix + service_name`` (``_dmutex_`` / ``_dsemaphore_``), with
+columns ``"key" TEXT PRIMARY KEY, "value" TEXT NOT NULL, "expired_at"
+INTEGER NOT NULL`` (epoch milliseconds) and the index
+``f"{table}_expired_at_idx"`` on ``expired_at``. Slot ``i`` of lock ``k`` is
+the row ``key = f"permit:{i}:{k}"``, ``value`` its token. dmutex adds one row
+per fenced key, ``key = f"fence:{k}"``: the fence counter, in decimal, with
+``expired_at`` at the largest INTEGER so that nothing takes it for a lease.
+
+The rules of this module:
+
+1. Every operation is one call of :class:`SQLiteBackend` and one transaction:
+   a grant, its fence and its token check commit together or not at all. A
+   lone statement is its own transaction; several run in ``BEGIN IMMEDIATE``,
+   which takes the file's write lock first, so two processes never both read
+   a slot free and both take it.
+2. A slot is taken by an upsert whose ``DO UPDATE`` applies only to a row
+   that has expired or already holds the caller's token (a re-sent copy of
+   an acquire), so a held row is never overwritten; the statement's change
+   count is the token check. Release and extend match key, token and an
+   expiry still in the future, so a holder whose lease ran out can neither
+   remove nor prolong its successor's row.
+3. Time is the instance's clock (the host's, unless a test passes one):
+   every process that shares the file reads the same one. Nothing deletes
+   expired rows; the next acquire of the slot overwrites them.
+4. The sync face calls SQLite in the caller's thread; the asyncio face in
+   one worker thread per backend, never on the event loop: a busy file makes
+   a call wait up to ``timeout``. One worker keeps the calls in order, so the
+   release that undoes a cancelled acquire runs after that acquire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import numbers
+import os
+import sqlite3
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar, cast
+
+from .._clock import Clock
+from .._core.effects import Call, Steps
+from .._core.lease import MAX_EXPIRY_MS, Lease, now_ms
+from .._core.waiting import Waiter
+from .._errors import ArgumentTypeError, DMutexError, InvalidArgumentError
+from .store import Holder, Inspection, Renewed, sleep
+
+__all__ = ["SQLiteBackend", "SQLiteStore"]
+
+T = TypeVar("T")
+Conn = sqlite3.Connection
+
+_HEADER = b"SQLite format 3\x00"
+# A fence row's expiry: the largest INTEGER, so it is never active-looking-expired.
+_FOREVER = 2**63 - 1
+
+# Every open backend, so that a forked child drops the connections it inherited.
+_OPEN: weakref.WeakSet[SQLiteBackend] = weakref.WeakSet()
+
+
+def _forked() -> None:
+    for backend in list(_OPEN):
+        backend._after_fork()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def quote(identifier: str) -> str:
+    """An SQL identifier in double quotes; refuses what the TypeScript store refuses."""
+    if not identifier or "\0" in identifier:
+        raise InvalidArgumentError(
+            f"an SQLite table name must be non-empty and without NUL bytes, not {identifier!r}"
+        )
+    return '"' + identifier.replace('"', '""') + '"'
+
+
+def _check_timeout(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"timeout must be an int or float, not {type(value).__name__}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidArgumentError(f"timeout must be a finite number >= 0 seconds, not {value!r}")
+    return seconds
+
+
+def _check_path(path: object) -> str:
+    """The absolute path of a database file dmutex can open, read and write; else a clear error."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str):
+        raise ArgumentTypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
+    if path in ("", ":memory:") or path.startswith("file:"):
+        raise InvalidArgumentError(
+            f"path must name a file, not {path!r}: processes share locks through the file "
+            "(use InMemoryBackend for locks within one process)"
+        )
+    full = os.path.abspath(path)
+    folder = os.path.dirname(full)
+    if not os.path.isdir(folder):
+        raise InvalidArgumentError(
+            f"cannot open the SQLite lock file {full!r}: its directory does not exist"
+        )
+    if os.path.isdir(full):
+        raise InvalidArgumentError(f"cannot open the SQLite lock file {full!r}: it is a directory")
+    if os.path.exists(full):
+        if not os.access(full, os.R_OK | os.W_OK):
+            raise InvalidArgumentError(
+                f"the SQLite lock file {full!r} is not readable and writable by this user: "
+                "every lock operation writes to it"
+            )
+        with open(full, "rb") as file:
+            head = file.read(len(_HEADER))
+        if head and head != _HEADER:
+            raise InvalidArgumentError(f"{full!r} is not an SQLite database")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(
+            f"cannot use the SQLite lock file {full!r}: its directory is not writable by this "
+            "user, and SQLite creates the file and its -wal and -shm files there"
+        )
+    return full
+
+
+class SQLiteBackend:
+    """An SQLite database file holding lock tables: a client for every dmutex class.
+
+    ``SQLiteBackend(path)`` opens (creating it if missing) the file at
+    ``path`` in WAL mode with ``synchronous=FULL``. Locks are exclusive
+    across every thread and process on the host that opens the same file,
+    and survive the crash of any of them; a process that dies holding a
+    lease leaves it until its TTL runs out. ``timeout`` is how long one
+    operation waits for another process's transaction to finish before it
+    raises ``sqlite3.OperationalError`` ("database is locked").
+
+    Raises :class:`~dmutex.InvalidArgumentError` for a path whose directory
+    is missing, a file this user cannot read and write, or a file that is
+    not an SQLite database, before any lock state changes.
+
+    Caveats: one host only. SQLite's locks do not work reliably over
+    network filesystems (NFS, SMB), so neither does this. For a file that
+    several users share, each needs write access to the file and to its
+    directory (SQLite creates ``path-wal`` and ``path-shm`` beside it): a
+    group-writable directory with the setgid bit and a umask of 002, say.
+    """
+
+    __slots__ = ("__weakref__", "_conn", "_gate", "_path", "_pid", "_timeout", "_worker")
+
+    def __init__(self, path: str | os.PathLike[str], *, timeout: float = 30.0) -> None:
+        self._timeout = _check_timeout(timeout)
+        self._path = _check_path(path)
+        self._gate = threading.Lock()
+        self._worker: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
+        self._conn: Conn | None = None
+        try:
+            self._conn = self._connect()
+        except sqlite3.DatabaseError as error:
+            raise InvalidArgumentError(
+                f"cannot open the SQLite lock file {self._path!r}: {error}"
+            ) from None
+        _OPEN.add(self)
+
+    @property
+    def path(self) -> str:
+        """The absolute path of the database file."""
+        return self._path
+
+    def _connect(self) -> Conn:
+        conn = sqlite3.connect(
+            self._path, timeout=self._timeout, isolation_level=None, check_same_thread=False
+        )
+        try:
+            # WAL: readers never block the writer; FULL: a grant or fence
+            # that was answered survives a power cut, so no fence is reused.
+            conn.execute("PRAGMA journal_mode=WAL").fetchall()
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA schema_version").fetchall()  # "not a database" surfaces here
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _after_fork(self) -> None:
+        # The parent's connection and worker thread are not the child's:
+        # SQLite forbids carrying a connection across fork. Abandon them.
+        self._gate = threading.Lock()
+        self._worker = None
+        self._conn = None
+        self._pid = os.getpid()
+
+    def call(self, fn: Callable[[Conn], T]) -> T:
+        """Run ``fn(connection)`` in this thread, one caller at a time."""
+        with self._gate:
+            conn = self._conn
+            if conn is None or self._pid != os.getpid():
+                self._pid = os.getpid()
+                conn = self._conn = self._connect()
+            return fn(conn)
+
+    def call_async(self, fn: Callable[[Conn], T]) -> asyncio.Future[T]:
+        """Run ``fn(connection)`` in this backend's worker thread; a future of the running loop."""
+        loop = asyncio.get_running_loop()
+        with self._gate:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="dmutex-sqlite")
+            worker = self._worker
+        return asyncio.wrap_future(worker.submit(self.call, fn), loop=loop)
+
+    def close(self) -> None:
+        """Close the connection and stop the worker thread; a later call opens them anew."""
+        with self._gate:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.shutdown(wait=True)
+        with self._gate:
+            conn, self._conn = self._conn, None
+        if conn is not None and self._pid == os.getpid():
+            conn.close()
+
+    def __repr__(self) -> str:
+        return f"SQLiteBackend({self._path!r})"
+
+
+def _in_transaction(conn: Conn, body: Callable[[Conn], T]) -> T:
+    """``body(conn)`` in ``BEGIN IMMEDIATE``: committed if it returns, rolled back if it raises."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        result = body(conn)
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    try:
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class _Sql:
+    """The statements of one table, with its quoted name filled in."""
+
+    create_table: str
+    create_index: str
+    take: str
+    slots: str
+    read: str
+    put: str
+    delete: str
+    delete_any: str
+    extend: str
+    extend_any: str
+
+    @classmethod
+    def of(cls, table: str) -> _Sql:
+        t = quote(table)
+        index = quote(f"{table}_expired_at_idx")
+        # The names of slots 0 .. ?1 - 1 of key ?2 (the recursion stops at ?1).
+        names = (
+            "WITH RECURSIVE slot(i) AS "
+            "(SELECT 0 UNION ALL SELECT i + 1 FROM slot WHERE i + 1 < ?1) "
+            "SELECT 'permit:' || i || ':' || ?2 FROM slot"
+        )
+        return cls(
+            create_table=(
+                f'CREATE TABLE IF NOT EXISTS {t} ("key" TEXT PRIMARY KEY, '
+                '"value" TEXT NOT NULL, "expired_at" INTEGER NOT NULL)'
+            ),
+            create_index=f'CREATE INDEX IF NOT EXISTS {index} ON {t} ("expired_at")',
+            # Rule 2. Inside DO UPDATE, a bare column is the stored row's.
+            take=(
+                f'INSERT INTO {t} ("key", "value", "expired_at") VALUES (?1, ?2, ?3) '
+                'ON CONFLICT("key") DO UPDATE SET "value" = excluded."value", '
+                '"expired_at" = excluded."expired_at" WHERE "expired_at" <= ?4 OR "value" = ?2'
+            ),
+            slots=(
+                f'SELECT "key", "value", "expired_at" FROM {t} WHERE "key" IN ({names}) '
+                'AND ("expired_at" > ?3 OR "value" = ?4)'
+            ),
+            read=f'SELECT "value", "expired_at" FROM {t} WHERE "key" = ?1',
+            put=(
+                f'INSERT INTO {t} ("key", "value", "expired_at") VALUES (?1, ?2, ?3) '
+                'ON CONFLICT("key") DO UPDATE SET "value" = excluded."value"'
+            ),
+            delete=f'DELETE FROM {t} WHERE "key" = ?3 AND "value" = ?4 AND "expired_at" > ?5',
+            delete_any=(
+                f'DELETE FROM {t} WHERE "key" IN ({names}) AND "value" = ?4 AND "expired_at" > ?5'
+            ),
+            extend=(
+                f'UPDATE {t} SET "expired_at" = ?6 '
+                'WHERE "key" = ?3 AND "value" = ?4 AND "expired_at" > ?5'
+            ),
+            extend_any=(
+                f'UPDATE {t} SET "expired_at" = ?6 WHERE "key" IN ({names}) '
+                'AND "value" = ?4 AND "expired_at" > ?5'
+            ),
+        )
+
+
+def _slot_of(name: str, key: str) -> int:
+    return int(name[len("permit:") : -len(key) - 1])
+
+
+class SQLiteStore:
+    """One table of lease rows; a ``Store``.
+
+    One call to the backend per operation (rule 1): acquire (with its
+    fence), release, extend, and a whole batch of renewals each run as one
+    transaction.
+    """
+
+    max_expiry_ms = MAX_EXPIRY_MS
+
+    def __init__(
+        self,
+        backend: SQLiteBackend,
+        table: str,
+        max_permits: int,
+        clock: Clock,
+        *,
+        asynchronous: bool,
+        fencing: bool = True,
+    ) -> None:
+        self._sql = _Sql.of(table)
+        self._table = table
+        self._run: Callable[[Callable[[Conn], object]], object] = (
+            backend.call_async if asynchronous else backend.call
+        )
+        self._permits = max_permits
+        self._clock = clock
+        self._fencing = fencing
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    def ready(self) -> Steps[None]:
+        """Create the table and its expiry index if missing: one call."""
+        sql = self._sql
+
+        def create(conn: Conn) -> None:
+            conn.execute(sql.create_table)
+            conn.execute(sql.create_index)
+
+        yield Call(self._run, (create,))
+
+    def acquire(
+        self, key: str, token: str, ttl_ms: int, waiter: Waiter | None = None
+    ) -> Steps[Lease | None]:
+        """Take the slot holding ``token``, else the lowest free or expired one; None if none is.
+
+        A mutex without fencing is one statement; anything else is one
+        ``BEGIN IMMEDIATE`` transaction (rule 1).
+        """
+        now = now_ms(self._clock)
+        expires = now + ttl_ms
+        sql, permits = self._sql, self._permits
+
+        def take(conn: Conn) -> tuple[int, int | None] | None:
+            if permits == 1:
+                slot = 0
+            else:
+                rows = conn.execute(sql.slots, (permits, key, now, token)).fetchall()
+                held = {_slot_of(name, key): value for name, value, _ in rows}
+                mine = [slot for slot, value in held.items() if value == token]
+                free = (slot for slot in range(permits) if slot not in held)
+                slot = mine[0] if mine else next(free, -1)
+                if slot < 0:
+                    return None
+            cursor = conn.execute(sql.take, (f"permit:{slot}:{key}", token, expires, now))
+            if cursor.rowcount != 1:
+                return None
+            return slot, self._bump(conn, key) if self._fencing else None
+
+        one = permits == 1 and not self._fencing
+        reply = yield Call(self._run, (take if one else _transaction(take),))
+        granted = cast("tuple[int, int | None] | None", reply)  # what take() returned
+        if granted is None:
+            return None
+        slot, fence = granted
+        return Lease(key, token, slot, expires, fence=fence)
+
+    def _bump(self, conn: Conn, key: str) -> int:
+        """Increment the fence counter of ``key``; raise on a row that dmutex did not write."""
+        name = f"fence:{key}"
+        row = conn.execute(self._sql.read, (name,)).fetchone()
+        if row is None:
+            fence = 1
+        else:
+            value, expires = row
+            if not (isinstance(value, str) and value.isdigit() and expires == _FOREVER):
+                raise DMutexError(
+                    f"the row {name!r} of table {self._table!r} holds a value dmutex did not write"
+                )
+            fence = int(value) + 1
+        conn.execute(self._sql.put, (name, str(fence), _FOREVER))
+        return fence
+
+    def _match(self, key: str, token: str, slot: int | None) -> tuple[object, ...]:
+        """The parameters that pick the active row of ``key`` holding ``token``."""
+        name = None if slot is None else f"permit:{slot}:{key}"
+        return (self._permits, key, name, token, now_ms(self._clock))
+
+    def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
+        """Delete the active row holding ``token``: one statement."""
+        statement = self._sql.delete_any if slot is None else self._sql.delete
+        params = self._match(key, token, slot)
+
+        def delete(conn: Conn) -> int:
+            return conn.execute(statement, params).rowcount
+
+        deleted = yield Call(self._run, (delete,), complete=True)
+        return deleted == 1
+
+    def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
+        """Move the expiry of the active row holding ``token``: one statement."""
+        statement = self._sql.extend_any if slot is None else self._sql.extend
+        params = self._match(key, token, slot)
+        expires = now_ms(self._clock) + ttl_ms
+
+        def update(conn: Conn) -> int:
+            return conn.execute(statement, (*params, expires)).rowcount
+
+        changed = yield Call(self._run, (update,))
+        return expires if changed == 1 else None
+
+    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
+        """Extend every lease in one transaction; a failed call fails them all."""
+        statement = self._sql.extend
+        batch = [
+            ((*self._match(lease.key, lease.token, lease.slot), expires), expires)
+            for lease in leases
+            for expires in (now_ms(self._clock) + lease.ttl_ms,)
+        ]
+
+        def update(conn: Conn) -> list[Renewed]:
+            return [
+                expires if conn.execute(statement, params).rowcount == 1 else None
+                for params, expires in batch
+            ]
+
+        try:
+            answers = yield Call(self._run, (_transaction(update),))
+        except Exception as error:  # noqa: BLE001 - every lease's answer
+            return [error] * len(leases)
+        return cast("list[Renewed]", answers)  # what update() returned
+
+    def holders(self, key: str) -> Steps[Inspection]:
+        """The active permits of ``key`` and its fence counter: one call, no change."""
+        now = now_ms(self._clock)
+        sql, permits = self._sql, self._permits
+
+        def read(conn: Conn) -> Inspection:
+            rows = conn.execute(sql.slots, (permits, key, now, None)).fetchall()
+            found = sorted(Holder(_slot_of(name, key), value, at) for name, value, at in rows)
+            counter = conn.execute(sql.read, (f"fence:{key}",)).fetchone()
+            fence = int(counter[0]) if counter and str(counter[0]).isdigit() else None
+            return Inspection(found, fence, now)
+
+        inspection = yield Call(self._run, (read,))
+        return cast(Inspection, inspection)  # what read() returned
+
+    def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
+        """Sleep: nothing here signals a release (jittered polling, ``waiting.py``)."""
+        return sleep(seconds)
+
+
+def _transaction(body: Callable[[Conn], T]) -> Callable[[Conn], T]:
+    """``body`` run by :func:`_in_transaction`."""
+
+    def run(conn: Conn) -> T:
+        return _in_transaction(conn, body)
+
+    return run
