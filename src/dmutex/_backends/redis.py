@@ -414,6 +414,9 @@ end
 return out
 """
 
+# How the acquire script stores a fence counter's value: this, then the number.
+_FENCE_MARK = "dmutex:fence:"
+
 ACQUIRE, RELEASE, EXTEND = _Script.of(_ACQUIRE), _Script.of(_RELEASE), _Script.of(_EXTEND)
 RENEW, INSPECT = _Script.of(_RENEW), _Script.of(_INSPECT)
 # At most this many leases per renewal request: a request of this size blocks
@@ -885,8 +888,9 @@ class RedisStore:
             if not isinstance(reply, (list, tuple)) or len(reply) < 2 or len(reply) % 3 != 2:
                 raise DMutexError(f"unexpected reply from Redis: {reply!r}")
             now = _as_int(reply[0], 0, MAX_EXPIRY_MS)
-            if extra and reply[1] is not None:
-                fence = _as_int(reply[1], 0, 2**63 - 1)
+            stored = reply[1].decode() if isinstance(reply[1], bytes) else reply[1]
+            if extra and isinstance(stored, str) and stored.startswith(_FENCE_MARK):
+                fence = _as_int(stored[len(_FENCE_MARK) :], 0, 2**63 - 1)
             for at in range(2, len(reply), 3):
                 position, token, left = reply[at : at + 3]
                 expires = MAX_EXPIRY_MS if left == -1 else now + _as_int(left, 0, MAX_EXPIRY_MS)
