@@ -11,14 +11,24 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dmutex import AsyncDMutex, DMutex, DSemaphore, DSemaphorePermit, InMemoryBackend, ManualClock
-from dmutex._backends import memory
+from dmutex import (
+    AsyncDMutex,
+    AsyncDSemaphore,
+    DMutex,
+    DSemaphore,
+    DSemaphorePermit,
+    InMemoryBackend,
+    ManualClock,
+    SQLiteBackend,
+)
+from dmutex._backends import memory, sqlite
 from dmutex._backends.redis import MIN_BLOCK, RedisStore, _blocking
 from dmutex._clock import SYSTEM_CLOCK
 from dmutex._core.effects import Call, Sleep
@@ -409,3 +419,110 @@ def test_a_block_that_times_out_is_not_a_wake() -> None:
     made = Waiter(1000, registered=True)
     assert [type(e) for e in _wait_effects_of(store, made, 0.25)] == [Call]
     assert made.woken is False
+
+
+# --- SQLiteBackend: woken through the same backend, else told the expiry ----------
+
+
+@pytest.fixture
+def sqlite_attempts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every key an SQLiteBackend acquire attempt was made for, in order."""
+    seen: list[str] = []
+    original = sqlite.SQLiteStore.acquire
+
+    def spy(self: sqlite.SQLiteStore, key: str, *args: Any) -> Any:
+        seen.append(key)
+        return original(self, key, *args)
+
+    monkeypatch.setattr(sqlite.SQLiteStore, "acquire", spy)
+    return seen
+
+
+def sqlite_registered(backend: SQLiteBackend) -> None:
+    """Block until a waiter waits on the backend (bounded)."""
+    for _ in range(20_000):
+        with backend._gate:
+            if any(len(wakeups) for wakeups in backend._waiters.values()):
+                return
+        threading.Event().wait(0.001)
+    raise AssertionError("the waiter never registered")
+
+
+def test_an_sqlite_release_wakes_a_waiter_of_the_same_backend(
+    tmp_path: Path, sqlite_attempts: list[str]
+) -> None:
+    backend = SQLiteBackend(tmp_path / "locks.sqlite3")
+    mutex = DMutex("svc", backend)
+    holder = mutex.acquire("job", ttl=60)
+    assert holder is not None
+    got: list[object] = []
+    waiter_thread = threading.Thread(
+        target=lambda: got.append(mutex.acquire_with_retry("job", timeout=60, retry_delay=LONG))
+    )
+    waiter_thread.start()
+    sqlite_registered(backend)
+    assert holder.release() is True
+    waiter_thread.join(BOUND)
+    assert not waiter_thread.is_alive(), "the release did not wake the waiter"
+    assert got
+    assert got[0] is not None
+    assert sqlite_attempts == ["job", "job", "job"]
+    assert backend._waiters == {}, "the winning attempt ended the registration"
+    backend.close()
+
+
+def test_an_sqlite_release_wakes_an_async_waiter(tmp_path: Path) -> None:
+    backend = SQLiteBackend(tmp_path / "locks.sqlite3")
+
+    async def main() -> None:
+        semaphore = AsyncDSemaphore("svc", backend, max_permits=2)
+        held = [await semaphore.acquire("api", ttl=60) for _ in range(2)]
+        waiting = asyncio.create_task(
+            semaphore.acquire_with_retry("api", timeout=60, retry_delay=LONG)
+        )
+        while not backend._waiters:
+            await asyncio.sleep(0.001)
+        assert held[1] is not None
+        assert await held[1].release() is True
+        permit = await asyncio.wait_for(waiting, BOUND)
+        assert permit is not None
+        assert permit.slot == 1
+
+    asyncio.run(main())
+    backend.close()
+
+
+@pytest.mark.parametrize("permits", [1, 2])
+def test_an_sqlite_waiter_on_a_manual_clock_waits_exactly_until_the_first_expiry(
+    tmp_path: Path, sqlite_attempts: list[str], permits: int
+) -> None:
+    """No release signals another process's expiry: the failed attempt read it."""
+    clock = ManualClock()
+    backend = SQLiteBackend(tmp_path / "locks.sqlite3")
+    semaphore = DSemaphore("svc", backend, max_permits=permits, clock=clock)
+    for ttl in (7, 5)[-permits:]:
+        assert semaphore.acquire("job", ttl=ttl) is not None
+    permit = semaphore.acquire_with_retry("job", timeout=60, retry_delay=LONG)
+    assert permit is not None
+    assert clock.monotonic() == 5.0, "the wait ran to the first expiry, not to retry_delay"
+    assert sqlite_attempts == ["job"] * (permits + 2)
+    backend.close()
+
+
+def test_an_abandoned_sqlite_waiter_leaves_nothing_registered(tmp_path: Path) -> None:
+    backend = SQLiteBackend(tmp_path / "locks.sqlite3")
+
+    async def main() -> None:
+        mutex = AsyncDMutex("svc", backend)
+        assert await mutex.acquire("job", ttl=60) is not None
+        waiting = asyncio.create_task(mutex.acquire_with_retry("job", timeout=60, retry_delay=LONG))
+        while not backend._waiters:
+            await asyncio.sleep(0.001)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    asyncio.run(main())
+    gc.collect()
+    assert all(len(wakeups) == 0 for wakeups in backend._waiters.values())
+    backend.close()

@@ -25,7 +25,13 @@ The rules of this module:
 3. Time is the instance's clock (the host's, unless a test passes one):
    every process that shares the file reads the same one. Nothing deletes
    expired rows; the next acquire of the slot overwrites them.
-4. The sync face calls SQLite in the caller's thread; the asyncio face in
+4. A release wakes the retrying acquires that wait for its key through the
+   same backend object (threads and tasks of this process), as
+   InMemoryBackend does; a waiter registers in the call of its failed
+   attempt, under the backend's lock, so no release falls between. Other
+   processes send no signal: their waiters poll (``waiting.py``, rule 3),
+   and a failed attempt learns when the first lease in its way ends.
+5. The sync face calls SQLite in the caller's thread; the asyncio face in
    one worker thread per backend, never on the event loop: a busy file makes
    a call wait up to ``timeout``. One worker keeps the calls in order, so the
    release that undoes a cancelled acquire runs after that acquire.
@@ -46,11 +52,11 @@ from dataclasses import dataclass
 from typing import TypeVar, cast
 
 from .._clock import Clock
-from .._core.effects import Call, Steps
+from .._core.effects import Call, Sleep, Steps, Wait
 from .._core.lease import MAX_EXPIRY_MS, Lease, now_ms
-from .._core.waiting import Waiter
+from .._core.waiting import Waiter, Wakeup
 from .._errors import ArgumentTypeError, DMutexError, InvalidArgumentError
-from .store import Holder, Inspection, Renewed, sleep
+from .store import Holder, Inspection, Renewed
 
 __all__ = ["SQLiteBackend", "SQLiteStore"]
 
@@ -150,7 +156,16 @@ class SQLiteBackend:
     group-writable directory with the setgid bit and a umask of 002, say.
     """
 
-    __slots__ = ("__weakref__", "_conn", "_gate", "_path", "_pid", "_timeout", "_worker")
+    __slots__ = (
+        "__weakref__",
+        "_conn",
+        "_gate",
+        "_path",
+        "_pid",
+        "_timeout",
+        "_waiters",
+        "_worker",
+    )
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 30.0) -> None:
         self._timeout = _check_timeout(timeout)
@@ -159,6 +174,9 @@ class SQLiteBackend:
         self._worker: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._conn: Conn | None = None
+        # (table, key) -> the wakeups of this process's waiters (rule 4),
+        # held weakly: an abandoned acquire leaves nothing. Under _gate.
+        self._waiters: dict[tuple[str, str], weakref.WeakSet[Wakeup]] = {}
         try:
             self._conn = self._connect()
         except sqlite3.DatabaseError as error:
@@ -193,6 +211,7 @@ class SQLiteBackend:
         self._gate = threading.Lock()
         self._worker = None
         self._conn = None
+        self._waiters = {}
         self._pid = os.getpid()
 
     def call(self, fn: Callable[[Conn], T]) -> T:
@@ -226,6 +245,24 @@ class SQLiteBackend:
 
     def __repr__(self) -> str:
         return f"SQLiteBackend({self._path!r})"
+
+
+def _register(backend: SQLiteBackend, name: tuple[str, str], waiter: Waiter, on: bool) -> None:
+    """Add ``waiter`` to (or, ``on`` False, drop it from) ``name``'s waiters; under the gate."""
+    waiting = backend._waiters
+    wakeups = waiting.get(name)
+    if not on:
+        if wakeups is not None:
+            wakeups.discard(waiter.wakeup)
+            if not wakeups:
+                del waiting[name]
+        waiter.registered = False
+        return
+    if wakeups is None:
+        wakeups = waiting[name] = weakref.WeakSet()
+    waiter.wakeup.clear()
+    wakeups.add(waiter.wakeup)
+    waiter.registered = True
 
 
 def _in_transaction(conn: Conn, body: Callable[[Conn], T]) -> T:
@@ -332,6 +369,7 @@ class SQLiteStore:
     ) -> None:
         self._sql = _Sql.of(table)
         self._table = table
+        self._backend = backend
         self._run: Callable[[Callable[[Conn], object]], object] = (
             backend.call_async if asynchronous else backend.call
         )
@@ -363,9 +401,10 @@ class SQLiteStore:
         """
         now = now_ms(self._clock)
         expires = now + ttl_ms
-        sql, permits = self._sql, self._permits
+        sql, permits, backend = self._sql, self._permits, self._backend
 
-        def take(conn: Conn) -> tuple[int, int | None] | None:
+        def grant(conn: Conn) -> tuple[int, int | None] | None:
+            rows: list[tuple[str, str, int]] = []
             if permits == 1:
                 slot = 0
             else:
@@ -374,16 +413,23 @@ class SQLiteStore:
                 mine = [slot for slot, value in held.items() if value == token]
                 free = (slot for slot in range(permits) if slot not in held)
                 slot = mine[0] if mine else next(free, -1)
-                if slot < 0:
-                    return None
-            cursor = conn.execute(sql.take, (f"permit:{slot}:{key}", token, expires, now))
-            if cursor.rowcount != 1:
-                return None
-            return slot, self._bump(conn, key) if self._fencing else None
+            if slot >= 0:
+                cursor = conn.execute(sql.take, (f"permit:{slot}:{key}", token, expires, now))
+                if cursor.rowcount == 1:
+                    if waiter is not None:
+                        _register(backend, (self._table, key), waiter, False)
+                    return slot, self._bump(conn, key) if self._fencing else None
+            if waiter is not None:
+                if permits == 1:
+                    rows = conn.execute(sql.slots, (1, key, now, None)).fetchall()
+                ends = [at for _, _, at in rows if at > now]
+                waiter.expires_in = (min(ends) - now) / 1000 if ends else None
+                _register(backend, (self._table, key), waiter, not waiter.last)
+            return None
 
         one = permits == 1 and not self._fencing
-        reply = yield Call(self._run, (take if one else _transaction(take),))
-        granted = cast("tuple[int, int | None] | None", reply)  # what take() returned
+        reply = yield Call(self._run, (grant if one else _transaction(grant),))
+        granted = cast("tuple[int, int | None] | None", reply)  # what grant() returned
         if granted is None:
             return None
         slot, fence = granted
@@ -415,11 +461,19 @@ class SQLiteStore:
         statement = self._sql.delete_any if slot is None else self._sql.delete
         params = self._match(key, token, slot)
 
-        def delete(conn: Conn) -> int:
-            return conn.execute(statement, params).rowcount
+        backend, name = self._backend, (self._table, key)
 
-        deleted = yield Call(self._run, (delete,), complete=True)
-        return deleted == 1
+        def delete(conn: Conn) -> list[Wakeup] | None:
+            if conn.execute(statement, params).rowcount != 1:
+                return None
+            return list(backend._waiters.pop(name, ()))
+
+        woken = yield Call(self._run, (delete,), complete=True)
+        if woken is None:
+            return False
+        for wakeup in cast("list[Wakeup]", woken):  # what delete() returned
+            wakeup.set()  # outside the backend's lock: a wakeup calls listeners
+        return True
 
     def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
         """Move the expiry of the active row holding ``token``: one statement."""
@@ -470,8 +524,11 @@ class SQLiteStore:
         return cast(Inspection, inspection)  # what read() returned
 
     def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
-        """Sleep: nothing here signals a release (jittered polling, ``waiting.py``)."""
-        return sleep(seconds)
+        """Wait for a release through this backend (rule 4), or the whole time."""
+        if waiter.registered:
+            yield Wait(waiter.wakeup, seconds)
+        else:
+            yield Sleep(seconds)
 
 
 def _transaction(body: Callable[[Conn], T]) -> Callable[[Conn], T]:
