@@ -21,3 +21,26 @@ def test_threads_example_runs_and_reports() -> None:
     assert 1 <= peak <= 3
     assert "locks left behind: 0" in lines
     assert lines[-1] == "OK"
+
+
+CONTEND = EXAMPLE.parent / "contend.sh"
+
+
+def test_contend_example_shows_the_second_command_refused_and_the_third_waiting(
+    tmp_path: Path,
+) -> None:
+    """Run as the README's first command runs it: dmutex on PATH, the default lock file."""
+    bin_dir = Path(sys.executable).parent
+    assert (bin_dir / "dmutex").exists(), "the console script is installed beside the interpreter"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "XDG_STATE_HOME": str(tmp_path)}
+    done = subprocess.run(
+        ["sh", str(CONTEND)], capture_output=True, text=True, timeout=120, check=False, env=env
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 4, lines
+    assert lines[0] == "first:  holds quickstart (fence 1) for 2 s"
+    assert lines[1] == "second: -n refused at once, exit status 75"
+    assert lines[2] == "third:  waited for the first, then ran (fence 2)"
+    assert lines[3] == "lock free again: OK"
+    assert (tmp_path / "dmutex" / "locks.sqlite3").exists()

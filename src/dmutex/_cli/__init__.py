@@ -1,0 +1,67 @@
+"""The ``dmutex`` command: run a command under a distributed lock, or show who holds one.
+
+``dmutex run [options] KEY -- COMMAND [ARG...]`` takes the lock KEY (a
+semaphore of ``--limit`` permits), runs COMMAND as a child with the lease
+renewed in the background, and releases it when the child ends.
+``dmutex status [options] KEY`` shows the active permits. See
+``dmutex --help``.
+
+The rules of the command:
+
+1. The lock is released before ``dmutex`` exits, whatever ended the child;
+   a ``dmutex`` that is killed with SIGKILL leaves it to lapse within one TTL.
+2. Exit status: the child's own (128+N if signal N ended it); 75 (``-E``)
+   when the lock was not acquired (held with ``-n``, or the ``-w`` wait ran
+   out); 64 for usage errors; 69 when the backend cannot be reached or the
+   client package of its scheme is missing; 70 after the lease was lost
+   while the child ran (the child got SIGTERM, then SIGKILL after
+   ``--kill-grace``); 127 / 126 when COMMAND is not found / not executable,
+   as in the shell. ``status``: 0 held, 1 free.
+3. A failure prints one line on stderr, ``dmutex: ...``, with any password
+   in the backend URL hidden; a lock that stayed held prints nothing
+   without ``-v``, as ``flock(1)`` does.
+4. The default backend is an SQLite file per user
+   (``$XDG_STATE_HOME/dmutex/locks.sqlite3``, else
+   ``~/.local/state/dmutex/locks.sqlite3``): one host's processes share it.
+   The Redis and MongoDB client packages are imported only for their
+   schemes.
+5. The layout is the library's: a ``dmutex run`` and a ``DMutex`` (or,
+   with ``--limit``, a ``DSemaphore``) of the same service name on the same
+   backend guard the same keys.
+
+Caveats: POSIX only (signals, process groups). The child stays in
+``dmutex``'s process group, as under ``flock(1)``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from .args import RunArgs, parse
+from .errors import Failure
+from .run import run
+from .status import status
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``dmutex`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status.
+
+    Never raises ``SystemExit``: the console script and ``python -m dmutex``
+    exit with what it returns.
+    """
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    env = os.environ
+    try:
+        parsed = parse(arguments, env)
+        if isinstance(parsed, RunArgs):
+            return run(parsed, env, sys.stderr)
+        return status(parsed, env, sys.stdout)
+    except Failure as failure:
+        if failure.message:
+            sys.stderr.write(f"dmutex: {failure.message}\n")
+            sys.stderr.flush()
+        return failure.status

@@ -1,0 +1,304 @@
+"""The command line: ``dmutex run`` and ``dmutex status``, parsed into checked dataclasses.
+
+Guarantee: :func:`parse` returns a :class:`RunArgs` or :class:`StatusArgs`
+whose every value is in range, or raises :class:`~dmutex._cli.errors.Failure`
+(status 64 for a usage error, 0 after ``--help`` / ``--version``, with the
+text already printed). It never raises ``SystemExit``.
+
+Caveats: as with ``flock(1)``, the options of ``run`` come before KEY:
+everything after KEY is the command (a first ``--`` after KEY is dropped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+from .._version import __version__
+from .errors import CONFLICT, USAGE, Failure
+
+__all__ = ["RunArgs", "StatusArgs", "build_parser", "parse"]
+
+DEFAULT_SERVICE = "dmutex"
+DEFAULT_TTL = 60.0
+DEFAULT_KILL_GRACE = 10.0
+BACKEND_ENV = "DMUTEX_BACKEND"
+
+_BACKEND_HELP = (
+    "where the locks live: sqlite:///PATH, redis://..., rediss://..., mongodb://..., "
+    f"mongodb+srv://... (default: ${BACKEND_ENV}, else the SQLite file "
+    "$XDG_STATE_HOME/dmutex/locks.sqlite3, else ~/.local/state/dmutex/locks.sqlite3)"
+)
+
+_RUN_EPILOG = """\
+exit status:
+  the command's own (128+N if a signal N killed it)
+  75   the lock is held (-n), or the wait ran out (-w); change it with -E
+  64   usage error          69   the backend cannot be reached
+  70   the lease was lost while the command ran (it got SIGTERM, then SIGKILL)
+  126  COMMAND cannot be executed       127  COMMAND not found
+
+the command's environment gains DMUTEX_KEY, DMUTEX_TOKEN and DMUTEX_FENCE
+(the grant's fencing number: every grant gets one, on every backend).
+
+examples:
+  dmutex run nightly-backup -- ./backup.sh         # one backup at a time on this host
+  dmutex run -n nightly-backup -- ./backup.sh      # skip if one is running (exit 75)
+  dmutex run -w 300 -v deploy -- make deploy       # wait up to 5 minutes, showing holders
+  dmutex run --limit 4 --backend redis://cache:6379/0 gpu -- train.py
+                                                   # at most 4 at a time, across hosts
+  DMUTEX_BACKEND=mongodb://db/ops dmutex run migrate -- ./migrate.sh
+"""
+
+_STATUS_EPILOG = """\
+exit status: 0 if any permit of KEY is held, 1 if it is free, 64 usage error,
+69 the backend cannot be reached.
+
+examples:
+  dmutex status nightly-backup
+  dmutex status --json --backend redis://cache:6379/0 --limit 4 gpu
+"""
+
+_MAIN_EPILOG = """\
+Run 'dmutex run --help' or 'dmutex status --help' for their options.
+"""
+
+
+class _Exit(Exception):
+    """argparse wants to exit: after --help, or a usage error it already printed."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser that raises instead of exiting, and exits 64 on usage errors."""
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        if message:
+            sys.stderr.write(message)
+        raise _Exit(status)
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(USAGE, f"{self.prog}: error: {message}\n")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)
+
+
+def _seconds(text: str, *, zero: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        bound = ">= 0" if zero else "> 0"
+        raise argparse.ArgumentTypeError(f"must be a finite number {bound} seconds: {text!r}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    return _seconds(text, zero=False)
+
+
+def _seconds_or_zero(text: str) -> float:
+    return _seconds(text, zero=True)
+
+
+def _permits(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
+def _exit_code(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an exit status: {text!r}") from None
+    if not 0 <= value <= 255:
+        raise argparse.ArgumentTypeError(f"an exit status is 0 to 255, not {text!r}")
+    return value
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", metavar="URL", help=_BACKEND_HELP)
+    parser.add_argument(
+        "--service",
+        metavar="NAME",
+        default=DEFAULT_SERVICE,
+        help="the namespace of the keys, as the library's service_name (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--limit",
+        metavar="N",
+        type=_permits,
+        default=1,
+        help="a semaphore of N permits; 1 is a mutex (default: %(default)s). "
+        "Every user of a key must give the same N",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dmutex`` parser with its ``run`` and ``status`` subcommands."""
+    parser = _Parser(
+        prog="dmutex",
+        description="Run commands under distributed locks (mutexes and semaphores) "
+        "kept in SQLite, Redis or MongoDB.",
+        epilog=_MAIN_EPILOG,
+        formatter_class=_Formatter,
+    )
+    parser.add_argument("--version", action="version", version=f"dmutex {__version__}")
+    commands = parser.add_subparsers(dest="command_name", metavar="{run,status}")
+
+    run = commands.add_parser(
+        "run",
+        help="run a command while holding a lock",
+        usage="dmutex run [options] KEY [--] COMMAND [ARG...]",
+        description="Take the lock KEY, run COMMAND with it held (renewed in the background), "
+        "and release it when COMMAND ends, whatever the reason. SIGINT, SIGTERM and SIGHUP "
+        "are passed on to COMMAND.",
+        epilog=_RUN_EPILOG,
+        formatter_class=_Formatter,
+    )
+    _add_common(run)
+    run.add_argument(
+        "--ttl",
+        metavar="SECONDS",
+        type=_positive_seconds,
+        default=DEFAULT_TTL,
+        help="the lease length, renewed every third of it while COMMAND runs; a dmutex "
+        "that dies leaves the lock held this long at most (default: %(default)g)",
+    )
+    waiting = run.add_mutually_exclusive_group()
+    waiting.add_argument(
+        "-n",
+        "--no-wait",
+        action="store_true",
+        help="fail at once if the lock is held (default: wait)",
+    )
+    waiting.add_argument(
+        "-w",
+        "--wait",
+        metavar="SECONDS",
+        type=_seconds_or_zero,
+        help="wait at most SECONDS for the lock (default: wait forever)",
+    )
+    run.add_argument(
+        "-E",
+        "--conflict-exit-code",
+        metavar="CODE",
+        type=_exit_code,
+        default=CONFLICT,
+        help="the exit status when the lock was not acquired (default: %(default)s)",
+    )
+    run.add_argument(
+        "--kill-grace",
+        metavar="SECONDS",
+        type=_seconds_or_zero,
+        default=DEFAULT_KILL_GRACE,
+        help="after a lost lease, how long COMMAND has between SIGTERM and SIGKILL "
+        "(default: %(default)g)",
+    )
+    run.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="say on stderr what dmutex waits for, takes and releases (default: quiet)",
+    )
+    run.add_argument("key", metavar="KEY", help="the name of the lock")
+    run.add_argument("command", metavar="COMMAND", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+    status = commands.add_parser(
+        "status",
+        help="show who holds a lock",
+        description="Show the active permits of KEY: slot, expiry, time left, fence, and a "
+        "shortened token.",
+        epilog=_STATUS_EPILOG,
+        formatter_class=_Formatter,
+    )
+    _add_common(status)
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.add_argument("key", metavar="KEY", help="the name of the lock")
+    return parser
+
+
+@dataclass(frozen=True)
+class RunArgs:
+    """``dmutex run``: what to lock, what to run, and how."""
+
+    key: str
+    command: list[str]
+    backend: str | None
+    service: str
+    limit: int
+    ttl: float
+    wait: float | None
+    """Seconds to wait for the lock: 0 with ``-n``, None for ever."""
+    conflict_exit_code: int
+    kill_grace: float
+    verbose: bool
+
+
+@dataclass(frozen=True)
+class StatusArgs:
+    """``dmutex status``: which key to show, and how."""
+
+    key: str
+    backend: str | None
+    service: str
+    limit: int
+    json: bool
+
+
+def parse(argv: Sequence[str], env: Mapping[str, str]) -> RunArgs | StatusArgs:
+    """Parse ``argv`` (without the program name); ``--backend`` defaults to ``$DMUTEX_BACKEND``."""
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(list(argv))
+    except _Exit as done:
+        raise Failure(done.status) from None
+    if ns.command_name is None:
+        parser.print_usage(sys.stderr)
+        raise Failure(USAGE, "a command is needed: run or status (see dmutex --help)")
+    backend = ns.backend or env.get(BACKEND_ENV) or None
+    if not ns.key:
+        raise Failure(USAGE, "KEY must not be empty")
+    if ns.command_name == "status":
+        return StatusArgs(ns.key, backend, ns.service, ns.limit, ns.json)
+    command: list[str] = list(ns.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise Failure(USAGE, "no COMMAND to run: dmutex run [options] KEY -- COMMAND [ARG...]")
+    if command[0].startswith("-"):
+        raise Failure(
+            USAGE,
+            f"{command[0]!r} after KEY: options go before KEY "
+            "(dmutex run [options] KEY -- COMMAND [ARG...])",
+        )
+    wait: float | None = 0.0 if ns.no_wait else ns.wait
+    return RunArgs(
+        key=ns.key,
+        command=command,
+        backend=backend,
+        service=ns.service,
+        limit=ns.limit,
+        ttl=ns.ttl,
+        wait=wait,
+        conflict_exit_code=ns.conflict_exit_code,
+        kill_grace=ns.kill_grace,
+        verbose=ns.verbose,
+    )

@@ -1,0 +1,47 @@
+"""Exit statuses of the ``dmutex`` command, and the error that carries one to ``main()``.
+
+The numbers follow ``sysexits.h`` and the shell, as ``flock(1)`` does: a
+script can tell "held" from "broken" from "the command failed".
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CONFLICT",
+    "FREE",
+    "LOST",
+    "NOT_EXECUTABLE",
+    "NOT_FOUND",
+    "OK",
+    "UNAVAILABLE",
+    "USAGE",
+    "Failure",
+    "one_line",
+]
+
+OK = 0
+FREE = 1  # dmutex status: nobody holds the key
+USAGE = 64  # EX_USAGE: bad arguments or a bad backend URL
+UNAVAILABLE = 69  # EX_UNAVAILABLE: the backend cannot be reached or used
+LOST = 70  # EX_SOFTWARE: the lease was lost while the command ran
+CONFLICT = 75  # EX_TEMPFAIL: the lock was held (or the wait ran out); -E changes it
+NOT_EXECUTABLE = 126  # the shell's "found but cannot execute"
+NOT_FOUND = 127  # the shell's "command not found"
+
+
+class Failure(Exception):
+    """An exit status with the one line that ``main()`` prints on stderr before exiting.
+
+    ``message`` may be empty: the status says it all (a conflict without ``-v``).
+    """
+
+    def __init__(self, status: int, message: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line of text: its type when it says nothing, newlines folded."""
+    text = " ".join(str(error).split())
+    return text or type(error).__name__

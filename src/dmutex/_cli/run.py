@@ -1,0 +1,222 @@
+"""``dmutex run``: take the lock, run the command under it, release it, exit with a status.
+
+Guarantee: once the lock is taken it is released before ``dmutex`` exits,
+whether the command ran, could not be started, ended by itself or by a
+signal; the lease is renewed every third of ``--ttl`` meanwhile. The exit
+status is decided here (see :mod:`dmutex._cli`).
+
+Caveats: a signal that lands in the instant between the backend granting
+the lease and ``dmutex`` recording it leaves the lease to lapse after one
+TTL. A release that cannot reach the backend is reported and left to lapse
+the same way; the command's own status is kept then, since the command ran
+with the lease held to its end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import TextIO
+
+from .._backends.inspect import Inspection, read_holders
+from .._errors import ArgumentTypeError, InvalidArgumentError
+from .._faces.sync import DMutex, DMutexLock, DSemaphore, DSemaphorePermit
+from . import supervise as sup
+from .args import RunArgs
+from .errors import LOST, UNAVAILABLE, USAGE, Failure, one_line
+from .progress import Progress
+from .urls import Backend, connect, parse
+
+__all__ = ["RETRY_DELAY", "request_timeout", "run"]
+
+Handle = DMutexLock | DSemaphorePermit
+RETRY_DELAY = 0.2  # seconds between attempts while waiting; a release wakes a waiter sooner
+
+
+def request_timeout(ttl: float) -> float:
+    """How long one backend request may take: half the TTL, within 1 to 10 seconds.
+
+    A renewal that hangs longer than that could outlast the lease it renews.
+    """
+    return min(10.0, max(1.0, ttl / 2))
+
+
+@contextlib.contextmanager
+def backend_errors(backend: Backend) -> Iterator[None]:
+    """Turn the client's own errors into status 69, naming the backend (password hidden)."""
+    try:
+        yield
+    except backend.errors as error:
+        raise Failure(
+            UNAVAILABLE, f"cannot use the backend {backend.target.shown}: {one_line(error)}"
+        ) from None
+
+
+def _lock(args: RunArgs, backend: Backend) -> DMutex | DSemaphore:
+    """The library's lock for ``args``: every grant fenced, for ``DMUTEX_FENCE``.
+
+    ``fencing=True`` also on MongoDB, where it costs one more request per
+    acquire: nothing next to starting a process, and the command's
+    environment then always has a fence.
+    """
+    service, client, ttl, db_name = args.service, backend.client, args.ttl, backend.db_name
+    try:
+        if args.limit == 1:
+            return DMutex(
+                service, client, default_ttl_seconds=ttl, db_name=db_name, fencing=True
+            )
+        return DSemaphore(
+            service,
+            client,
+            max_permits=args.limit,
+            default_ttl_seconds=ttl,
+            db_name=db_name,
+            fencing=True,
+        )
+    except (InvalidArgumentError, ArgumentTypeError) as error:
+        raise Failure(USAGE, one_line(error)) from None
+
+
+def _acquire(lock: DMutex | DSemaphore, args: RunArgs, progress: Progress) -> Handle | None:
+    """Take the lock as ``-n`` / ``-w`` / the default ask; None if it stayed held."""
+    started = time.monotonic()
+    handle: Handle | None = lock.acquire(args.key, args.ttl, auto_renew=True)
+    if handle is not None or args.wait == 0:
+        return handle
+    deadline = None if args.wait is None else started + args.wait
+    while True:
+        progress.waiting(time.monotonic() - started)
+        chunk = progress.every
+        if deadline is not None:
+            chunk = min(chunk, max(0.0, deadline - time.monotonic()))
+        handle = lock.acquire_with_retry(
+            args.key, ttl=args.ttl, timeout=chunk, retry_delay=RETRY_DELAY, auto_renew=True
+        )
+        if handle is not None or (deadline is not None and time.monotonic() >= deadline):
+            return handle
+
+
+def _child_env(env: Mapping[str, str], handle: Handle) -> dict[str, str]:
+    child = dict(env)
+    child["DMUTEX_KEY"] = handle.key
+    child["DMUTEX_TOKEN"] = handle.token
+    child["DMUTEX_FENCE"] = "" if handle.fence is None else str(handle.fence)
+    return child
+
+
+def run(args: RunArgs, env: Mapping[str, str], stderr: TextIO) -> int:
+    """Do one ``dmutex run``; returns the exit status, or raises :class:`Failure`."""
+    target = parse(args.backend, env)
+    signals = sup.Signals()
+    signals.install()
+    try:
+        backend = connect(target, timeout=request_timeout(args.ttl))
+        try:
+            return _run(args, env, stderr, backend, signals)
+        finally:
+            backend.close()
+    except sup.Interrupted as stop:
+        return 128 + stop.signum
+    finally:
+        signals.restore()
+
+
+def _run(
+    args: RunArgs, env: Mapping[str, str], stderr: TextIO, backend: Backend, signals: sup.Signals
+) -> int:
+    lock = _lock(args, backend)
+
+    def inspect() -> Inspection:
+        return read_holders(
+            backend.client,
+            service=args.service,
+            limit=args.limit,
+            key=args.key,
+            db_name=backend.db_name,
+        )
+
+    progress = Progress(
+        stderr,
+        verbose=args.verbose,
+        key=args.key,
+        limit=args.limit,
+        wait=args.wait,
+        inspect=inspect,
+    )
+    started = time.monotonic()
+    with backend_errors(backend):
+        try:
+            handle = _acquire(lock, args, progress)
+        except (InvalidArgumentError, ArgumentTypeError) as error:  # a key or TTL out of range
+            raise Failure(USAGE, one_line(error)) from None
+        finally:
+            progress.done()
+    if handle is None:
+        waited = time.monotonic() - started
+        reason = "is held" if args.wait == 0 else f"was still held after {waited:.1f} s"
+        progress.say(f"{args.key!r} {reason}")
+        return args.conflict_exit_code
+    signals.held()
+    fence = "" if handle.fence is None else f" (fence {handle.fence})"
+    progress.say(f"acquired {args.key!r}{fence} after {time.monotonic() - started:.1f} s")
+    try:
+        status = _supervised(args, env, stderr, handle, signals)
+    finally:
+        released = _release(handle, backend, stderr)
+    if not released and handle.lost and status != LOST:
+        _say(stderr, f"the lease on {args.key!r} was found lost when it was released")
+        return LOST
+    progress.say(f"released {args.key!r}")
+    return status
+
+
+def _supervised(
+    args: RunArgs, env: Mapping[str, str], stderr: TextIO, handle: Handle, signals: sup.Signals
+) -> int:
+    lost = threading.Event()
+    wake = threading.Event()
+
+    def found_lost(_: object) -> None:
+        lost.set()
+        wake.set()
+
+    handle.on_lost(found_lost)
+    if signals.received:  # a signal came before the command started: do not start it
+        return 128 + signals.received[0]
+    if lost.is_set():  # gone already (a stop longer than the TTL): do not start it unprotected
+        _say(stderr, f"lost the lease on {args.key!r} before {args.command[0]} started")
+        return LOST
+    child = sup.start(args.command, _child_env(env, handle))
+    signals.attach(child)
+
+    def stopping() -> None:
+        grace = f"{args.kill_grace:g} s"
+        _say(
+            stderr,
+            f"lost the lease on {args.key!r}: stopping {args.command[0]} "
+            f"(pid {child.pid}: SIGTERM, SIGKILL after {grace})",
+        )
+
+    return sup.supervise(child, lost, wake, kill_grace=args.kill_grace, on_lost=stopping)
+
+
+def _release(handle: Handle, backend: Backend, stderr: TextIO) -> bool:
+    """Release ``handle``; True if it was, False if it was gone or the backend failed."""
+    try:
+        return handle.release()
+    except backend.errors as error:
+        _say(
+            stderr,
+            f"could not release {handle.key!r} ({one_line(error)}): it lapses within its TTL",
+        )
+        return True  # not lost: the command ran to its end with the lease renewed
+
+
+def _say(stderr: TextIO, text: str) -> None:
+    try:
+        stderr.write(f"dmutex: {text}\n")
+        stderr.flush()
+    except (OSError, ValueError):
+        pass

@@ -1,0 +1,234 @@
+"""Helpers for tests of the ``dmutex`` command: the real console script, in subprocesses.
+
+- :func:`console_script`: ``dmutex`` next to ``sys.executable`` (what ``pip install`` made);
+- :func:`environment`: the environment each run gets, with ``XDG_STATE_HOME`` in tmp;
+- :func:`run` / :func:`start`: the command, to completion or in the background;
+- :data:`CHILD` and :class:`Child`: a Python child that reports its pid, its
+  ``DMUTEX_*`` variables and every signal it receives, through files;
+- :class:`Store`: a backend seen from the test: its URL, a library client on
+  it, and how to delete a lease from under its holder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import pytest
+import redis
+
+from dmutex import SQLiteBackend, SyncClient
+from tests._support.sampling import until
+
+RUN_TIMEOUT = 30.0  # one dmutex run, start to exit, on a loaded 2-core machine
+SERVICE = "dmutex"  # the command's default --service
+
+# The child: handles SIGINT, SIGTERM and SIGHUP as its mode says, writes
+# ready.json (pid and DMUTEX_* variables) once its handlers are in place, and
+# appends each signal number it gets to signals.txt. Modes: "record" records
+# and goes on, exiting 42 on SIGHUP; "stubborn" records and ignores them all;
+# "plain" keeps the default dispositions. It exits 99 after 60 s whatever.
+CHILD = r"""
+import json, os, signal, sys, time
+folder, mode = sys.argv[1], sys.argv[2]
+def record(signum, frame):
+    with open(os.path.join(folder, "signals.txt"), "a") as log:
+        log.write(f"{signum}\n")
+    if mode == "record" and signum == signal.SIGHUP:
+        sys.exit(42)
+if mode != "plain":
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, record)
+names = ("DMUTEX_KEY", "DMUTEX_TOKEN", "DMUTEX_FENCE")
+report = {"pid": os.getpid(), "env": {n: os.environ.get(n) for n in names}}
+with open(os.path.join(folder, "ready.tmp"), "w") as out:
+    json.dump(report, out)
+os.replace(os.path.join(folder, "ready.tmp"), os.path.join(folder, "ready.json"))
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    time.sleep(0.02)
+sys.exit(99)
+"""
+
+
+def console_script() -> Path:
+    """The ``dmutex`` script of this interpreter's environment; fails the test if missing."""
+    script = Path(sys.executable).parent / "dmutex"
+    if not script.exists():
+        pytest.fail(f"no console script at {script}: run `pip install -e .` in this environment")
+    return script
+
+
+def environment(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """This process's environment for a run: XDG_STATE_HOME in ``tmp_path``, no DMUTEX_BACKEND."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DMUTEX_")}
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    env.update(extra)
+    return env
+
+
+def start(
+    args: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    module: bool = False,
+    stderr: Path | None = None,
+) -> subprocess.Popen[str]:
+    """Start ``dmutex ARGS`` (or ``python -m dmutex ARGS``) in a session of its own.
+
+    Its own session: no controlling terminal, so that a signal the test sends
+    reaches ``dmutex`` alone, as a ``kill`` from another shell would.
+    ``stderr``: a file to write it to, for a test that reads it while the
+    command runs (otherwise a pipe, read at the end).
+    """
+    program = [sys.executable, "-m", "dmutex"] if module else [str(console_script())]
+    with contextlib.ExitStack() as files:
+        err: int | IO[str] = subprocess.PIPE
+        if stderr is not None:
+            err = files.enter_context(stderr.open("w"))
+        return subprocess.Popen(
+            [*program, *args],
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A run that ended: its exit status, output, and monotonic seconds from start to exit."""
+
+    status: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def finish(
+    process: subprocess.Popen[str], started: float, timeout: float = RUN_TIMEOUT
+) -> Finished:
+    """Wait for ``process`` (killing it and failing the test after ``timeout`` s)."""
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        pytest.fail(f"dmutex still running after {timeout} s; stderr: {err!r}")
+    return Finished(process.returncode, out or "", err or "", time.monotonic() - started)
+
+
+def run(args: Sequence[str], env: Mapping[str, str], *, module: bool = False) -> Finished:
+    """Run ``dmutex ARGS`` to completion."""
+    started = time.monotonic()
+    return finish(start(args, env, module=module), started)
+
+
+def child_command(folder: Path, mode: str) -> list[str]:
+    """The COMMAND that runs :data:`CHILD` in ``mode``, reporting into ``folder``."""
+    return [sys.executable, "-c", CHILD, str(folder), mode]
+
+
+@dataclass
+class Child:
+    """What the child reported, read from its folder."""
+
+    folder: Path
+
+    def wait_ready(self, timeout: float = RUN_TIMEOUT) -> dict[str, object]:
+        """The child's ready report, once it is written (its signal handlers are in place)."""
+        ready = self.folder / "ready.json"
+        until(ready.exists, "the child started", timeout, poll=0.02)
+        report: dict[str, object] = json.loads(ready.read_text())
+        return report
+
+    @property
+    def pid(self) -> int:
+        pid = self.wait_ready()["pid"]
+        assert isinstance(pid, int)
+        return pid
+
+    def signals(self) -> list[int]:
+        """Every signal number the child recorded, in order."""
+        log = self.folder / "signals.txt"
+        return [int(line) for line in log.read_text().split()] if log.exists() else []
+
+    def wait_signals(self, count: int, timeout: float = RUN_TIMEOUT) -> list[int]:
+        """The signals once ``count`` of them were recorded."""
+        until(lambda: len(self.signals()) >= count, f"{count} signals reached the child", timeout)
+        return self.signals()
+
+
+def gone(pid: int) -> bool:
+    """Whether no process ``pid`` exists (a zombie counts as gone: it runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@dataclass
+class Store:
+    """One backend as the test sees it: the URL for ``--backend`` and a library client."""
+
+    name: str
+    url: str
+    client: SyncClient
+    sqlite_path: Path | None = None
+    redis_client: redis.Redis | None = None
+
+    def delete_lease(self, key: str, slot: int = 0, service: str = SERVICE) -> None:
+        """Delete the mutex lease of ``key`` from storage, under its holder; fails if none."""
+        if self.sqlite_path is not None:
+            with sqlite3.connect(self.sqlite_path) as conn:
+                deleted = conn.execute(
+                    f'DELETE FROM "_dmutex_{service}" WHERE key = ?', (f"permit:{slot}:{key}",)
+                ).rowcount
+        else:
+            assert self.redis_client is not None
+            deleted = self.redis_client.delete(f"_dmutex_{service}:permit:{slot}:{key}")
+        assert deleted == 1, f"no lease of {key!r} to delete"
+
+    def stored_token(self, key: str, slot: int = 0, service: str = SERVICE) -> str | None:
+        """The token the mutex lease of ``key`` holds in storage, or None."""
+        if self.sqlite_path is not None:
+            with sqlite3.connect(self.sqlite_path) as conn:
+                row = conn.execute(
+                    f'SELECT value FROM "_dmutex_{service}" WHERE key = ?',
+                    (f"permit:{slot}:{key}",),
+                ).fetchone()
+            return None if row is None else str(row[0])
+        assert self.redis_client is not None
+        value = self.redis_client.get(f"_dmutex_{service}:permit:{slot}:{key}")
+        return None if value is None else value.decode() if isinstance(value, bytes) else value
+
+    def close(self) -> None:
+        """Close the test's clients."""
+        if isinstance(self.client, SQLiteBackend):
+            self.client.close()
+        if self.redis_client is not None:
+            self.redis_client.close()
+
+
+def sqlite_store(tmp_path: Path) -> Store:
+    """A fresh SQLite file in ``tmp_path``."""
+    path = tmp_path / "locks.sqlite3"
+    return Store("sqlite", f"sqlite://{path}", SQLiteBackend(path), sqlite_path=path)
+
+
+def redis_store(url: str) -> Store:
+    """The (emptied) Redis database at ``url``."""
+    client = redis.Redis.from_url(url)
+    return Store("redis", url, client, redis_client=client)

@@ -1,0 +1,546 @@
+"""The ``dmutex`` command, run as the real console script in subprocesses.
+
+Every test asserts exit statuses. Each uses its own SQLite file in
+``tmp_path`` and sets ``XDG_STATE_HOME`` there (the default file never
+touches ``~``); the Redis tests use the newest discovered server, its
+database emptied first. Leases are short (``--ttl`` 1.5-3 s) and so is
+``--kill-grace``, so that a lost lease is found and acted on in about a
+second. Every wait is a poll with a generous deadline; durations are
+measured on the monotonic clock and bounded loosely (at least the
+asked-for time, well under the run timeout), never tightly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+import redis
+
+from dmutex import DMutex, SQLiteBackend
+from dmutex._backends.inspect import read_holders
+from tests._support import cli, mongo_servers
+from tests._support.cli import Child, Store
+from tests._support.redis_servers import Pool
+from tests._support.sampling import until
+
+KEY = "job"
+TTL = "1.5"  # renewed every 0.5 s: a deleted lease is found within about that
+GRACE = "0.5"
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="dmutex run is POSIX only")
+
+
+@pytest.fixture
+def redis_cli_url(redis_pool: Pool) -> str:
+    """The newest discovered Redis server (one is enough here), its database emptied."""
+    labels = redis_pool.labels
+    if not labels:
+        pytest.skip(redis_pool.discovery.reason)
+    url = redis_pool.server(labels[-1]).url
+    with redis.Redis.from_url(url) as client:
+        client.flushdb()
+    return url
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """Each backend the command must interoperate with the library on."""
+    if request.param == "sqlite":
+        found = cli.sqlite_store(tmp_path)
+    else:
+        found = cli.redis_store(request.getfixturevalue("redis_cli_url"))
+    try:
+        yield found
+    finally:
+        found.close()
+
+
+@pytest.fixture
+def sqlite(tmp_path: Path) -> Iterator[Store]:
+    """A fresh SQLite file: the backend of the tests that are about the process, not storage."""
+    found = cli.sqlite_store(tmp_path)
+    try:
+        yield found
+    finally:
+        found.close()
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    return cli.environment(tmp_path)
+
+
+def is_free(store: Store, key: str = KEY) -> bool:
+    """Whether the library can take ``key`` now (it releases it again at once)."""
+    handle = DMutex(cli.SERVICE, store.client).acquire(key, 5)
+    if handle is None:
+        return False
+    assert handle.release()
+    return True
+
+
+def child_folder(tmp_path: Path, name: str = "child") -> Child:
+    folder = tmp_path / name
+    folder.mkdir()
+    return Child(folder)
+
+
+# -- the child's environment, the lock while it runs, and after it ends -------
+
+
+def test_child_runs_holding_the_lock_and_it_is_released_when_the_child_is_killed(
+    store: Store, env: dict[str, str], tmp_path: Path
+) -> None:
+    child = child_folder(tmp_path)
+    args = ["run", "--backend", store.url, "--ttl", TTL, KEY, "--"]
+    process = cli.start([*args, *cli.child_command(child.folder, "plain")], env)
+    started = time.monotonic()
+    report = child.wait_ready()
+
+    variables = report["env"]
+    assert isinstance(variables, dict)
+    assert variables["DMUTEX_KEY"] == KEY
+    token = store.stored_token(KEY)
+    assert token is not None
+    assert variables["DMUTEX_TOKEN"] == token
+    fence = variables["DMUTEX_FENCE"]
+    assert isinstance(fence, str)
+    assert fence.isdigit()  # both SQLite and Redis keep a fence
+    assert int(fence) >= 1
+
+    # The library sees the key held, and still held past the first lease's expiry (renewed).
+    assert DMutex(cli.SERVICE, store.client).acquire(KEY, 5) is None
+    first = read_holders(store.client, service=cli.SERVICE, limit=1, key=KEY)
+    assert [h.token for h in first.holders] == [token]
+    first_expiry = first.holders[0].expires_ms
+
+    def past_first_expiry() -> bool:
+        now = read_holders(store.client, service=cli.SERVICE, limit=1, key=KEY)
+        return now.now_ms > first_expiry + 100
+
+    until(past_first_expiry, "the first lease's expiry passed", cli.RUN_TIMEOUT, poll=0.05)
+    assert DMutex(cli.SERVICE, store.client).acquire(KEY, 5) is None
+    assert store.stored_token(KEY) == token
+
+    # dmutex status shows it, with the token shortened.
+    shown = cli.run(["status", "--backend", store.url, KEY], env)
+    assert shown.status == 0, shown.stderr
+    assert "held" in shown.stdout
+    assert token[:8] in shown.stdout
+    assert token not in shown.stdout
+
+    os.kill(child.pid, signal.SIGKILL)
+    done = cli.finish(process, started)
+    assert done.status == 128 + signal.SIGKILL, done.stderr
+    assert is_free(store)
+
+
+def test_a_held_key_gives_the_conflict_status(
+    store: Store, env: dict[str, str], tmp_path: Path
+) -> None:
+    marker = tmp_path / "ran"
+    command = ["--", sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
+    base = ["run", "--backend", store.url, "--ttl", TTL]
+    holder = DMutex(cli.SERVICE, store.client).acquire(KEY, 30)
+    assert holder is not None
+    try:
+        no_wait = cli.run([*base, "-n", KEY, *command], env)
+        assert no_wait.status == 75, no_wait.stderr
+        assert no_wait.stderr == ""  # quiet without -v, as flock(1)
+
+        custom = cli.run([*base, "--no-wait", "-E", "9", KEY, *command], env)
+        assert custom.status == 9, custom.stderr
+
+        waited = cli.run([*base, "-w", "1", KEY, *command], env)
+        assert waited.status == 75, waited.stderr
+        assert 1.0 <= waited.seconds < cli.RUN_TIMEOUT
+        assert not marker.exists()
+    finally:
+        assert holder.release()
+    free = cli.run([*base, "-n", KEY, *command], env)
+    assert free.status == 0, free.stderr
+    assert marker.exists()
+
+
+def test_a_waiting_run_takes_the_lock_when_it_is_released(
+    store: Store, env: dict[str, str], tmp_path: Path
+) -> None:
+    holder = DMutex(cli.SERVICE, store.client).acquire(KEY, 30)
+    assert holder is not None
+    log = tmp_path / "stderr.txt"
+    args = ["run", "--backend", store.url, "--ttl", TTL, "-v", KEY, "--", "true"]
+    process = cli.start(args, env, stderr=log)
+    started = time.monotonic()
+    until(lambda: "waiting for" in log.read_text(), "dmutex says it waits", cli.RUN_TIMEOUT)
+    assert process.poll() is None
+    text = log.read_text()
+    assert holder.token[:8] in text  # who holds it, shortened ...
+    assert holder.token not in text  # ... never the whole token
+    assert holder.release()
+    done = cli.finish(process, started)
+    assert done.status == 0, log.read_text()
+    assert "acquired" in log.read_text()
+    assert is_free(store)
+
+
+# -- a lost lease -------------------------------------------------------------
+
+
+def test_a_lost_lease_stops_the_child_with_sigterm_then_sigkill(
+    store: Store, env: dict[str, str], tmp_path: Path
+) -> None:
+    child = child_folder(tmp_path)
+    args = ["run", "--backend", store.url, "--ttl", TTL, "--kill-grace", GRACE, KEY, "--"]
+    process = cli.start([*args, *cli.child_command(child.folder, "stubborn")], env)
+    started = time.monotonic()
+    pid = child.pid
+    store.delete_lease(KEY)
+    deleted = time.monotonic()
+    done = cli.finish(process, started)
+    assert done.status == 70, done.stderr
+    assert signal.SIGTERM in child.signals()  # asked first ...
+    assert cli.gone(pid)  # ... then killed, since it ignores SIGTERM
+    assert time.monotonic() - deleted >= float(GRACE)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "lost the lease" in lines[0]
+    assert is_free(store)
+
+
+# -- signals ------------------------------------------------------------------
+
+
+def test_sigint_sigterm_and_sighup_are_forwarded_to_the_child(
+    sqlite: Store, env: dict[str, str], tmp_path: Path
+) -> None:
+    child = child_folder(tmp_path)
+    args = ["run", "--backend", sqlite.url, "--ttl", TTL, KEY, "--"]
+    process = cli.start([*args, *cli.child_command(child.folder, "record")], env)
+    started = time.monotonic()
+    child.wait_ready()
+    process.send_signal(signal.SIGINT)
+    assert child.wait_signals(1) == [signal.SIGINT]
+    process.send_signal(signal.SIGTERM)
+    assert child.wait_signals(2) == [signal.SIGINT, signal.SIGTERM]
+    assert process.poll() is None  # the child chose to go on, so dmutex does
+    process.send_signal(signal.SIGHUP)  # the child exits 42 on it
+    done = cli.finish(process, started)
+    assert done.status == 42, done.stderr
+    assert child.signals() == [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+    assert is_free(sqlite)
+
+
+def test_sigterm_to_dmutex_ends_the_child_and_releases(
+    sqlite: Store, env: dict[str, str], tmp_path: Path
+) -> None:
+    child = child_folder(tmp_path)
+    args = ["run", "--backend", sqlite.url, "--ttl", TTL, KEY, "--"]
+    process = cli.start([*args, *cli.child_command(child.folder, "plain")], env)
+    started = time.monotonic()
+    pid = child.pid
+    process.send_signal(signal.SIGTERM)
+    done = cli.finish(process, started)
+    assert done.status == 128 + signal.SIGTERM, done.stderr
+    assert cli.gone(pid)
+    assert is_free(sqlite)
+
+
+def test_a_signal_while_waiting_stops_dmutex(
+    sqlite: Store, env: dict[str, str], tmp_path: Path
+) -> None:
+    holder = DMutex(cli.SERVICE, sqlite.client).acquire(KEY, 30)
+    assert holder is not None
+    log = tmp_path / "stderr.txt"
+    marker = tmp_path / "ran"
+    command = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
+    process = cli.start(
+        ["run", "--backend", sqlite.url, "-v", KEY, "--", *command], env, stderr=log
+    )
+    started = time.monotonic()
+    until(lambda: "waiting for" in log.read_text(), "dmutex says it waits", cli.RUN_TIMEOUT)
+    process.send_signal(signal.SIGINT)
+    done = cli.finish(process, started)
+    assert done.status == 128 + signal.SIGINT, log.read_text()
+    assert not marker.exists()
+    assert holder.release()  # still the holder's: the waiter took nothing
+
+
+# -- the child's exit status --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("script", "expected"),
+    [
+        ("raise SystemExit(0)", 0),
+        ("raise SystemExit(3)", 3),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGUSR1)", 128 + signal.SIGUSR1),
+    ],
+)
+def test_the_childs_exit_status_is_dmutexs(
+    sqlite: Store, env: dict[str, str], script: str, expected: int
+) -> None:
+    done = cli.run(["run", "--backend", sqlite.url, KEY, "--", sys.executable, "-c", script], env)
+    assert done.status == expected, done.stderr
+    assert is_free(sqlite)
+
+
+def test_a_command_that_cannot_run_gives_127_or_126_after_the_release(
+    sqlite: Store, env: dict[str, str], tmp_path: Path
+) -> None:
+    base = ["run", "--backend", sqlite.url, KEY, "--"]
+    missing = cli.run([*base, "dmutex-no-such-command", "x"], env)
+    assert missing.status == 127
+    assert "dmutex-no-such-command: command not found" in missing.stderr
+    assert is_free(sqlite)
+
+    script = tmp_path / "not-executable.sh"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o644)
+    refused = cli.run([*base, str(script)], env)
+    assert refused.status == 126
+    assert str(script) in refused.stderr
+    assert is_free(sqlite)
+
+
+def test_without_dashdash_everything_after_key_is_the_command(
+    sqlite: Store, env: dict[str, str]
+) -> None:
+    # As with flock(1): `-c` and `--` belong to the command, not to dmutex.
+    script = "import sys; raise SystemExit(len(sys.argv))"
+    done = cli.run(
+        ["run", "--backend", sqlite.url, KEY, sys.executable, "-c", script, "--", "-n"], env
+    )
+    assert done.status == 3, done.stderr  # argv: ["-c", "--", "-n"]
+
+
+# -- semaphores ---------------------------------------------------------------
+
+
+def test_limit_makes_a_semaphore(sqlite: Store, env: dict[str, str], tmp_path: Path) -> None:
+    base = ["run", "--backend", sqlite.url, "--ttl", "3", "--limit", "2", KEY, "--"]
+    children = [child_folder(tmp_path, f"child{i}") for i in range(2)]
+    processes = [cli.start([*base, *cli.child_command(c.folder, "plain")], env) for c in children]
+    started = time.monotonic()
+    tokens = set()
+    for child in children:
+        variables = child.wait_ready()["env"]
+        assert isinstance(variables, dict)
+        tokens.add(variables["DMUTEX_TOKEN"])
+    assert len(tokens) == 2
+
+    third = cli.run(["run", "--backend", sqlite.url, "--limit", "2", "-n", KEY, "--", "true"], env)
+    assert third.status == 75, third.stderr
+    # As a mutex (--limit 1) the key is another lock: the semaphore's permits do not hold it.
+    assert cli.run(["run", "--backend", sqlite.url, "-n", KEY, "--", "true"], env).status == 0
+
+    shown = cli.run(["status", "--backend", sqlite.url, "--limit", "2", "--json", KEY], env)
+    assert shown.status == 0, shown.stderr
+    document = json.loads(shown.stdout)
+    assert document["held"] is True
+    assert sorted(h["slot"] for h in document["holders"]) == [0, 1]
+    for holder in document["holders"]:
+        assert holder["left_seconds"] > 0
+        assert any(str(t).startswith(holder["token_prefix"]) for t in tokens)
+        assert holder["token_prefix"] not in tokens  # shortened, never whole
+
+    for child in children:
+        os.kill(child.pid, signal.SIGTERM)
+    for process in processes:
+        assert cli.finish(process, started).status == 128 + signal.SIGTERM
+    free = cli.run(["status", "--backend", sqlite.url, "--limit", "2", KEY], env)
+    assert free.status == 1, free.stderr
+
+
+# -- status -------------------------------------------------------------------
+
+
+def test_status_of_a_free_key_exits_1(store: Store, env: dict[str, str]) -> None:
+    text = cli.run(["status", "--backend", store.url, KEY], env)
+    assert text.status == 1, text.stderr
+    assert "free" in text.stdout
+    as_json = cli.run(["status", "--backend", store.url, "--json", KEY], env)
+    assert as_json.status == 1, as_json.stderr
+    document = json.loads(as_json.stdout)
+    assert document["held"] is False
+    assert document["holders"] == []
+
+
+def test_status_of_a_missing_sqlite_file_is_free_and_creates_nothing(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    path = tmp_path / "nothing-here.sqlite3"
+    done = cli.run(["status", "--backend", f"sqlite://{path}", KEY], env)
+    assert done.status == 1, done.stderr
+    assert not path.exists()
+
+
+# -- the default backend, and python -m dmutex --------------------------------
+
+
+def test_the_default_backend_is_a_private_sqlite_file_under_xdg_state_home(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    state = Path(env["XDG_STATE_HOME"])
+    assert not state.exists()
+    done = cli.run(["run", KEY, "--", "true"], env)
+    assert done.status == 0, done.stderr
+    path = state / "dmutex" / "locks.sqlite3"
+    assert path.is_file()
+    for folder in (state, state / "dmutex"):
+        assert stat.S_IMODE(folder.stat().st_mode) & 0o077 == 0  # created 0o700
+    # The library on that file sees the command's locks.
+    client = SQLiteBackend(path)
+    try:
+        holder = DMutex(cli.SERVICE, client).acquire(KEY, 30)
+        assert holder is not None
+        held = cli.run(["run", "-n", KEY, "--", "true"], env)
+        assert held.status == 75, held.stderr
+        assert holder.release()
+    finally:
+        client.close()
+
+
+def test_python_dash_m_dmutex_runs_the_command(sqlite: Store, env: dict[str, str]) -> None:
+    script = "import os; raise SystemExit(0 if os.environ['DMUTEX_KEY'] == 'job' else 1)"
+    args = ["run", "--backend", sqlite.url, KEY, "--", sys.executable, "-c", script]
+    done = cli.run(args, env, module=True)
+    assert done.status == 0, done.stderr
+    version = cli.run(["--version"], env, module=True)
+    assert version.status == 0
+    assert version.stdout.startswith("dmutex ")
+
+
+def test_dmutex_backend_variable_picks_the_backend(store: Store, env: dict[str, str]) -> None:
+    holder = DMutex(cli.SERVICE, store.client).acquire(KEY, 30)
+    assert holder is not None
+    done = cli.run(["run", "-n", KEY, "--", "true"], {**env, "DMUTEX_BACKEND": store.url})
+    assert done.status == 75, done.stderr
+    assert holder.release()
+
+
+# -- usage errors and unreachable backends ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["frobnicate"],
+        ["run", KEY],
+        ["run", KEY, "--"],
+        ["run", KEY, "-n", "--", "true"],  # options go before KEY
+        ["run", "-n", "-w", "1", KEY, "--", "true"],
+        ["run", "--limit", "0", KEY, "--", "true"],
+        ["run", "--ttl", "0", KEY, "--", "true"],
+        ["run", "--ttl", "nan", KEY, "--", "true"],
+        ["run", "-w", "-1", KEY, "--", "true"],
+        ["run", "-E", "256", KEY, "--", "true"],
+        ["run", "--backend", "postgres://db/x", KEY, "--", "true"],
+        ["run", "--backend", "sqlite://host/x.db", KEY, "--", "true"],
+        ["status"],
+        ["status", "--limit", "x", KEY],
+    ],
+)
+def test_usage_errors_exit_64(env: dict[str, str], args: list[str]) -> None:
+    done = cli.run(args, env)
+    assert done.status == 64, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_help_lists_every_option_with_its_default_and_examples(env: dict[str, str]) -> None:
+    done = cli.run(["run", "--help"], env)
+    assert done.status == 0
+    for option in ("--backend", "--service", "--limit", "--ttl", "--no-wait", "--wait"):
+        assert option in done.stdout
+    for option in ("--conflict-exit-code", "--kill-grace", "--verbose"):
+        assert option in done.stdout
+    assert "(default: 60)" in done.stdout
+    assert "(default: 75)" in done.stdout
+    assert "examples:" in done.stdout
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def test_an_unreachable_backend_exits_69_naming_it_without_its_password(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    port = _closed_port()
+    urls = [
+        f"redis://:hunter2@127.0.0.1:{port}/0",
+        f"mongodb://user:hunter2@127.0.0.1:{port}/?serverSelectionTimeoutMS=300",
+        f"sqlite://{tmp_path / 'no-such-dir' / 'locks.sqlite3'}",
+    ]
+    for url in urls:
+        for command in (
+            ["run", "--backend", url, KEY, "--", "true"],
+            ["status", "--backend", url, KEY],
+        ):
+            done = cli.run(command, env)
+            assert done.status == 69, (url, done.stderr)
+            lines = done.stderr.strip().splitlines()
+            assert len(lines) == 1, done.stderr
+            assert "hunter2" not in done.stderr
+            assert "127.0.0.1" in lines[0] or "no-such-dir" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("package", "url", "extra"),
+    [
+        ("redis", "redis://127.0.0.1:1/0", "dmutex[redis]"),
+        ("pymongo", "mongodb://127.0.0.1:1/", "dmutex[mongodb]"),
+    ],
+)
+def test_a_missing_client_package_exits_69_naming_the_extra(
+    env: dict[str, str], tmp_path: Path, package: str, url: str, extra: str
+) -> None:
+    # A package of that name that fails to import stands in for an absent one.
+    shadow = tmp_path / "shadow" / package
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text(f"raise ImportError('no {package} here')\n")
+    shadowed = {**env, "PYTHONPATH": str(shadow.parent)}
+    done = cli.run(["run", "--backend", url, KEY, "--", "true"], shadowed)
+    assert done.status == 69, done.stderr
+    assert extra in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_mongodb_interoperates_with_the_library_and_fences_its_grants(
+    mongo_session: mongo_servers.Session, env: dict[str, str], tmp_path: Path
+) -> None:
+    server = mongo_session.server()
+    # The test database goes in the URL's path: the command's db_name comes from there.
+    parts = urlsplit(server.url)
+    url = urlunsplit((parts.scheme, parts.netloc, f"/{server.db_name}", parts.query, ""))
+    service = f"cli-{tmp_path.name}"  # a collection of this test's own
+    client = server.client()
+    try:
+        holder = DMutex(service, client, db_name=server.db_name).acquire(KEY, 30)
+        assert holder is not None
+        base = ["run", "--backend", url, "--service", service, "--ttl", "3"]
+        held = cli.run([*base, "-n", KEY, "--", "true"], env)
+        assert held.status == 75, held.stderr
+        assert holder.release()
+
+        script = "import os; print(repr(os.environ['DMUTEX_FENCE']))"
+        done = cli.run([*base, "-n", KEY, "--", sys.executable, "-c", script], env)
+        assert done.status == 0, done.stderr
+        # The command asks for fences on MongoDB too (fencing=True).
+        assert done.stdout.strip().strip("'").isdigit(), done.stdout
+        assert DMutex(service, client, db_name=server.db_name).acquire(KEY, 1) is not None
+    finally:
+        client.close()
