@@ -9,7 +9,13 @@ async face needs. A new backend adds a class here; neither suite changes.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import re
+import sqlite3
+import tempfile
+import threading
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
@@ -19,7 +25,8 @@ import mongomock
 import pymongo
 import redis
 
-from dmutex import InMemoryBackend, ManualClock
+from dmutex import InMemoryBackend, ManualClock, SQLiteBackend
+from dmutex._core.lease import now_ms
 from tests._support.faces import Face, FaceName, Kind, LoopThread
 from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
 from tests._support.mongo_servers import AsyncRedirectedClient, RedirectedClient, Session
@@ -208,6 +215,95 @@ class Mongomock:
         setattr(mongomock, "utcnow", self._saved)  # noqa: B010
 
 
+# The SQLite backend's files: in memory where the machine has a tmpfs, since
+# these suites test what the store decides, not SQLite's fsync (the process
+# and fault suites use files on disk).
+_FAST_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+class SQLite:
+    """SQLiteBackend over a temporary file, on a ManualClock.
+
+    SQLite leases are timed by the instance's clock, as MongoDB's are. One
+    backend serves both faces. An inspector connection of its own reads and
+    writes the rows (force-expiry sets ``expired_at`` to now and leaves the
+    row stored, so takeover of a stored row is what gets exercised).
+    """
+
+    ttls: tuple[float, ...] = Memory.ttls
+
+    def __init__(self) -> None:
+        self.clock: ManualClock | None = ManualClock()
+        handle, self.path = tempfile.mkstemp(prefix="dmutex-", suffix=".sqlite3", dir=_FAST_DIR)
+        os.close(handle)
+        self._backend = SQLiteBackend(self.path)
+        # Used from the test's thread and from async callbacks' worker threads, one at a time.
+        self._inspector = sqlite3.connect(
+            self.path, timeout=30.0, isolation_level=None, check_same_thread=False
+        )
+        self._inspecting = threading.Lock()
+
+    def client(self, asynchronous: bool) -> object:
+        return self._backend
+
+    def _now(self) -> int:
+        assert self.clock is not None
+        return now_ms(self.clock)
+
+    def _tables(self) -> list[str]:
+        rows = self._inspector.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        return [str(name) for (name,) in rows.fetchall()]
+
+    def _rows(self, table: str, now: int) -> list[tuple[str, str]]:
+        """The permit rows of ``table`` active at ``now``: (row key, token)."""
+        if table not in self._tables():
+            return []
+        found = self._inspector.execute(
+            f'SELECT "key", "value" FROM {quote(table)} WHERE "expired_at" > ?', (now,)
+        )
+        return [(str(k), str(v)) for k, v in found.fetchall() if str(k).startswith("permit:")]
+
+    def force_expire(self, key: str, slot: int | None = None) -> None:
+        pattern = re.compile(slot_pattern(key, slot))
+        now = self._now()
+        with self._inspecting:
+            for table in self._tables():
+                for name, _ in self._rows(table, now):
+                    if pattern.match(name):
+                        self._inspector.execute(
+                            f'UPDATE {quote(table)} SET "expired_at" = ?1 '
+                            'WHERE "key" = ?2 AND "expired_at" > ?1',
+                            (now, name),
+                        )
+
+    def active(self, prefix: str) -> dict[str, str]:
+        # The tests use the default tables: the Redis-style prefix without
+        # its colon (_dmutex_svc, _dsemaphore_svc), as for MongoDB.
+        with self._inspecting:
+            rows = self._rows(prefix.rstrip(":"), self._now())
+        return {f"{prefix}{name}": token for name, token in rows}
+
+    async def drain(self) -> None:
+        """Wait until the calls already given to the backend's worker thread have answered."""
+        await self._backend.call_async(_nothing)
+
+    def close(self, run: Runner | None) -> None:
+        self._backend.close()
+        self._inspector.close()
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path + suffix)
+
+
+def _nothing(conn: sqlite3.Connection) -> None:
+    """A call that does nothing: its answer means the worker ran every call before it."""
+
+
+def quote(identifier: str) -> str:
+    """An SQL identifier in double quotes."""
+    return '"' + identifier.replace('"', '""') + '"'
+
+
 class RealMongo:
     """A real MongoDB-compatible server, in real time, through pymongo (sync and asyncio).
 
@@ -276,6 +372,28 @@ class Rig:
         if self.clock is not None:
             options.setdefault("clock", self.clock)
         return Face(self.face, kind, self.client, loop=self.loop, **options)
+
+    def settle(self, face: Face) -> None:
+        """Let the async face's loop run what is ready (its renewer, after a ManualClock moved).
+
+        ``face.settle()`` turns the loop a few times, which is enough where
+        nothing waits on I/O. An SQLite call of the async face runs in the
+        backend's worker thread: a renewal started by those turns has
+        answered once a later call to the same worker has, and a few more
+        turns then handle the answer (a loss, its listeners).
+        """
+        face.settle()
+        backend = self.backend
+        if self.loop is None or not isinstance(backend, SQLite):
+            return
+
+        async def drain() -> None:
+            for _ in range(3):
+                await backend.drain()
+                for _ in range(5):
+                    await asyncio.sleep(0)
+
+        self.loop.run(drain())
 
     def expire(self, key: str, slot: int | None = None) -> None:
         """Make the permits of ``key`` expire now (in every namespace)."""

@@ -16,7 +16,16 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests._support.backends import Backend, FakeRedis, Memory, Mongomock, RealMongo, RealRedis, Rig
+from tests._support.backends import (
+    Backend,
+    FakeRedis,
+    Memory,
+    Mongomock,
+    RealMongo,
+    RealRedis,
+    Rig,
+    SQLite,
+)
 from tests._support.faces import FaceName
 from tests._support.mongo_servers import Session as MongoSession
 from tests._support.mongo_servers import mongo_label
@@ -52,6 +61,7 @@ def _cases() -> dict[str, tuple[FaceName, Case]]:
         cases[f"memory-{face}"] = (face, lambda servers: Memory())
         cases[f"fakeredis-{face}"] = (face, lambda servers: FakeRedis())
         cases[f"mongomock-{face}"] = (face, lambda servers: Mongomock())
+        cases[f"sqlite-{face}"] = (face, lambda servers: SQLite())
         cases[f"pymongo-{face}@{mongo_label()}"] = (face, lambda servers: RealMongo(servers.mongo))
         for variant in SERVER_VARIANTS:
             label = newest or "no-server"
@@ -62,7 +72,14 @@ def _cases() -> dict[str, tuple[FaceName, Case]]:
 
 
 CASES = _cases()
-MANUAL_CLOCK_CASES = ("memory-async", "memory-sync", "mongomock-async", "mongomock-sync")
+MANUAL_CLOCK_CASES = (
+    "memory-async",
+    "memory-sync",
+    "mongomock-async",
+    "mongomock-sync",
+    "sqlite-async",
+    "sqlite-sync",
+)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -79,7 +79,11 @@ def test_mutex_and_semaphore_of_one_service_do_not_collide(env: Rig) -> None:
     held(env.make("semaphore", max_permits=1).acquire("job"))
     held(env.make("mutex", service_name="other").acquire("job"))
     # Each backend reads its own option and ignores the other's.
-    held(env.make("mutex", key_prefix="custom:", collection_name="custom").acquire("job"))
+    held(
+        env.make(
+            "mutex", key_prefix="custom:", collection_name="custom", table_name="custom"
+        ).acquire("job")
+    )
     assert env.make("mutex").acquire("job") is None
 
 

@@ -42,7 +42,7 @@ def advance(env: Rig, face: Face, seconds: float) -> None:
     while remaining > 1e-9:
         step = min(STEP, remaining)
         clock.advance(step)
-        face.settle()
+        env.settle(face)
         remaining -= step
 
 

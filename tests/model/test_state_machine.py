@@ -31,7 +31,7 @@ from hypothesis.stateful import (
 )
 
 from dmutex._core.lease import EPOCH
-from tests._support.backends import Backend, Memory, Mongomock, RealRedis, Rig
+from tests._support.backends import Backend, Memory, Mongomock, RealRedis, Rig, SQLite
 from tests._support.faces import FaceName, Handle, Kind
 from tests.model.model import Model
 
@@ -195,7 +195,7 @@ class LeaseMachine(RuleBasedStateMachine):
             live = [ttl_ms for _, ttl_ms in self.renewed.values()]
             step = min([ms, *(ttl_ms // 4 for ttl_ms in live)])
             clock.advance(step / 1000)
-            self.callers[0].settle()
+            self.rig.settle(self.callers[0])
             self.model.advance(step)
             ms -= step
 
@@ -303,5 +303,13 @@ def test_redis(redis_url: str, face: FaceName, kind: Kind, max_permits: int) -> 
 def test_mongomock(face: FaceName, kind: Kind, max_permits: int) -> None:
     """The same machine on the MongoDB store, over mongomock (not a server)."""
     machine = machine_for(Mongomock, face, kind, max_permits)
+    run_state_machine_as_test(machine, settings=SETTINGS)
+    assert machine.created >= EXAMPLES
+
+
+@pytest.mark.parametrize(("face", "kind", "max_permits"), CONFIGS)
+def test_sqlite(face: FaceName, kind: Kind, max_permits: int) -> None:
+    """The same machine on the SQLite store, over a temporary file."""
+    machine = machine_for(SQLite, face, kind, max_permits)
     run_state_machine_as_test(machine, settings=SETTINGS)
     assert machine.created >= EXAMPLES

@@ -91,7 +91,10 @@ def quote(identifier: str) -> str:
 def _check_timeout(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"timeout must be an int or float, not {type(value).__name__}")
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int or Fraction beyond the largest float
+        seconds = math.inf
     if not math.isfinite(seconds) or seconds < 0:
         raise InvalidArgumentError(f"timeout must be a finite number >= 0 seconds, not {value!r}")
     return seconds
@@ -343,6 +346,11 @@ class _Sql:
         )
 
 
+def _is_count(value: object) -> bool:
+    """Whether ``value`` is a fence counter as dmutex writes it: ASCII decimal digits."""
+    return isinstance(value, str) and value.isascii() and value.isdigit()
+
+
 def _slot_of(name: str, key: str) -> int:
     return int(name[len("permit:") : -len(key) - 1])
 
@@ -443,11 +451,11 @@ class SQLiteStore:
             fence = 1
         else:
             value, expires = row
-            if not (isinstance(value, str) and value.isdigit() and expires == _FOREVER):
+            if not (_is_count(value) and expires == _FOREVER):
                 raise DMutexError(
                     f"the row {name!r} of table {self._table!r} holds a value dmutex did not write"
                 )
-            fence = int(value) + 1
+            fence = int(str(value)) + 1
         conn.execute(self._sql.put, (name, str(fence), _FOREVER))
         return fence
 
@@ -517,7 +525,7 @@ class SQLiteStore:
             rows = conn.execute(sql.slots, (permits, key, now, None)).fetchall()
             found = sorted(Holder(_slot_of(name, key), value, at) for name, value, at in rows)
             counter = conn.execute(sql.read, (f"fence:{key}",)).fetchone()
-            fence = int(counter[0]) if counter and str(counter[0]).isdigit() else None
+            fence = int(counter[0]) if counter and _is_count(counter[0]) else None
             return Inspection(found, fence, now)
 
         inspection = yield Call(self._run, (read,))
