@@ -64,9 +64,7 @@ def _lock(args: RunArgs, backend: Backend) -> DMutex | DSemaphore:
     service, client, ttl, db_name = args.service, backend.client, args.ttl, backend.db_name
     try:
         if args.limit == 1:
-            return DMutex(
-                service, client, default_ttl_seconds=ttl, db_name=db_name, fencing=True
-            )
+            return DMutex(service, client, default_ttl_seconds=ttl, db_name=db_name, fencing=True)
         return DSemaphore(
             service,
             client,
