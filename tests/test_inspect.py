@@ -12,6 +12,7 @@ import sqlite3
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,7 @@ def test_sqlite_expired_rows_and_other_keys_are_not_shown(
     other = DMutex("svc", sqlite).acquire("job2", ttl=HOUR)
     assert other is not None
     DSemaphore("svc", sqlite, max_permits=3).ready()
-    with sqlite3.connect(tmp_path / "locks.sqlite3", isolation_level=None) as raw:
+    with closing(sqlite3.connect(tmp_path / "locks.sqlite3", isolation_level=None)) as raw:
         past = round(time.time() * 1000) - 1000
         # An expired row, as the TypeScript store or a dead holder leaves it.
         raw.execute(
@@ -102,11 +103,11 @@ def test_sqlite_read_holders_changes_nothing(sqlite: SQLiteBackend, tmp_path: Pa
     path = tmp_path / "locks.sqlite3"
     lock = DMutex("svc", sqlite).acquire("job", ttl=HOUR)
     assert lock is not None
-    with sqlite3.connect(path) as raw:
+    with closing(sqlite3.connect(path, isolation_level=None)) as raw:
         before = raw.execute("SELECT * FROM _dmutex_svc ORDER BY 1").fetchall()
     for _ in range(2):
         read_holders(sqlite, service="svc", limit=1, key="job")
-    with sqlite3.connect(path) as raw:
+    with closing(sqlite3.connect(path, isolation_level=None)) as raw:
         assert raw.execute("SELECT * FROM _dmutex_svc ORDER BY 1").fetchall() == before
 
 

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -192,7 +193,7 @@ class Store:
     def delete_lease(self, key: str, slot: int = 0, service: str = SERVICE) -> None:
         """Delete the mutex lease of ``key`` from storage, under its holder; fails if none."""
         if self.sqlite_path is not None:
-            with sqlite3.connect(self.sqlite_path) as conn:
+            with closing(sqlite3.connect(self.sqlite_path, isolation_level=None)) as conn:
                 deleted = conn.execute(
                     f'DELETE FROM "_dmutex_{service}" WHERE key = ?', (f"permit:{slot}:{key}",)
                 ).rowcount
@@ -204,7 +205,7 @@ class Store:
     def stored_token(self, key: str, slot: int = 0, service: str = SERVICE) -> str | None:
         """The token the mutex lease of ``key`` holds in storage, or None."""
         if self.sqlite_path is not None:
-            with sqlite3.connect(self.sqlite_path) as conn:
+            with closing(sqlite3.connect(self.sqlite_path, isolation_level=None)) as conn:
                 row = conn.execute(
                     f'SELECT value FROM "_dmutex_{service}" WHERE key = ?',
                     (f"permit:{slot}:{key}",),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sqlite3
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -296,7 +297,7 @@ def test_a_nul_in_a_table_name_is_refused_before_any_io(
                 make()
         assert counting.calls == 0
         assert path.read_bytes() == before
-        with sqlite3.connect(path) as conn:
+        with closing(sqlite3.connect(path, isolation_level=None)) as conn:
             assert tables(conn) == []
     finally:
         counting.close()

@@ -69,6 +69,9 @@ _FOREVER = 2**63 - 1
 
 # Every open backend, so that a forked child drops the connections it inherited.
 _OPEN: weakref.WeakSet[SQLiteBackend] = weakref.WeakSet()
+# The connections a forked child inherited: kept, never closed nor collected,
+# since closing one in the child would act on the parent's file state.
+_INHERITED: list[Conn] = []
 
 
 def _forked() -> None:
@@ -211,6 +214,8 @@ class SQLiteBackend:
     def _after_fork(self) -> None:
         # The parent's connection and worker thread are not the child's:
         # SQLite forbids carrying a connection across fork. Abandon them.
+        if self._conn is not None:
+            _INHERITED.append(self._conn)
         self._gate = threading.Lock()
         self._worker = None
         self._conn = None
@@ -243,6 +248,13 @@ class SQLiteBackend:
             worker.shutdown(wait=True)
         with self._gate:
             conn, self._conn = self._conn, None
+        if conn is not None and self._pid == os.getpid():
+            conn.close()
+
+    def __del__(self) -> None:
+        # A backend dropped without close() closes its connection, as a file
+        # object would, and quietly: the file's locks never outlive a call.
+        conn = self._conn if hasattr(self, "_conn") else None
         if conn is not None and self._pid == os.getpid():
             conn.close()
 

@@ -1,0 +1,778 @@
+"""Several OS processes of this host sharing one SQLite lock file.
+
+Each worker is a separate process started with ``spawn`` (through
+``processes.run_workers``): it opens its own :class:`SQLiteBackend` on the
+shared file, waits on a barrier so that all of them start together, runs its
+cycles and reports a :class:`Report` (or the traceback of what it raised).
+A worker that has not reported by the deadline is terminated and the test
+fails.
+
+What the lock guards is outside SQLite, in plain files of the test's
+directory, so that a lost update or an overlap cannot hide in the store:
+
+- the counter file holds ``count fence worker``: a read-modify-write of it
+  under the lock loses updates unless the lock excludes, the fence written
+  by the previous holder must be lower than the current holder's, and the
+  worker that wrote last tells the next holder whether the lock changed hands;
+- the marker file is created with ``O_EXCL`` on entry and removed on exit:
+  finding it there on entry, or gone on exit, is an overlap;
+- the semaphore's gauge is a count of holders kept under ``flock`` (a lock
+  SQLite does not use), with one ``O_EXCL`` marker per slot.
+
+Each cycle first tries one plain ``acquire()``; when that is refused the
+worker counts it and falls back to ``acquire_with_retry()``. In the mutex
+tests even workers use the sync face and odd ones the asyncio face.
+
+Also here: a holder killed by SIGKILL keeps its lease until its TTL and
+leaves the file intact; a file shared by root and ``nobody``; and a
+backend object used on both sides of a ``fork()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import multiprocessing
+import multiprocessing.queues
+import multiprocessing.synchronize
+import os
+import pwd
+import queue
+import select
+import shutil
+import signal
+import sqlite3
+import stat
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeAlias
+
+import pytest
+
+from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore, SQLiteBackend
+from tests._support import processes
+
+KEY = "orders"
+SERVICE = "procs"
+MUTEX_TABLE = f"_dmutex_{SERVICE}"
+SEMAPHORE_TABLE = f"_dsemaphore_{SERVICE}"
+
+TTL = 30.0  # far longer than any test: no lease may expire while held
+RETRY_TIMEOUT = 60.0
+RETRY_DELAY = 0.001
+BARRIER_TIMEOUT = 60.0  # spawning and importing on a busy 2-core machine
+DEADLINE = 120.0  # for a whole group of workers, start to finish
+STEP_TIMEOUT = 30.0  # any one wait of a single-holder test
+POLL = 0.02
+
+PROCESSES = 8
+CYCLES = 1000
+SEM_PROCESSES = 6
+SEM_CYCLES = 300
+SEM_PERMITS = 3
+SHARED_CYCLES = 300  # per worker, root and nobody
+SHARED_PAUSE = 0.001  # between a release and the next acquire, in the two-user test
+KILL_TTL = 3.0  # the killed holder's lease: long enough to see it stay after the kill
+
+Reports: TypeAlias = processes.Reports
+Barrier: TypeAlias = processes.Barrier
+ChildReports: TypeAlias = "multiprocessing.queues.Queue[tuple[str, object]]"
+
+
+@dataclass(frozen=True)
+class Report:
+    """What one worker saw."""
+
+    worker: int
+    uid: int  # the effective user the worker ran as
+    cycles: int  # cycles completed: acquired, worked, released
+    refused: int  # plain acquire() attempts that returned None
+    overlaps: int  # the marker was there on entry, or gone on exit
+    stale: int  # the counter's last fence was not lower than this grant's
+    handoffs: int  # cycles whose previous holder was another worker
+    failed_releases: int  # release() that returned False
+    fences: tuple[int, ...] = ()  # every grant's fence (mutex tests)
+    peak: int = 0  # most holders at once by the gauge (semaphore test)
+    slots: tuple[int, ...] = ()  # every slot a permit reported (semaphore test)
+
+
+@dataclass
+class Tally:
+    """A worker's running counts, turned into a Report at the end."""
+
+    worker: int
+    cycles: int = 0
+    refused: int = 0
+    overlaps: int = 0
+    stale: int = 0
+    handoffs: int = 0
+    failed_releases: int = 0
+    fences: list[int] = field(default_factory=list)
+    peak: int = 0
+    slots: set[int] = field(default_factory=set)
+
+    def report(self) -> Report:
+        return Report(
+            self.worker,
+            os.geteuid(),
+            self.cycles,
+            self.refused,
+            self.overlaps,
+            self.stale,
+            self.handoffs,
+            self.failed_releases,
+            tuple(self.fences),
+            self.peak,
+            tuple(sorted(self.slots)),
+        )
+
+
+def _report_errors(
+    body: Callable[[Tally], None], worker: int, reports: Reports, barrier: Barrier
+) -> None:
+    """Run ``body``; send its report, or its traceback, to the parent."""
+    tally = Tally(worker)
+    try:
+        body(tally)
+    except BaseException:
+        barrier.abort()  # release the others from the barrier if we failed before it
+        reports.put((worker, traceback.format_exc()))
+        raise
+    reports.put((worker, tally.report()))
+
+
+# --- the guarded work (plain files beside the lock file) ----------------------------------
+
+
+def _enter(marker: str) -> bool:
+    """Create ``marker`` with O_EXCL; False if it was there (someone else is inside)."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+def _leave(marker: str) -> bool:
+    """Remove ``marker``; False if it was gone (someone else left meanwhile)."""
+    try:
+        os.unlink(marker)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _counter_cycle(folder: str, worker: int, fence: int, tally: Tally) -> None:
+    """Under the lock: enter, read-modify-write the counter file, leave."""
+    marker = os.path.join(folder, "inside")
+    entered = _enter(marker)
+    with open(os.path.join(folder, "counter"), "r+") as counter:
+        count, last_fence, last_worker = (int(part) for part in counter.read().split())
+        counter.seek(0)
+        counter.write(f"{count + 1} {fence} {worker}\n")
+        counter.truncate()
+    if last_fence >= fence:
+        tally.stale += 1
+    if last_worker not in (-1, worker):
+        tally.handoffs += 1
+    if not entered or not _leave(marker):
+        tally.overlaps += 1
+    tally.cycles += 1
+
+
+def _read_counter(folder: Path) -> tuple[int, int, int]:
+    count, fence, worker = (int(part) for part in (folder / "counter").read_text().split())
+    return count, fence, worker
+
+
+def _make_shared_files(folder: Path, mode: int = 0o644) -> Path:
+    """The counter (count 0, fence 0, no worker) and the gauge; returns the lock file's path."""
+    for name, text in (("counter", "0 0 -1\n"), ("gauge", "0\n")):
+        (folder / name).write_text(text)
+        os.chmod(folder / name, mode)
+    return folder / "locks.db"
+
+
+# --- workers (module level: spawn imports this module to find them) ---------------------
+
+
+def mutex_counter_worker(
+    worker: int, reports: Reports, barrier: Barrier, folder: str, cycles: int
+) -> None:
+    """``cycles`` times: lock, read-modify-write the counter, unlock; odd workers use asyncio."""
+
+    def sync_body(tally: Tally) -> None:
+        backend = SQLiteBackend(os.path.join(folder, "locks.db"))
+        try:
+            mutex = DMutex(SERVICE, backend)
+            mutex.ready()
+            barrier.wait(BARRIER_TIMEOUT)
+            for _ in range(cycles):
+                lock = mutex.acquire(KEY, ttl=TTL)
+                if lock is None:
+                    tally.refused += 1
+                    lock = mutex.acquire_with_retry(
+                        KEY, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=RETRY_DELAY
+                    )
+                assert lock is not None, "acquire_with_retry timed out"
+                assert lock.fence is not None, "SQLite keeps a fence by default"
+                tally.fences.append(lock.fence)
+                _counter_cycle(folder, worker, lock.fence, tally)
+                if not lock.release():
+                    tally.failed_releases += 1
+        finally:
+            backend.close()
+
+    async def async_main(tally: Tally) -> None:
+        backend = SQLiteBackend(os.path.join(folder, "locks.db"))
+        try:
+            mutex = AsyncDMutex(SERVICE, backend)
+            await mutex.ready()
+            barrier.wait(BARRIER_TIMEOUT)  # blocking is fine: nothing else runs on this loop
+            for _ in range(cycles):
+                lock = await mutex.acquire(KEY, ttl=TTL)
+                if lock is None:
+                    tally.refused += 1
+                    lock = await mutex.acquire_with_retry(
+                        KEY, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=RETRY_DELAY
+                    )
+                assert lock is not None, "acquire_with_retry timed out"
+                assert lock.fence is not None, "SQLite keeps a fence by default"
+                tally.fences.append(lock.fence)
+                _counter_cycle(folder, worker, lock.fence, tally)
+                if not await lock.release():
+                    tally.failed_releases += 1
+        finally:
+            backend.close()
+
+    def body(tally: Tally) -> None:
+        if worker % 2 == 0:
+            sync_body(tally)
+        else:
+            asyncio.run(async_main(tally))
+
+    _report_errors(body, worker, reports, barrier)
+
+
+def _gauge(folder: str, delta: int) -> int:
+    """Add ``delta`` to the gauge under ``flock``; the new value."""
+    with open(os.path.join(folder, "gauge"), "r+") as gauge:
+        fcntl.flock(gauge, fcntl.LOCK_EX)
+        try:
+            value = int(gauge.read()) + delta
+            gauge.seek(0)
+            gauge.write(f"{value}\n")
+            gauge.truncate()
+            gauge.flush()
+        finally:
+            fcntl.flock(gauge, fcntl.LOCK_UN)
+    return value
+
+
+def _permit_cycle(folder: str, slot: int, tally: Tally) -> None:
+    """Under a permit: enter the slot's marker, count in, work a little, count out, leave."""
+    marker = os.path.join(folder, f"slot-{slot}")
+    entered = _enter(marker)
+    tally.slots.add(slot)
+    tally.peak = max(tally.peak, _gauge(folder, +1))
+    time.sleep(0.0005)  # a little work while holding the permit: lets holders overlap
+    _gauge(folder, -1)
+    if not entered or not _leave(marker):
+        tally.overlaps += 1
+    tally.cycles += 1
+
+
+def semaphore_gauge_worker(
+    worker: int, reports: Reports, barrier: Barrier, folder: str, cycles: int, permits: int
+) -> None:
+    """``cycles`` times: take a permit, count in and out of the gauge, release; odd: asyncio."""
+
+    def sync_body(tally: Tally) -> None:
+        backend = SQLiteBackend(os.path.join(folder, "locks.db"))
+        try:
+            sem = DSemaphore(SERVICE, backend, max_permits=permits)
+            sem.ready()
+            barrier.wait(BARRIER_TIMEOUT)
+            for _ in range(cycles):
+                permit = sem.acquire(KEY, ttl=TTL)
+                if permit is None:
+                    tally.refused += 1
+                    permit = sem.acquire_with_retry(
+                        KEY, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=RETRY_DELAY
+                    )
+                assert permit is not None, "acquire_with_retry timed out"
+                _permit_cycle(folder, permit.slot, tally)
+                if not permit.release():
+                    tally.failed_releases += 1
+        finally:
+            backend.close()
+
+    async def async_main(tally: Tally) -> None:
+        backend = SQLiteBackend(os.path.join(folder, "locks.db"))
+        try:
+            sem = AsyncDSemaphore(SERVICE, backend, max_permits=permits)
+            await sem.ready()
+            barrier.wait(BARRIER_TIMEOUT)  # blocking is fine: nothing else runs on this loop
+            for _ in range(cycles):
+                permit = await sem.acquire(KEY, ttl=TTL)
+                if permit is None:
+                    tally.refused += 1
+                    permit = await sem.acquire_with_retry(
+                        KEY, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=RETRY_DELAY
+                    )
+                assert permit is not None, "acquire_with_retry timed out"
+                _permit_cycle(folder, permit.slot, tally)
+                if not await permit.release():
+                    tally.failed_releases += 1
+        finally:
+            backend.close()
+
+    def body(tally: Tally) -> None:
+        if worker % 2 == 0:
+            sync_body(tally)
+        else:
+            asyncio.run(async_main(tally))
+
+    _report_errors(body, worker, reports, barrier)
+
+
+def shared_file_worker(
+    worker: int,
+    reports: Reports,
+    barrier: Barrier,
+    folder: str,
+    cycles: int,
+    uid: int,
+    gid: int,
+) -> None:
+    """The sync counter worker; worker 0 first becomes ``uid``/``gid`` (no way back)."""
+    if worker == 0:
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+        except BaseException:
+            barrier.abort()
+            reports.put((worker, traceback.format_exc()))
+            raise
+
+    def body(tally: Tally) -> None:
+        backend = SQLiteBackend(os.path.join(folder, "locks.db"))
+        try:
+            mutex = DMutex(SERVICE, backend)
+            barrier.wait(BARRIER_TIMEOUT)
+            mutex.ready()  # after the barrier: either user may be the one creating the table
+            for _ in range(cycles):
+                lock = mutex.acquire(KEY, ttl=TTL)
+                if lock is None:
+                    tally.refused += 1
+                    lock = mutex.acquire_with_retry(
+                        KEY, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=RETRY_DELAY
+                    )
+                assert lock is not None, "acquire_with_retry timed out"
+                assert lock.fence is not None
+                tally.fences.append(lock.fence)
+                _counter_cycle(folder, worker, lock.fence, tally)
+                if not lock.release():
+                    tally.failed_releases += 1
+                # Without a pause the releasing worker mostly takes the lock straight back
+                # (measured: one handoff in 2 x 300 cycles); with it, the two alternate.
+                time.sleep(SHARED_PAUSE)
+        finally:
+            backend.close()
+
+    _report_errors(body, worker, reports, barrier)
+
+
+# --- the parent side --------------------------------------------------------------------
+
+
+def run_workers(target: Callable[..., None], count: int, *args: object) -> list[Report]:
+    """Start ``count`` processes of ``target`` together; their reports, or a failed test."""
+    return processes.run_workers(target, count, *args, deadline=DEADLINE, report=Report)
+
+
+@contextlib.contextmanager
+def raw(path: Path) -> Iterator[sqlite3.Connection]:
+    """A plain connection to the lock file, for the test's own reads; closed after."""
+    conn = sqlite3.connect(path, timeout=STEP_TIMEOUT, isolation_level=None)
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def rows(path: Path, table: str) -> dict[str, tuple[str, int]]:
+    """Every row of ``table``: ``{key: (value, expired_at)}``."""
+    with raw(path) as conn:
+        found = conn.execute(f'SELECT "key", "value", "expired_at" FROM "{table}"').fetchall()
+    return {str(key): (str(value), int(at)) for key, value, at in found}
+
+
+def active_permits(path: Path, table: str) -> dict[str, str]:
+    """The permit rows of ``table`` still active now: ``{key: token}``."""
+    now = round(time.time() * 1000)
+    return {
+        key: value
+        for key, (value, at) in rows(path, table).items()
+        if key.startswith("permit:") and at > now
+    }
+
+
+def integrity(path: Path) -> list[str]:
+    """``PRAGMA integrity_check``'s lines: ``["ok"]`` for an intact file."""
+    with raw(path) as conn:
+        return [str(line) for (line,) in conn.execute("PRAGMA integrity_check").fetchall()]
+
+
+def _check_counter(
+    reports: list[Report], folder: Path, path: Path, workers: int, cycles: int
+) -> None:
+    """No lost update, no overlap, fences 1..N each granted once, nothing left held."""
+    assert len(reports) == workers
+    assert [r.cycles for r in reports] == [cycles] * workers
+    assert sum(r.overlaps for r in reports) == 0, "two holders were inside at once"
+    assert sum(r.failed_releases for r in reports) == 0
+    count, last_fence, _ = _read_counter(folder)
+    # Read-modify-write of a plain file loses updates unless the lock excludes.
+    assert count == workers * cycles
+    assert sum(r.stale for r in reports) == 0, "a holder followed one with a higher fence"
+    fences = sorted(f for r in reports for f in r.fences)
+    assert fences == list(range(1, workers * cycles + 1)), "each grant has its own fence"
+    assert last_fence == workers * cycles
+    table = rows(path, MUTEX_TABLE)
+    assert table.get(f"fence:{KEY}") == (str(workers * cycles), 2**63 - 1)
+    assert active_permits(path, MUTEX_TABLE) == {}, "the lock outlived its last release"
+    assert integrity(path) == ["ok"]
+
+
+def _print_figures(name: str, started: float, reports: list[Report]) -> None:
+    elapsed = time.monotonic() - started
+    refused = [r.refused for r in reports]
+    handoffs = sum(r.handoffs for r in reports)
+    peak = max(r.peak for r in reports)
+    # Shown with -s; no assertion uses the time.
+    print(
+        f"\n{name}: {len(reports)} workers in {elapsed:.2f} s, refused per worker {refused}, "
+        f"{handoffs} handoffs" + (f", peak gauge {peak}" if peak else "")
+    )
+
+
+# --- the tests --------------------------------------------------------------------------
+
+
+def test_mutex_serializes_read_modify_write_across_8_processes(tmp_path: Path) -> None:
+    """8 processes x 1000 cycles on one key, half sync and half asyncio: no lost update."""
+    path = _make_shared_files(tmp_path)
+    started = time.monotonic()
+    reports = run_workers(mutex_counter_worker, PROCESSES, str(tmp_path), CYCLES)
+    _print_figures("mutex counter", started, reports)
+    _check_counter(reports, tmp_path, path, PROCESSES, CYCLES)
+    assert sum(r.refused for r in reports) > 0, "the workers never contended"
+    assert sum(r.handoffs for r in reports) > 0, "the lock never changed hands"
+
+
+def test_semaphore_bounds_concurrency_across_processes(tmp_path: Path) -> None:
+    """6 processes on a semaphore of 3 permits: never more than 3 inside, never 2 in a slot."""
+    path = _make_shared_files(tmp_path)
+    started = time.monotonic()
+    reports = run_workers(
+        semaphore_gauge_worker, SEM_PROCESSES, str(tmp_path), SEM_CYCLES, SEM_PERMITS
+    )
+    _print_figures("semaphore gauge", started, reports)
+    assert len(reports) == SEM_PROCESSES
+    assert [r.cycles for r in reports] == [SEM_CYCLES] * SEM_PROCESSES
+    assert sum(r.overlaps for r in reports) == 0, "two holders were in one slot at once"
+    assert sum(r.failed_releases for r in reports) == 0
+    peak = max(r.peak for r in reports)
+    assert peak <= SEM_PERMITS, f"{peak} holders at once with {SEM_PERMITS} permits"
+    # A refused acquire means every slot was held at that moment: the bound was reached.
+    assert sum(r.refused for r in reports) > 0, "the permits were never all in use"
+    assert {s for r in reports for s in r.slots} == set(range(SEM_PERMITS))
+    assert (tmp_path / "gauge").read_text().split() == ["0"]
+    assert active_permits(path, SEMAPHORE_TABLE) == {}, "permits outlived their last release"
+    fence = rows(path, SEMAPHORE_TABLE)[f"fence:{KEY}"]
+    assert fence == (str(SEM_PROCESSES * SEM_CYCLES), 2**63 - 1), "one fence per grant"
+    assert integrity(path) == ["ok"]
+
+
+# --- a holder killed mid-lease ------------------------------------------------------------
+
+
+def killed_holder(folder: str, reports: ChildReports, ttl: float) -> None:
+    """Hold ``KEY`` for ``ttl``, then take and release another key until killed (bounded)."""
+    try:
+        backend = SQLiteBackend(os.path.join(folder, "locks.db"))
+        mutex = DMutex(SERVICE, backend)
+        lock = mutex.acquire(KEY, ttl=ttl)
+        assert lock is not None, "the key should be free for the holder"
+        expires = round(lock.expired_at.timestamp() * 1000)
+        reports.put(("acquired", (lock.token, lock.fence, expires)))
+        busy = DSemaphore(SERVICE, backend, max_permits=2)
+        ends = time.monotonic() + STEP_TIMEOUT
+        cycles = 0
+        while time.monotonic() < ends:  # writing all the time: the kill lands in a write
+            permit = busy.acquire("busy", ttl=1.0)
+            if permit is not None:
+                busy.extend("busy", permit.token, 1.0)
+                permit.release()
+            cycles += 1
+            if cycles == 50:
+                reports.put(("busy", cycles))
+    except BaseException:
+        reports.put(("error", traceback.format_exc()))
+        raise
+
+
+def _child_report(reports: ChildReports, expected: str, timeout: float) -> object:
+    try:
+        kind, payload = reports.get(timeout=timeout)
+    except queue.Empty:
+        pytest.fail(f"the child sent no {expected!r} report within {timeout} s")
+    if kind == "error":
+        pytest.fail(f"the child raised:\n{payload}")
+    assert kind == expected
+    return payload
+
+
+def test_a_killed_holder_keeps_its_lease_until_its_ttl_and_the_file_stays_intact(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL mid-lease (and mid-write): the row stays and blocks until its expiry; then
+    another process takes the key with the next fence; integrity_check says ok."""
+    path = _make_shared_files(tmp_path)
+    ctx = multiprocessing.get_context("spawn")
+    reports: ChildReports = ctx.Queue()
+    child = ctx.Process(target=killed_holder, args=(str(tmp_path), reports, KILL_TTL), daemon=True)
+    child.start()
+    try:
+        acquired = _child_report(reports, "acquired", BARRIER_TIMEOUT)
+        assert isinstance(acquired, tuple)
+        token, fence, expires = acquired
+        _child_report(reports, "busy", STEP_TIMEOUT)
+        assert child.pid is not None
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(STEP_TIMEOUT)
+        assert child.exitcode == -signal.SIGKILL
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+        child.close()
+        reports.close()
+        reports.join_thread()
+
+    assert rows(path, MUTEX_TABLE)[f"permit:0:{KEY}"] == (token, expires)
+    assert integrity(path) == ["ok"], "the kill left the file corrupt"
+
+    backend = SQLiteBackend(path)
+    try:
+        mutex = DMutex(SERVICE, backend)
+        refused_before_expiry = 0
+        taken = None
+        deadline = time.monotonic() + KILL_TTL + STEP_TIMEOUT
+        while taken is None:
+            assert time.monotonic() < deadline, "the dead holder's lease never became free"
+            before = round(time.time() * 1000)
+            taken = mutex.acquire(KEY, ttl=TTL)
+            after = round(time.time() * 1000)
+            if taken is None:
+                # The store's now is at least ``before``: a refusal then means not yet expired.
+                assert before < expires, f"refused {before - expires} ms after the expiry"
+                refused_before_expiry += 1
+                time.sleep(POLL)
+            else:
+                assert after >= expires, f"granted {expires - after} ms before the expiry"
+        assert refused_before_expiry > 0, "no attempt landed before the expiry: raise KILL_TTL"
+        assert taken.fence == fence + 1
+        assert rows(path, MUTEX_TABLE)[f"permit:0:{KEY}"][0] == taken.token
+        assert taken.release()
+        # The key the child was writing when it died works too.
+        busy = DSemaphore(SERVICE, backend, max_permits=2)
+        permit = busy.acquire_with_retry("busy", ttl=TTL, timeout=STEP_TIMEOUT)
+        assert permit is not None
+        assert permit.release()
+    finally:
+        backend.close()
+    assert integrity(path) == ["ok"]
+
+
+# --- a file shared by two users ------------------------------------------------------------
+
+
+@pytest.fixture
+def shared_folder() -> Iterator[Path]:
+    """A directory every user may write (mode 2777) outside pytest's private tmp dirs."""
+    base = tempfile.gettempdir()
+    if not os.stat(base).st_mode & stat.S_IXOTH:
+        pytest.skip(f"{base} is not searchable by other users")
+    folder = Path(tempfile.mkdtemp(prefix="dmutex-shared-", dir=base))
+    try:
+        os.chmod(folder, 0o2777)
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_root_and_nobody_exclude_each_other_on_a_shared_file(shared_folder: Path) -> None:
+    """A lock file 0o666 in a 2777 directory: a process running as nobody and one running
+    as root contend for one key and exclude each other."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the test runs one worker as root and one as nobody")
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user 'nobody' on this host")
+    path = _make_shared_files(shared_folder, 0o666)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    os.close(fd)
+    os.chmod(path, 0o666)  # whatever the umask
+    started = time.monotonic()
+    reports = run_workers(
+        shared_file_worker,
+        2,
+        str(shared_folder),
+        SHARED_CYCLES,
+        nobody.pw_uid,
+        nobody.pw_gid,
+    )
+    _print_figures("root and nobody", started, reports)
+    assert [r.uid for r in reports] == [nobody.pw_uid, 0]
+    _check_counter(reports, shared_folder, path, 2, SHARED_CYCLES)
+    # A, B, A: both held the lock while the other still had cycles to run.
+    assert sum(r.handoffs for r in reports) >= 2, "the two users never contended"
+
+
+# --- a backend used on both sides of fork() ------------------------------------------------
+
+
+def _use_after_fork(backend: SQLiteBackend) -> dict[str, object]:
+    """In the forked child: the inherited backend object, sync and asyncio faces."""
+    mutex = DMutex(SERVICE, backend)
+    seen: dict[str, object] = {"held elsewhere": mutex.acquire("parent", ttl=TTL) is None}
+    lock = mutex.acquire("child", ttl=TTL)
+    assert lock is not None
+    seen["sync fence"] = lock.fence
+    seen["sync release"] = lock.release()
+
+    async def main() -> None:
+        amutex = AsyncDMutex(SERVICE, backend)
+        alock = await amutex.acquire("child-async", ttl=TTL)
+        assert alock is not None
+        seen["async fence"] = alock.fence
+        seen["async release"] = await alock.release()
+
+    asyncio.run(main())
+    backend.close()
+    return seen
+
+
+def _read_pipe(fd: int, deadline: float) -> bytes:
+    """Everything written to ``fd`` until EOF; fails the test past ``deadline`` (monotonic)."""
+    chunks: list[bytes] = []
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the forked child did not finish")
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+
+
+@dataclass(frozen=True)
+class ForkReport:
+    """What the forked child saw, and what its parent saw after it."""
+
+    child: dict[str, object]
+    parent: dict[str, object]
+
+
+def fork_worker(worker: int, reports: Reports, barrier: Barrier, folder: str) -> None:
+    """Use a backend (both faces), fork, use it in the child and again in the parent."""
+
+    def body() -> None:
+        backend = SQLiteBackend(os.path.join(folder, "locks.db"))
+        mutex = DMutex(SERVICE, backend)
+        held = mutex.acquire("parent", ttl=TTL)  # held across the fork
+        assert held is not None
+
+        async def warm() -> None:  # starts the backend's worker thread
+            amutex = AsyncDMutex(SERVICE, backend)
+            alock = await amutex.acquire("warm", ttl=TTL)
+            assert alock is not None
+            assert await alock.release()
+
+        asyncio.run(warm())
+        read, write = os.pipe()
+        with warnings.catch_warnings():
+            # The backend's worker thread is alive at the fork: that is the point.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(read)
+                text = json.dumps({"ok": _use_after_fork(backend)})
+                code = 0
+            except BaseException:  # noqa: BLE001 - sent to the parent, which fails the test
+                text = json.dumps({"error": traceback.format_exc()})
+            finally:
+                os.write(write, text.encode())
+                os._exit(code)
+        os.close(write)
+        try:
+            answer = json.loads(_read_pipe(read, time.monotonic() + STEP_TIMEOUT))
+            _, status = os.waitpid(pid, 0)
+            pid = 0
+        finally:
+            os.close(read)
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        assert "error" not in answer, f"the forked child raised:\n{answer['error']}"
+        assert os.waitstatus_to_exitcode(status) == 0
+        # The parent's connection survived the child's use of the object.
+        after: dict[str, object] = {"parent release": held.release()}
+        again = mutex.acquire("child", ttl=TTL)
+        assert again is not None
+        after["parent fence"] = again.fence
+        assert again.release()
+        backend.close()
+        reports.put((worker, ForkReport(answer["ok"], after)))
+
+    try:
+        body()
+    except BaseException:
+        reports.put((worker, traceback.format_exc()))
+        raise
+
+
+def test_a_forked_child_can_use_the_backend_object_of_its_parent(tmp_path: Path) -> None:
+    """After fork() the child uses the inherited SQLiteBackend (both faces) on a connection
+    of its own: the parent's lease excludes it, its grants and releases work, and the
+    parent's connection works on after."""
+    path = _make_shared_files(tmp_path)
+    (seen,) = processes.run_workers(
+        fork_worker, 1, str(tmp_path), deadline=DEADLINE, report=ForkReport
+    )
+    assert seen.child == {
+        "held elsewhere": True,
+        "sync fence": 1,
+        "sync release": True,
+        "async fence": 1,
+        "async release": True,
+    }
+    assert seen.parent == {"parent release": True, "parent fence": 2}
+    assert active_permits(path, MUTEX_TABLE) == {}
+    assert integrity(path) == ["ok"]
