@@ -23,7 +23,9 @@ The rules of this module:
    expiry still in the future, so a holder whose lease ran out can neither
    remove nor prolong its successor's row.
 3. Time is the instance's clock (the host's, unless a test passes one):
-   every process that shares the file reads the same one. Nothing deletes
+   every process that shares the file reads the same one. It is read in the
+   call, inside the transaction: a call that waited for the file decides
+   and stores expiries by the time it runs, not the time it was asked. Nothing deletes
    expired rows; the next acquire of the slot overwrites them.
 4. A release wakes the retrying acquires that wait for its key through the
    same backend object (threads and tasks of this process), as
@@ -419,11 +421,11 @@ class SQLiteStore:
         A mutex without fencing is one statement; anything else is one
         ``BEGIN IMMEDIATE`` transaction (rule 1).
         """
-        now = now_ms(self._clock)
-        expires = now + ttl_ms
-        sql, permits, backend = self._sql, self._permits, self._backend
+        sql, permits, backend, clock = self._sql, self._permits, self._backend, self._clock
 
-        def grant(conn: Conn) -> tuple[int, int | None] | None:
+        def grant(conn: Conn) -> tuple[int, int, int | None] | None:
+            now = now_ms(clock)  # rule 3: when the call runs, not when it was queued
+            expires = now + ttl_ms
             rows: list[tuple[str, str, int]] = []
             if permits == 1:
                 slot = 0
@@ -438,7 +440,7 @@ class SQLiteStore:
                 if cursor.rowcount == 1:
                     if waiter is not None:
                         _register(backend, (self._table, key), waiter, False)
-                    return slot, self._bump(conn, key) if self._fencing else None
+                    return slot, expires, self._bump(conn, key) if self._fencing else None
             if waiter is not None:
                 if permits == 1:
                     rows = conn.execute(sql.slots, (1, key, now, None)).fetchall()
@@ -449,10 +451,10 @@ class SQLiteStore:
 
         one = permits == 1 and not self._fencing
         reply = yield Call(self._run, (grant if one else _transaction(grant),))
-        granted = cast("tuple[int, int | None] | None", reply)  # what grant() returned
+        granted = cast("tuple[int, int, int | None] | None", reply)  # what grant() returned
         if granted is None:
             return None
-        slot, fence = granted
+        slot, expires, fence = granted
         return Lease(key, token, slot, expires, fence=fence)
 
     def _bump(self, conn: Conn, key: str) -> int:
@@ -471,20 +473,19 @@ class SQLiteStore:
         conn.execute(self._sql.put, (name, str(fence), _FOREVER))
         return fence
 
-    def _match(self, key: str, token: str, slot: int | None) -> tuple[object, ...]:
-        """The parameters that pick the active row of ``key`` holding ``token``."""
+    def _match(self, key: str, token: str, slot: int | None) -> tuple[int, str, str | None, str]:
+        """The parameters that pick the row of ``key`` holding ``token`` (then: now, expiry)."""
         name = None if slot is None else f"permit:{slot}:{key}"
-        return (self._permits, key, name, token, now_ms(self._clock))
+        return (self._permits, key, name, token)
 
     def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
         """Delete the active row holding ``token``: one statement."""
         statement = self._sql.delete_any if slot is None else self._sql.delete
-        params = self._match(key, token, slot)
-
+        params, clock = self._match(key, token, slot), self._clock
         backend, name = self._backend, (self._table, key)
 
         def delete(conn: Conn) -> list[Wakeup] | None:
-            if conn.execute(statement, params).rowcount != 1:
+            if conn.execute(statement, (*params, now_ms(clock))).rowcount != 1:
                 return None
             return list(backend._waiters.pop(name, ()))
 
@@ -498,28 +499,30 @@ class SQLiteStore:
     def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
         """Move the expiry of the active row holding ``token``: one statement."""
         statement = self._sql.extend_any if slot is None else self._sql.extend
-        params = self._match(key, token, slot)
-        expires = now_ms(self._clock) + ttl_ms
+        params, clock = self._match(key, token, slot), self._clock
 
-        def update(conn: Conn) -> int:
-            return conn.execute(statement, (*params, expires)).rowcount
+        def update(conn: Conn) -> int | None:
+            now = now_ms(clock)
+            done = conn.execute(statement, (*params, now, now + ttl_ms)).rowcount
+            return now + ttl_ms if done == 1 else None
 
-        changed = yield Call(self._run, (update,))
-        return expires if changed == 1 else None
+        expires = yield Call(self._run, (update,))
+        return cast("int | None", expires)  # what update() returned
 
     def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
         """Extend every lease in one transaction; a failed call fails them all."""
-        statement = self._sql.extend
+        statement, clock = self._sql.extend, self._clock
         batch = [
-            ((*self._match(lease.key, lease.token, lease.slot), expires), expires)
-            for lease in leases
-            for expires in (now_ms(self._clock) + lease.ttl_ms,)
+            (self._match(lease.key, lease.token, lease.slot), lease.ttl_ms) for lease in leases
         ]
 
         def update(conn: Conn) -> list[Renewed]:
+            now = now_ms(clock)
             return [
-                expires if conn.execute(statement, params).rowcount == 1 else None
-                for params, expires in batch
+                now + ttl_ms
+                if conn.execute(statement, (*params, now, now + ttl_ms)).rowcount == 1
+                else None
+                for params, ttl_ms in batch
             ]
 
         try:
@@ -530,10 +533,10 @@ class SQLiteStore:
 
     def holders(self, key: str) -> Steps[Inspection]:
         """The active permits of ``key`` and its fence counter: one call, no change."""
-        now = now_ms(self._clock)
-        sql, permits = self._sql, self._permits
+        sql, permits, clock = self._sql, self._permits, self._clock
 
         def read(conn: Conn) -> Inspection:
+            now = now_ms(clock)
             rows = conn.execute(sql.slots, (permits, key, now, None)).fetchall()
             found = sorted(Holder(_slot_of(name, key), value, at) for name, value, at in rows)
             counter = conn.execute(sql.read, (f"fence:{key}",)).fetchone()
