@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,18 +45,25 @@ BOUND = 20.0  # seconds a woken waiter may take before the test fails instead of
 LONG = 30.0  # a retry_delay no test waits out: a waiter that returns was woken
 
 
-@pytest.fixture
-def attempts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Every key an InMemoryBackend acquire attempt was made for, in order."""
+def spy_on_acquire(
+    monkeypatch: pytest.MonkeyPatch, store: type[memory.MemoryStore] | type[sqlite.SQLiteStore]
+) -> list[str]:
+    """Every key an acquire attempt of ``store`` is made for, in order."""
     seen: list[str] = []
-    original = memory.MemoryStore.acquire
+    original = store.acquire
 
-    def spy(self: memory.MemoryStore, key: str, *args: Any) -> Any:
+    def spy(self: Any, key: str, *args: Any) -> Any:
         seen.append(key)
         return original(self, key, *args)
 
-    monkeypatch.setattr(memory.MemoryStore, "acquire", spy)
+    monkeypatch.setattr(store, "acquire", spy)
     return seen
+
+
+@pytest.fixture
+def attempts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every key an InMemoryBackend acquire attempt was made for, in order."""
+    return spy_on_acquire(monkeypatch, memory.MemoryStore)
 
 
 def registered(backend: InMemoryBackend, count: int = 1) -> None:
@@ -66,6 +74,24 @@ def registered(backend: InMemoryBackend, count: int = 1) -> None:
                 return
         threading.Event().wait(0.001)
     raise AssertionError("the waiter never registered")
+
+
+def release_wakes_a_sync_waiter(mutex: DMutex, wait_registered: Callable[[], None]) -> None:
+    """Hold ``job``; a thread waits for it with a retry_delay it never waits out; once
+    ``wait_registered()`` returns, release: the waiter must wake at once with the lock."""
+    holder = mutex.acquire("job", ttl=60)
+    assert holder is not None
+    got: list[object] = []
+    waiter_thread = threading.Thread(
+        target=lambda: got.append(mutex.acquire_with_retry("job", timeout=60, retry_delay=LONG))
+    )
+    waiter_thread.start()
+    wait_registered()
+    assert holder.release() is True
+    waiter_thread.join(BOUND)
+    assert not waiter_thread.is_alive(), "the release did not wake the waiter"
+    assert got
+    assert got[0] is not None
 
 
 # --- the policy -------------------------------------------------------------------
@@ -118,20 +144,7 @@ def test_a_waiter_registers_for_its_window() -> None:
 
 def test_a_release_wakes_a_sync_waiter_without_another_attempt(attempts: list[str]) -> None:
     backend = InMemoryBackend()
-    mutex = DMutex("svc", backend)
-    holder = mutex.acquire("job", ttl=60)
-    assert holder is not None
-    got: list[object] = []
-    waiter_thread = threading.Thread(
-        target=lambda: got.append(mutex.acquire_with_retry("job", timeout=60, retry_delay=LONG))
-    )
-    waiter_thread.start()
-    registered(backend)
-    assert holder.release() is True
-    waiter_thread.join(BOUND)
-    assert not waiter_thread.is_alive(), "the release did not wake the waiter"
-    assert got
-    assert got[0] is not None
+    release_wakes_a_sync_waiter(DMutex("svc", backend), lambda: registered(backend))
     assert attempts == ["job", "job", "job"], "holder, waiter's failed try, waiter's winning try"
 
 
@@ -228,15 +241,16 @@ def test_a_waiter_on_a_manual_clock_waits_exactly_until_the_expiry(attempts: lis
     assert attempts == ["job", "job", "job"]
 
 
-def test_an_abandoned_waiter_leaves_nothing_registered() -> None:
-    backend = InMemoryBackend()
+def abandon_a_waiter(backend: InMemoryBackend | SQLiteBackend, poll: float) -> None:
+    """An asyncio waiter, cancelled once registered (polled every ``poll`` s): it must end
+    cancelled and leave no wake-up registered."""
 
     async def main() -> None:
         mutex = AsyncDMutex("svc", backend)
         assert await mutex.acquire("job", ttl=60) is not None
         waiting = asyncio.create_task(mutex.acquire_with_retry("job", timeout=60, retry_delay=LONG))
         while not backend._waiters:
-            await asyncio.sleep(0)
+            await asyncio.sleep(poll)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
@@ -244,6 +258,10 @@ def test_an_abandoned_waiter_leaves_nothing_registered() -> None:
     asyncio.run(main())
     gc.collect()
     assert all(len(wakeups) == 0 for wakeups in backend._waiters.values())
+
+
+def test_an_abandoned_waiter_leaves_nothing_registered() -> None:
+    abandon_a_waiter(InMemoryBackend(), 0)
 
 
 def test_a_waiter_that_times_out_is_forgotten() -> None:
@@ -427,15 +445,7 @@ def test_a_block_that_times_out_is_not_a_wake() -> None:
 @pytest.fixture
 def sqlite_attempts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every key an SQLiteBackend acquire attempt was made for, in order."""
-    seen: list[str] = []
-    original = sqlite.SQLiteStore.acquire
-
-    def spy(self: sqlite.SQLiteStore, key: str, *args: Any) -> Any:
-        seen.append(key)
-        return original(self, key, *args)
-
-    monkeypatch.setattr(sqlite.SQLiteStore, "acquire", spy)
-    return seen
+    return spy_on_acquire(monkeypatch, sqlite.SQLiteStore)
 
 
 def sqlite_registered(backend: SQLiteBackend) -> None:
@@ -452,20 +462,7 @@ def test_an_sqlite_release_wakes_a_waiter_of_the_same_backend(
     tmp_path: Path, sqlite_attempts: list[str]
 ) -> None:
     backend = SQLiteBackend(tmp_path / "locks.sqlite3")
-    mutex = DMutex("svc", backend)
-    holder = mutex.acquire("job", ttl=60)
-    assert holder is not None
-    got: list[object] = []
-    waiter_thread = threading.Thread(
-        target=lambda: got.append(mutex.acquire_with_retry("job", timeout=60, retry_delay=LONG))
-    )
-    waiter_thread.start()
-    sqlite_registered(backend)
-    assert holder.release() is True
-    waiter_thread.join(BOUND)
-    assert not waiter_thread.is_alive(), "the release did not wake the waiter"
-    assert got
-    assert got[0] is not None
+    release_wakes_a_sync_waiter(DMutex("svc", backend), lambda: sqlite_registered(backend))
     assert sqlite_attempts == ["job", "job", "job"]
     assert backend._waiters == {}, "the winning attempt ended the registration"
     backend.close()
@@ -511,18 +508,5 @@ def test_an_sqlite_waiter_on_a_manual_clock_waits_exactly_until_the_first_expiry
 
 def test_an_abandoned_sqlite_waiter_leaves_nothing_registered(tmp_path: Path) -> None:
     backend = SQLiteBackend(tmp_path / "locks.sqlite3")
-
-    async def main() -> None:
-        mutex = AsyncDMutex("svc", backend)
-        assert await mutex.acquire("job", ttl=60) is not None
-        waiting = asyncio.create_task(mutex.acquire_with_retry("job", timeout=60, retry_delay=LONG))
-        while not backend._waiters:
-            await asyncio.sleep(0.001)
-        waiting.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await waiting
-
-    asyncio.run(main())
-    gc.collect()
-    assert all(len(wakeups) == 0 for wakeups in backend._waiters.values())
+    abandon_a_waiter(backend, 0.001)
     backend.close()

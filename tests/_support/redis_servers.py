@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import pytest
 import redis
 
 from tests._support.processes import stop_process
@@ -397,3 +398,18 @@ class Pool:
             with contextlib.suppress(Exception):
                 source.stop()
         self._running.clear()
+
+
+def newest(pool: Pool) -> Server:
+    """The newest server found (started on first use); skips the test when there is none."""
+    labels = pool.labels
+    if not labels:
+        pytest.skip(pool.discovery.reason)
+    return pool.server(labels[-1])
+
+
+def flushed(url: str) -> str:
+    """``url``, its database emptied."""
+    with redis.Redis.from_url(url) as client:
+        client.flushdb()
+    return url

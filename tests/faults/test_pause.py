@@ -28,10 +28,6 @@ import asyncio
 import multiprocessing
 import multiprocessing.queues
 import multiprocessing.synchronize
-import os
-import queue
-import signal
-import traceback
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -44,37 +40,25 @@ import pytest
 import redis
 import redis.asyncio
 
-from dmutex import (
-    AsyncDMutex,
-    AsyncDMutexLock,
-    AsyncDSemaphore,
-    AsyncDSemaphorePermit,
-    DMutex,
-    DMutexLock,
-    DSemaphore,
-    DSemaphorePermit,
-)
+from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore
+from tests._support import processes
 from tests._support.mongo_servers import Session
+from tests._support.pausing import CALLS, FILL_TTL, NEW_TTL, STALE_TTL, TTL, slot_of
 from tests._support.redis_servers import Pool
-from tests._support.sampling import until, wait_stopped
+from tests._support.sampling import until
 
 Backend: TypeAlias = Literal["redis", "mongodb"]
 Kind: TypeAlias = Literal["mutex", "semaphore"]
 FaceName: TypeAlias = Literal["sync", "async"]
 Doc: TypeAlias = dict[str, Any]
-Reports: TypeAlias = "multiprocessing.queues.Queue[tuple[str, object]]"
+Reports: TypeAlias = processes.ChildReports
 
 KEY = "nightly-report"
 PERMITS = 2  # the semaphore's; a mutex has one
-TTL = 0.5  # the paused holder's lease
-NEW_TTL = 20.0  # the new holder's
-STALE_TTL = 60.0  # what the paused holder's extend asks for: longer than NEW_TTL
-FILL_TTL = 30.0  # the semaphore's other permit, held by the test throughout
 START_TIMEOUT = 60.0  # spawning and importing on a busy 2-core machine
 STEP_TIMEOUT = 20.0  # any one wait of the test or of the child
 POLL = 0.01
 WANTED_REDIS = "redis-7.0"
-CALLS = ("extend by handle", "extend by token", "release by handle", "release by token")
 
 
 @dataclass(frozen=True)
@@ -103,10 +87,6 @@ CASES = [
 # --- the child: acquire, report, wait, then act on the stale lease -------------------------
 
 
-SyncLease: TypeAlias = DMutexLock | DSemaphorePermit
-AsyncLease: TypeAlias = AsyncDMutexLock | AsyncDSemaphorePermit
-
-
 def _sync_instance(
     kind: Kind, client: Any, service: str, db_name: str | None
 ) -> DMutex | DSemaphore:
@@ -123,10 +103,6 @@ def _async_instance(
     if kind == "mutex":
         return AsyncDMutex(service, client, db_name=database)
     return AsyncDSemaphore(service, client, max_permits=PERMITS, db_name=database)
-
-
-def _slot(lease: SyncLease | AsyncLease) -> int:
-    return lease.slot if isinstance(lease, (DSemaphorePermit, AsyncDSemaphorePermit)) else 0
 
 
 def _sync_holder(
@@ -146,7 +122,7 @@ def _sync_holder(
         instance = _sync_instance(case.kind, client, service, db_name)
         lease = instance.acquire(KEY, ttl=TTL)
         assert lease is not None, "the key should be free for the holder"
-        reports.put(("acquired", (lease.token, _slot(lease))))
+        reports.put(("acquired", (lease.token, slot_of(lease))))
         assert go.wait(STEP_TIMEOUT), "the test never let the holder go on"
         # Continued: the holder acts as if no time had passed.
         results = {
@@ -182,7 +158,7 @@ async def _async_holder(
         instance = _async_instance(case.kind, client, service, db_name)
         lease = await instance.acquire(KEY, ttl=TTL)
         assert lease is not None, "the key should be free for the holder"
-        reports.put(("acquired", (lease.token, _slot(lease))))
+        reports.put(("acquired", (lease.token, slot_of(lease))))
         # Blocking the loop is fine: nothing else runs on it.
         assert go.wait(STEP_TIMEOUT), "the test never let the holder go on"
         results = {
@@ -213,15 +189,11 @@ def paused_holder(
     go: multiprocessing.synchronize.Event,
 ) -> None:
     """The child (module level: spawn imports this module to find it)."""
-    try:
-        if case.face == "sync":
-            results = _sync_holder(case, url, db_name, service, reports, go)
-        else:
-            results = asyncio.run(_async_holder(case, url, db_name, service, reports, go))
-    except BaseException:
-        reports.put(("error", traceback.format_exc()))
-        raise
-    reports.put(("results", results))
+    args = (case, url, db_name, service, reports, go)
+    sync = case.face == "sync"
+    processes.send_results(
+        reports, lambda: _sync_holder(*args) if sync else asyncio.run(_async_holder(*args))
+    )
 
 
 # --- the parent side: what the server holds ----------------------------------------------
@@ -334,17 +306,6 @@ def side(request: pytest.FixtureRequest) -> Iterator[Side]:
         made.close()
 
 
-def _report(reports: Reports, expected: str, timeout: float) -> object:
-    try:
-        kind, payload = reports.get(timeout=timeout)
-    except queue.Empty:
-        pytest.fail(f"the holder sent no {expected!r} report within {timeout} s")
-    if kind == "error":
-        pytest.fail(f"the holder raised:\n{payload}")
-    assert kind == expected
-    return payload
-
-
 # --- the test ------------------------------------------------------------------------------
 
 
@@ -359,26 +320,13 @@ def test_a_holder_paused_past_its_ttl_cannot_touch_its_successor(side: Side) -> 
         filler = instance.acquire(KEY, ttl=FILL_TTL)
         assert filler is not None
 
-    ctx = multiprocessing.get_context("spawn")
-    reports: Reports = ctx.Queue()
-    go = ctx.Event()
-    child = ctx.Process(
-        target=paused_holder,
-        args=(case, side.url, side.db_name, side.service, reports, go),
-        daemon=True,
-    )
-    child.start()
-    stopped = False
-    try:
-        acquired = _report(reports, "acquired", START_TIMEOUT)
+    with processes.spawned(paused_holder, case, side.url, side.db_name, side.service) as child:
+        acquired = child.report("acquired", START_TIMEOUT)
         assert isinstance(acquired, tuple)
         token, slot = acquired
         if filler is not None:
-            assert slot != _slot(filler), "the holder got the permit the test holds"
-        assert child.pid is not None
-        os.kill(child.pid, signal.SIGSTOP)
-        stopped = True
-        wait_stopped(child.pid, STEP_TIMEOUT, poll=POLL)
+            assert slot != slot_of(filler), "the holder got the permit the test holds"
+        child.stop(STEP_TIMEOUT, poll=POLL)
         until(
             lambda: side.expired(slot, token),
             "the paused holder's lease expired",
@@ -388,28 +336,12 @@ def test_a_holder_paused_past_its_ttl_cannot_touch_its_successor(side: Side) -> 
 
         taker = instance.acquire(KEY, ttl=NEW_TTL)
         assert taker is not None, "the expired lease should be free to take over"
-        assert _slot(taker) == slot, "the taker should get the expired slot"
+        assert slot_of(taker) == slot, "the taker should get the expired slot"
         before = side.record(slot)
         assert before.token == taker.token
 
-        os.kill(child.pid, signal.SIGCONT)
-        stopped = False
-        go.set()
-        results = _report(reports, "results", STEP_TIMEOUT)
-        child.join(STEP_TIMEOUT)
-        assert child.exitcode == 0
-    finally:
-        if child.is_alive():
-            if stopped and child.pid is not None:
-                os.kill(child.pid, signal.SIGCONT)
-            child.terminate()
-            child.join(5)
-            if child.is_alive():
-                child.kill()
-                child.join(5)
-        child.close()
-        reports.close()
-        reports.join_thread()
+        child.go_on()
+        results = child.finish("results", STEP_TIMEOUT)
 
     after = side.record(slot)
     assert isinstance(results, dict)
@@ -427,7 +359,7 @@ def test_a_holder_paused_past_its_ttl_cannot_touch_its_successor(side: Side) -> 
     elif after.expiry != before.expiry:
         problems.append(f"expiredAt went from {before.expiry} to {after.expiry}")
     if filler is not None:
-        if side.record(_slot(filler)).token != filler.token:
+        if side.record(slot_of(filler)).token != filler.token:
             problems.append("the other permit's record lost its token")
         assert filler.release() is True
     assert not problems, f"{case.id}: " + "; ".join(problems)

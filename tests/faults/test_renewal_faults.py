@@ -74,12 +74,9 @@ import multiprocessing
 import multiprocessing.queues
 import multiprocessing.synchronize
 import os
-import queue
 import random
-import signal
 import threading
 import time
-import traceback
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -110,11 +107,12 @@ from dmutex import (
 )
 from dmutex._backends import redis as redis_backend
 from dmutex._backends.redis import EXTEND
+from tests._support import processes
 from tests._support.fault_proxy import Fault, FaultProxy, Rates
 from tests._support.mongo_servers import Session
 from tests._support.redis_servers import Pool, Server
 from tests._support.sampling import sampling as sampling_thread
-from tests._support.sampling import until, wait_stopped
+from tests._support.sampling import until
 
 Doc: TypeAlias = dict[str, Any]
 Handle: TypeAlias = DMutexLock | AsyncDMutexLock
@@ -1209,7 +1207,7 @@ def test_one_failed_extend_loses_no_other_lease_of_its_batch(mongo_session: Sess
 
 PauseBackend: TypeAlias = Literal["redis", "mongodb"]
 FaceName: TypeAlias = Literal["sync", "async"]
-Reports: TypeAlias = "multiprocessing.queues.Queue[tuple[str, object]]"
+Reports: TypeAlias = processes.ChildReports
 
 PAUSE_KEY = "paused"
 PAUSE_TTL = 0.6
@@ -1350,15 +1348,11 @@ def paused_holder(
     go: multiprocessing.synchronize.Event,
 ) -> None:
     """The child (module level: spawn imports this module to find it)."""
-    try:
-        if case.face == "sync":
-            results = _sync_paused(case, url, db_name, service, reports, go)
-        else:
-            results = asyncio.run(_async_paused(case, url, db_name, service, reports, go))
-    except BaseException:
-        reports.put(("error", traceback.format_exc()))
-        raise
-    reports.put(("results", results))
+    args = (case, url, db_name, service, reports, go)
+    sync = case.face == "sync"
+    processes.send_results(
+        reports, lambda: _sync_paused(*args) if sync else asyncio.run(_async_paused(*args))
+    )
 
 
 @dataclass(frozen=True)
@@ -1432,41 +1426,17 @@ def pause_side(request: pytest.FixtureRequest) -> Iterator[PauseSide]:
         side.close()
 
 
-def _report(reports: Reports, expected: str, timeout: float) -> object:
-    try:
-        kind, payload = reports.get(timeout=timeout)
-    except queue.Empty:
-        pytest.fail(f"the holder sent no {expected!r} report within {timeout} s")
-    if kind == "error":
-        pytest.fail(f"the holder raised:\n{payload}")
-    assert kind == expected
-    return payload
-
-
 def test_a_renewed_holder_paused_past_its_ttl_learns_it_lost(pause_side: PauseSide) -> None:
     """SIGSTOP past the TTL: the lease is taken over; on SIGCONT the handle reports the loss,
     its release returns False, the new holder's record is untouched and its fence higher."""
     side = pause_side
-    ctx = multiprocessing.get_context("spawn")
-    reports: Reports = ctx.Queue()
-    go = ctx.Event()
-    child = ctx.Process(
-        target=paused_holder,
-        args=(side.case, side.url, side.db_name, side.service, reports, go),
-        daemon=True,
-    )
-    child.start()
-    stopped = False
-    try:
-        holding = _report(reports, "holding", START_TIMEOUT)
+    with processes.spawned(paused_holder, side.case, side.url, side.db_name, side.service) as child:
+        holding = child.report("holding", START_TIMEOUT)
         assert isinstance(holding, tuple)
         token, old_fence, renewed = holding
         assert renewed is True, "the holder's lease was not renewed in three TTLs"
         assert side.record().token == token, "renewed, yet the server no longer holds it"
-        assert child.pid is not None
-        os.kill(child.pid, signal.SIGSTOP)
-        stopped = True
-        wait_stopped(child.pid, STEP_TIMEOUT, poll=POLL)
+        child.stop(STEP_TIMEOUT, poll=POLL)
         until(
             lambda: side.expired(token),
             "the paused holder's lease expired",
@@ -1479,24 +1449,8 @@ def test_a_renewed_holder_paused_past_its_ttl_learns_it_lost(pause_side: PauseSi
         before = side.record()
         assert before.token == taker.token
 
-        os.kill(child.pid, signal.SIGCONT)
-        stopped = False
-        go.set()
-        results = _report(reports, "results", STEP_TIMEOUT)
-        child.join(STEP_TIMEOUT)
-        assert child.exitcode == 0
-    finally:
-        if child.is_alive():
-            if stopped and child.pid is not None:
-                os.kill(child.pid, signal.SIGCONT)
-            child.terminate()
-            child.join(5)
-            if child.is_alive():
-                child.kill()
-                child.join(5)
-        child.close()
-        reports.close()
-        reports.join_thread()
+        child.go_on()
+        results = child.finish("results", STEP_TIMEOUT)
 
     after = side.record()
     assert isinstance(results, dict)

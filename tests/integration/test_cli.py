@@ -24,13 +24,12 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
-import redis
 
 from dmutex import DMutex, SQLiteBackend
 from dmutex._backends.inspect import read_holders
 from tests._support import cli, mongo_servers
 from tests._support.cli import Child, Store
-from tests._support.redis_servers import Pool
+from tests._support.redis_servers import Pool, flushed, newest
 from tests._support.sampling import until
 
 KEY = "job"
@@ -43,13 +42,7 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="dmutex run is P
 @pytest.fixture
 def redis_cli_url(redis_pool: Pool) -> str:
     """The newest discovered Redis server (one is enough here), its database emptied."""
-    labels = redis_pool.labels
-    if not labels:
-        pytest.skip(redis_pool.discovery.reason)
-    url = redis_pool.server(labels[-1]).url
-    with redis.Redis.from_url(url) as client:
-        client.flushdb()
-    return url
+    return flushed(newest(redis_pool).url)
 
 
 @pytest.fixture(params=["sqlite", "redis"])

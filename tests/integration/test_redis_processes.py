@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -25,9 +24,10 @@ import pytest
 import redis
 import redis.asyncio
 
-from dmutex import AsyncDMutex, DMutex, DSemaphore
+from dmutex import AsyncDMutex, AsyncDMutexLock, DMutex, DMutexLock, DSemaphore, DSemaphorePermit
 from tests._support import processes
-from tests._support.redis_servers import Pool, Server
+from tests._support.processes import BARRIER_TIMEOUT, DEADLINE
+from tests._support.redis_servers import Pool, Server, newest
 
 LOCK_KEY = "orders"
 COUNTER = "test:counter"
@@ -40,8 +40,7 @@ MUTEX_SLOT_KEY = f"_dmutex_{MUTEX_SERVICE}:permit:0:{LOCK_KEY}"
 TTL = 10.0  # far longer than any test: no lease may expire while held
 RETRY_TIMEOUT = 30.0
 RETRY_DELAY = 0.001
-BARRIER_TIMEOUT = 60.0  # spawning and importing on a busy 2-core machine
-DEADLINE = 120.0  # for a whole group of workers, start to finish
+RETRY = processes.Retry(TTL, RETRY_TIMEOUT, RETRY_DELAY)
 
 PROCESSES = 4
 CYCLES = 500
@@ -94,21 +93,6 @@ def _as_str(value: object) -> str | None:
     return value.decode() if isinstance(value, bytes) else None if value is None else str(value)
 
 
-def _report_errors(
-    body: Callable[[Tally], None], worker: int, reports: Reports, barrier: Barrier
-) -> None:
-    """Run ``body``; send its report, or its traceback, to the parent."""
-    tally = Tally(worker)
-    try:
-        body(tally)
-    except BaseException:
-        # Release the others from the barrier if we failed before it.
-        barrier.abort()
-        reports.put((worker, traceback.format_exc()))
-        raise
-    reports.put((worker, tally.report()))
-
-
 # --- workers (module level: spawn imports this module to find them) ---------------------
 
 
@@ -128,25 +112,19 @@ def mutex_counter_worker(
             mutex = DMutex(MUTEX_SERVICE, client)
             client.ping()
             barrier.wait(BARRIER_TIMEOUT)
-            for _ in range(cycles):
-                lock = mutex.acquire(LOCK_KEY, ttl=TTL)
-                if lock is None:
-                    tally.refused += 1
-                    lock = mutex.acquire_with_retry(
-                        LOCK_KEY, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=retry_delay
-                    )
-                assert lock is not None, "acquire_with_retry timed out"
+
+            def work(lock: DMutexLock) -> None:
                 if _as_str(client.get(MUTEX_SLOT_KEY)) != lock.token:
                     tally.foreign += 1
                 value = client.get(COUNTER)
                 client.set(COUNTER, int(value or 0) + 1)
-                if not lock.release():
-                    tally.failed_releases += 1
-                tally.cycles += 1
+
+            retry = processes.Retry(TTL, RETRY_TIMEOUT, retry_delay)
+            processes.cycle(mutex, LOCK_KEY, tally, cycles, work, retry)
         finally:
             client.close()
 
-    _report_errors(body, worker, reports, barrier)
+    processes.report_errors(worker, reports, barrier, Tally(worker), body)
 
 
 def semaphore_gauge_worker(
@@ -160,14 +138,8 @@ def semaphore_gauge_worker(
             sem = DSemaphore(SEMAPHORE_SERVICE, client, max_permits=permits)
             client.ping()
             barrier.wait(BARRIER_TIMEOUT)
-            for _ in range(cycles):
-                permit = sem.acquire(LOCK_KEY, ttl=TTL)
-                if permit is None:
-                    tally.refused += 1
-                    permit = sem.acquire_with_retry(
-                        LOCK_KEY, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=RETRY_DELAY
-                    )
-                assert permit is not None, "acquire_with_retry timed out"
+
+            def work(permit: DSemaphorePermit) -> None:
                 tally.slots.add(permit.slot)
                 now = int(client.incr(GAUGE))
                 tally.peak = max(tally.peak, now)
@@ -176,13 +148,12 @@ def semaphore_gauge_worker(
                     tally.foreign += 1
                 client.get(SCRATCH)  # a little work while holding the permit
                 client.decr(GAUGE)
-                if not permit.release():
-                    tally.failed_releases += 1
-                tally.cycles += 1
+
+            processes.cycle(sem, LOCK_KEY, tally, cycles, work, RETRY)
         finally:
             client.close()
 
-    _report_errors(body, worker, reports, barrier)
+    processes.report_errors(worker, reports, barrier, Tally(worker), body)
 
 
 def async_mutex_counter_worker(
@@ -197,25 +168,20 @@ def async_mutex_counter_worker(
             await client.ping()
             # Blocking here is fine: nothing else runs on this loop yet.
             barrier.wait(BARRIER_TIMEOUT)
-            for _ in range(cycles):
-                lock = await mutex.acquire(LOCK_KEY, ttl=TTL)
-                if lock is None:
-                    tally.refused += 1
-                    lock = await mutex.acquire_with_retry(
-                        LOCK_KEY, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=RETRY_DELAY
-                    )
-                assert lock is not None, "acquire_with_retry timed out"
+
+            async def work(lock: AsyncDMutexLock) -> None:
                 if _as_str(await client.get(MUTEX_SLOT_KEY)) != lock.token:
                     tally.foreign += 1
                 value = await client.get(COUNTER)
                 await client.set(COUNTER, int(value or 0) + 1)
-                if not await lock.release():
-                    tally.failed_releases += 1
-                tally.cycles += 1
+
+            await processes.cycle_async(mutex, LOCK_KEY, tally, cycles, work, RETRY)
         finally:
             await client.aclose()
 
-    _report_errors(lambda tally: asyncio.run(main(tally)), worker, reports, barrier)
+    processes.report_errors(
+        worker, reports, barrier, Tally(worker), lambda tally: asyncio.run(main(tally))
+    )
 
 
 # --- the parent side --------------------------------------------------------------------
@@ -238,13 +204,11 @@ def _print_figures(name: str, server: Server, started: float, reports: list[Repo
 # --- the tests --------------------------------------------------------------------------
 
 
-def _check_counter(reports: list[Report], client: redis.Redis, processes: int) -> None:
-    assert len(reports) == processes
-    assert [r.cycles for r in reports] == [CYCLES] * processes
+def _check_counter(reports: list[Report], client: redis.Redis, workers: int) -> None:
+    processes.check_cycles(reports, workers, CYCLES)
     assert sum(r.foreign for r in reports) == 0, "a holder found another token in the lock key"
-    assert sum(r.failed_releases for r in reports) == 0
     # Read-modify-write with GET and SET loses updates unless the lock excludes.
-    assert int(client.get(COUNTER) or 0) == processes * CYCLES
+    assert int(client.get(COUNTER) or 0) == workers * CYCLES
     assert sum(r.refused for r in reports) > 0, "the workers never contended"
     assert client.exists(MUTEX_SLOT_KEY) == 0, "the lock key outlived its last release"
 
@@ -268,10 +232,8 @@ def test_semaphore_bounds_concurrency_across_processes(
     started = time.monotonic()
     reports = run_workers(semaphore_gauge_worker, SEM_PROCESSES, redis_url, CYCLES, SEM_PERMITS)
     _print_figures("semaphore gauge", redis_server, started, reports)
-    assert len(reports) == SEM_PROCESSES
-    assert [r.cycles for r in reports] == [CYCLES] * SEM_PROCESSES
+    processes.check_cycles(reports, SEM_PROCESSES, CYCLES)
     assert sum(r.foreign for r in reports) == 0, "a holder found another token in its slot key"
-    assert sum(r.failed_releases for r in reports) == 0
     peak = max(r.peak for r in reports)
     assert peak <= SEM_PERMITS, f"{peak} holders at once with {SEM_PERMITS} permits"
     assert peak == SEM_PERMITS, "the permits were never all in use at once"
@@ -313,10 +275,7 @@ def _calls(client: redis.Redis, *commands: str) -> dict[str, int]:
 
 def test_woken_waiters_serialize_read_modify_write_across_8_processes(redis_pool: Pool) -> None:
     """8 processes x 1000 cycles on the newest server; refused waiters block and are woken."""
-    labels = redis_pool.labels
-    if not labels:
-        pytest.skip(redis_pool.discovery.reason)
-    server = redis_pool.server(labels[-1])
+    server = newest(redis_pool)
     with redis.Redis.from_url(server.url) as client:
         client.flushdb()
         before = _calls(client, "blpop", "lpush")
@@ -340,10 +299,8 @@ def test_woken_waiters_serialize_read_modify_write_across_8_processes(redis_pool
             f"in {elapsed:.2f} s, refused per worker {refused}, {blpops} BLPOP, "
             f"{signals} signals pushed"
         )
-        assert len(reports) == WAKE_PROCESSES
-        assert [r.cycles for r in reports] == [WAKE_CYCLES] * WAKE_PROCESSES
+        processes.check_cycles(reports, WAKE_PROCESSES, WAKE_CYCLES)
         assert sum(r.foreign for r in reports) == 0, "a holder found another token in the lock key"
-        assert sum(r.failed_releases for r in reports) == 0
         # Read-modify-write with GET and SET loses updates unless the lock excludes.
         assert int(client.get(COUNTER) or 0) == WAKE_PROCESSES * WAKE_CYCLES
         assert sum(refused) > 0, "the workers never contended"

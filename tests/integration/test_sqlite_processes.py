@@ -39,7 +39,6 @@ import multiprocessing.queues
 import multiprocessing.synchronize
 import os
 import pwd
-import queue
 import select
 import shutil
 import signal
@@ -52,12 +51,13 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import pytest
 
 from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore, SQLiteBackend
 from tests._support import processes
+from tests._support.processes import BARRIER_TIMEOUT, DEADLINE
 
 KEY = "orders"
 SERVICE = "procs"
@@ -67,8 +67,7 @@ SEMAPHORE_TABLE = f"_dsemaphore_{SERVICE}"
 TTL = 30.0  # far longer than any test: no lease may expire while held
 RETRY_TIMEOUT = 60.0
 RETRY_DELAY = 0.001
-BARRIER_TIMEOUT = 60.0  # spawning and importing on a busy 2-core machine
-DEADLINE = 120.0  # for a whole group of workers, start to finish
+RETRY = processes.Retry(TTL, RETRY_TIMEOUT, RETRY_DELAY)
 STEP_TIMEOUT = 30.0  # any one wait of a single-holder test
 POLL = 0.02
 
@@ -83,7 +82,7 @@ KILL_TTL = 3.0  # the killed holder's lease: long enough to see it stay after th
 
 Reports: TypeAlias = processes.Reports
 Barrier: TypeAlias = processes.Barrier
-ChildReports: TypeAlias = "multiprocessing.queues.Queue[tuple[str, object]]"
+ChildReports: TypeAlias = processes.ChildReports
 
 
 @dataclass(frozen=True)
@@ -134,20 +133,6 @@ class Tally:
         )
 
 
-def _report_errors(
-    body: Callable[[Tally], None], worker: int, reports: Reports, barrier: Barrier
-) -> None:
-    """Run ``body``; send its report, or its traceback, to the parent."""
-    tally = Tally(worker)
-    try:
-        body(tally)
-    except BaseException:
-        barrier.abort()  # release the others from the barrier if we failed before it
-        reports.put((worker, traceback.format_exc()))
-        raise
-    reports.put((worker, tally.report()))
-
-
 # --- the guarded work (plain files beside the lock file) ----------------------------------
 
 
@@ -170,8 +155,10 @@ def _leave(marker: str) -> bool:
     return True
 
 
-def _counter_cycle(folder: str, worker: int, fence: int, tally: Tally) -> None:
-    """Under the lock: enter, read-modify-write the counter file, leave."""
+def _counter_cycle(folder: str, worker: int, fence: int | None, tally: Tally) -> None:
+    """Under the lock: note its fence, enter, read-modify-write the counter file, leave."""
+    assert fence is not None, "SQLite keeps a fence by default"
+    tally.fences.append(fence)
     marker = os.path.join(folder, "inside")
     entered = _enter(marker)
     with open(os.path.join(folder, "counter"), "r+") as counter:
@@ -185,7 +172,6 @@ def _counter_cycle(folder: str, worker: int, fence: int, tally: Tally) -> None:
         tally.handoffs += 1
     if not entered or not _leave(marker):
         tally.overlaps += 1
-    tally.cycles += 1
 
 
 def _read_counter(folder: Path) -> tuple[int, int, int]:
@@ -204,52 +190,56 @@ def _make_shared_files(folder: Path, mode: int = 0o644) -> Path:
 # --- workers (module level: spawn imports this module to find them) ---------------------
 
 
-def mutex_counter_worker(
-    worker: int, reports: Reports, barrier: Barrier, folder: str, cycles: int
+def _sync_face(backend: SQLiteBackend, permits: int | None) -> DMutex | DSemaphore:
+    """A mutex, or a semaphore of ``permits``."""
+    if permits is None:
+        return DMutex(SERVICE, backend)
+    return DSemaphore(SERVICE, backend, max_permits=permits)
+
+
+def _async_face(backend: SQLiteBackend, permits: int | None) -> AsyncDMutex | AsyncDSemaphore:
+    """The asyncio face of :func:`_sync_face`."""
+    if permits is None:
+        return AsyncDMutex(SERVICE, backend)
+    return AsyncDSemaphore(SERVICE, backend, max_permits=permits)
+
+
+def _cycles(
+    worker: int,
+    reports: Reports,
+    barrier: Barrier,
+    folder: str,
+    cycles: int,
+    permits: int | None,
+    work: Callable[[Tally, Any], None],
 ) -> None:
-    """``cycles`` times: lock, read-modify-write the counter, unlock; odd workers use asyncio."""
+    """``cycles`` times: take ``KEY`` (a mutex, or a semaphore of ``permits``), ``work``, release.
+
+    Even workers use the sync face, odd ones the asyncio face.
+    """
+    path = os.path.join(folder, "locks.db")
 
     def sync_body(tally: Tally) -> None:
-        backend = SQLiteBackend(os.path.join(folder, "locks.db"))
+        backend = SQLiteBackend(path)
         try:
-            mutex = DMutex(SERVICE, backend)
-            mutex.ready()
+            face = _sync_face(backend, permits)
+            face.ready()
             barrier.wait(BARRIER_TIMEOUT)
-            for _ in range(cycles):
-                lock = mutex.acquire(KEY, ttl=TTL)
-                if lock is None:
-                    tally.refused += 1
-                    lock = mutex.acquire_with_retry(
-                        KEY, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=RETRY_DELAY
-                    )
-                assert lock is not None, "acquire_with_retry timed out"
-                assert lock.fence is not None, "SQLite keeps a fence by default"
-                tally.fences.append(lock.fence)
-                _counter_cycle(folder, worker, lock.fence, tally)
-                if not lock.release():
-                    tally.failed_releases += 1
+            processes.cycle(face, KEY, tally, cycles, lambda lease: work(tally, lease), RETRY)
         finally:
             backend.close()
 
     async def async_main(tally: Tally) -> None:
-        backend = SQLiteBackend(os.path.join(folder, "locks.db"))
+        backend = SQLiteBackend(path)
         try:
-            mutex = AsyncDMutex(SERVICE, backend)
-            await mutex.ready()
+            face = _async_face(backend, permits)
+            await face.ready()
             barrier.wait(BARRIER_TIMEOUT)  # blocking is fine: nothing else runs on this loop
-            for _ in range(cycles):
-                lock = await mutex.acquire(KEY, ttl=TTL)
-                if lock is None:
-                    tally.refused += 1
-                    lock = await mutex.acquire_with_retry(
-                        KEY, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=RETRY_DELAY
-                    )
-                assert lock is not None, "acquire_with_retry timed out"
-                assert lock.fence is not None, "SQLite keeps a fence by default"
-                tally.fences.append(lock.fence)
-                _counter_cycle(folder, worker, lock.fence, tally)
-                if not await lock.release():
-                    tally.failed_releases += 1
+
+            async def async_work(lease: Any) -> None:
+                work(tally, lease)
+
+            await processes.cycle_async(face, KEY, tally, cycles, async_work, RETRY)
         finally:
             backend.close()
 
@@ -259,7 +249,18 @@ def mutex_counter_worker(
         else:
             asyncio.run(async_main(tally))
 
-    _report_errors(body, worker, reports, barrier)
+    processes.report_errors(worker, reports, barrier, Tally(worker), body)
+
+
+def mutex_counter_worker(
+    worker: int, reports: Reports, barrier: Barrier, folder: str, cycles: int
+) -> None:
+    """``cycles`` times: lock, read-modify-write the counter, unlock; odd workers use asyncio."""
+
+    def work(tally: Tally, lock: Any) -> None:
+        _counter_cycle(folder, worker, lock.fence, tally)
+
+    _cycles(worker, reports, barrier, folder, cycles, None, work)
 
 
 def _gauge(folder: str, delta: int) -> int:
@@ -287,7 +288,6 @@ def _permit_cycle(folder: str, slot: int, tally: Tally) -> None:
     _gauge(folder, -1)
     if not entered or not _leave(marker):
         tally.overlaps += 1
-    tally.cycles += 1
 
 
 def semaphore_gauge_worker(
@@ -295,53 +295,10 @@ def semaphore_gauge_worker(
 ) -> None:
     """``cycles`` times: take a permit, count in and out of the gauge, release; odd: asyncio."""
 
-    def sync_body(tally: Tally) -> None:
-        backend = SQLiteBackend(os.path.join(folder, "locks.db"))
-        try:
-            sem = DSemaphore(SERVICE, backend, max_permits=permits)
-            sem.ready()
-            barrier.wait(BARRIER_TIMEOUT)
-            for _ in range(cycles):
-                permit = sem.acquire(KEY, ttl=TTL)
-                if permit is None:
-                    tally.refused += 1
-                    permit = sem.acquire_with_retry(
-                        KEY, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=RETRY_DELAY
-                    )
-                assert permit is not None, "acquire_with_retry timed out"
-                _permit_cycle(folder, permit.slot, tally)
-                if not permit.release():
-                    tally.failed_releases += 1
-        finally:
-            backend.close()
+    def work(tally: Tally, permit: Any) -> None:
+        _permit_cycle(folder, permit.slot, tally)
 
-    async def async_main(tally: Tally) -> None:
-        backend = SQLiteBackend(os.path.join(folder, "locks.db"))
-        try:
-            sem = AsyncDSemaphore(SERVICE, backend, max_permits=permits)
-            await sem.ready()
-            barrier.wait(BARRIER_TIMEOUT)  # blocking is fine: nothing else runs on this loop
-            for _ in range(cycles):
-                permit = await sem.acquire(KEY, ttl=TTL)
-                if permit is None:
-                    tally.refused += 1
-                    permit = await sem.acquire_with_retry(
-                        KEY, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=RETRY_DELAY
-                    )
-                assert permit is not None, "acquire_with_retry timed out"
-                _permit_cycle(folder, permit.slot, tally)
-                if not await permit.release():
-                    tally.failed_releases += 1
-        finally:
-            backend.close()
-
-    def body(tally: Tally) -> None:
-        if worker % 2 == 0:
-            sync_body(tally)
-        else:
-            asyncio.run(async_main(tally))
-
-    _report_errors(body, worker, reports, barrier)
+    _cycles(worker, reports, barrier, folder, cycles, permits, work)
 
 
 def shared_file_worker(
@@ -354,42 +311,32 @@ def shared_file_worker(
     gid: int,
 ) -> None:
     """The sync counter worker; worker 0 first becomes ``uid``/``gid`` (no way back)."""
-    if worker == 0:
-        try:
+
+    def body(tally: Tally) -> None:
+        if worker == 0:
             os.setgroups([])
             os.setgid(gid)
             os.setuid(uid)
-        except BaseException:
-            barrier.abort()
-            reports.put((worker, traceback.format_exc()))
-            raise
-
-    def body(tally: Tally) -> None:
         backend = SQLiteBackend(os.path.join(folder, "locks.db"))
         try:
             mutex = DMutex(SERVICE, backend)
             barrier.wait(BARRIER_TIMEOUT)
             mutex.ready()  # after the barrier: either user may be the one creating the table
-            for _ in range(cycles):
-                lock = mutex.acquire(KEY, ttl=TTL)
-                if lock is None:
-                    tally.refused += 1
-                    lock = mutex.acquire_with_retry(
-                        KEY, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=RETRY_DELAY
-                    )
-                assert lock is not None, "acquire_with_retry timed out"
-                assert lock.fence is not None
-                tally.fences.append(lock.fence)
-                _counter_cycle(folder, worker, lock.fence, tally)
-                if not lock.release():
-                    tally.failed_releases += 1
+            processes.cycle(
+                mutex,
+                KEY,
+                tally,
+                cycles,
+                lambda lock: _counter_cycle(folder, worker, lock.fence, tally),
+                RETRY,
                 # Without a pause the releasing worker mostly takes the lock straight back
                 # (measured: one handoff in 2 x 300 cycles); with it, the two alternate.
-                time.sleep(SHARED_PAUSE)
+                pause=SHARED_PAUSE,
+            )
         finally:
             backend.close()
 
-    _report_errors(body, worker, reports, barrier)
+    processes.report_errors(worker, reports, barrier, Tally(worker), body)
 
 
 # --- the parent side --------------------------------------------------------------------
@@ -437,10 +384,8 @@ def _check_counter(
     reports: list[Report], folder: Path, path: Path, workers: int, cycles: int
 ) -> None:
     """No lost update, no overlap, fences 1..N each granted once, nothing left held."""
-    assert len(reports) == workers
-    assert [r.cycles for r in reports] == [cycles] * workers
+    processes.check_cycles(reports, workers, cycles)
     assert sum(r.overlaps for r in reports) == 0, "two holders were inside at once"
-    assert sum(r.failed_releases for r in reports) == 0
     count, last_fence, _ = _read_counter(folder)
     # Read-modify-write of a plain file loses updates unless the lock excludes.
     assert count == workers * cycles
@@ -488,10 +433,8 @@ def test_semaphore_bounds_concurrency_across_processes(tmp_path: Path) -> None:
         semaphore_gauge_worker, SEM_PROCESSES, str(tmp_path), SEM_CYCLES, SEM_PERMITS
     )
     _print_figures("semaphore gauge", started, reports)
-    assert len(reports) == SEM_PROCESSES
-    assert [r.cycles for r in reports] == [SEM_CYCLES] * SEM_PROCESSES
+    processes.check_cycles(reports, SEM_PROCESSES, SEM_CYCLES)
     assert sum(r.overlaps for r in reports) == 0, "two holders were in one slot at once"
-    assert sum(r.failed_releases for r in reports) == 0
     peak = max(r.peak for r in reports)
     assert peak <= SEM_PERMITS, f"{peak} holders at once with {SEM_PERMITS} permits"
     # A refused acquire means every slot was held at that moment: the bound was reached.
@@ -507,7 +450,9 @@ def test_semaphore_bounds_concurrency_across_processes(tmp_path: Path) -> None:
 # --- a holder killed mid-lease ------------------------------------------------------------
 
 
-def killed_holder(folder: str, reports: ChildReports, ttl: float) -> None:
+def killed_holder(
+    folder: str, ttl: float, reports: ChildReports, go: multiprocessing.synchronize.Event
+) -> None:
     """Hold ``KEY`` for ``ttl``, then take and release another key until killed (bounded)."""
     try:
         backend = SQLiteBackend(os.path.join(folder, "locks.db"))
@@ -532,43 +477,18 @@ def killed_holder(folder: str, reports: ChildReports, ttl: float) -> None:
         raise
 
 
-def _child_report(reports: ChildReports, expected: str, timeout: float) -> object:
-    try:
-        kind, payload = reports.get(timeout=timeout)
-    except queue.Empty:
-        pytest.fail(f"the child sent no {expected!r} report within {timeout} s")
-    if kind == "error":
-        pytest.fail(f"the child raised:\n{payload}")
-    assert kind == expected
-    return payload
-
-
 def test_a_killed_holder_keeps_its_lease_until_its_ttl_and_the_file_stays_intact(
     tmp_path: Path,
 ) -> None:
     """SIGKILL mid-lease (and mid-write): the row stays and blocks until its expiry; then
     another process takes the key with the next fence; integrity_check says ok."""
     path = _make_shared_files(tmp_path)
-    ctx = multiprocessing.get_context("spawn")
-    reports: ChildReports = ctx.Queue()
-    child = ctx.Process(target=killed_holder, args=(str(tmp_path), reports, KILL_TTL), daemon=True)
-    child.start()
-    try:
-        acquired = _child_report(reports, "acquired", BARRIER_TIMEOUT)
+    with processes.spawned(killed_holder, str(tmp_path), KILL_TTL, who="the child") as child:
+        acquired = child.report("acquired", BARRIER_TIMEOUT)
         assert isinstance(acquired, tuple)
         token, fence, expires = acquired
-        _child_report(reports, "busy", STEP_TIMEOUT)
-        assert child.pid is not None
-        os.kill(child.pid, signal.SIGKILL)
-        child.join(STEP_TIMEOUT)
-        assert child.exitcode == -signal.SIGKILL
-    finally:
-        if child.is_alive():
-            child.kill()
-            child.join(5)
-        child.close()
-        reports.close()
-        reports.join_thread()
+        child.report("busy", STEP_TIMEOUT)
+        child.kill(STEP_TIMEOUT)
 
     assert rows(path, MUTEX_TABLE)[f"permit:0:{KEY}"] == (token, expires)
     assert integrity(path) == ["ok"], "the kill left the file corrupt"
