@@ -271,9 +271,9 @@ class SQLite:
                 for name, _ in self._rows(table, now):
                     if pattern.match(name):
                         self._inspector.execute(
-                            f'UPDATE {quote(table)} SET "expired_at" = ?1 '
-                            'WHERE "key" = ?2 AND "expired_at" > ?1',
-                            (now, name),
+                            f'UPDATE {quote(table)} SET "expired_at" = :now '
+                            'WHERE "key" = :name AND "expired_at" > :now',
+                            {"now": now, "name": name},
                         )
 
     def active(self, prefix: str) -> dict[str, str]:

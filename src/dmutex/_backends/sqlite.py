@@ -318,11 +318,13 @@ class _Sql:
     def of(cls, table: str) -> _Sql:
         t = quote(table)
         index = quote(f"{table}_expired_at_idx")
-        # The names of slots 0 .. ?1 - 1 of key ?2 (the recursion stops at ?1).
+        # The names of slots 0 .. :permits - 1 of :key (the recursion stops there).
+        # Parameters are named: numbered ones (?1) with a sequence warn on
+        # Python 3.12.0-3.12.3, and 3.14 refuses them.
         names = (
             "WITH RECURSIVE slot(i) AS "
-            "(SELECT 0 UNION ALL SELECT i + 1 FROM slot WHERE i + 1 < ?1) "
-            "SELECT 'permit:' || i || ':' || ?2 FROM slot"
+            "(SELECT 0 UNION ALL SELECT i + 1 FROM slot WHERE i + 1 < :permits) "
+            "SELECT 'permit:' || i || ':' || :key FROM slot"
         )
         return cls(
             create_table=(
@@ -332,30 +334,34 @@ class _Sql:
             create_index=f'CREATE INDEX IF NOT EXISTS {index} ON {t} ("expired_at")',
             # Rule 2. Inside DO UPDATE, a bare column is the stored row's.
             take=(
-                f'INSERT INTO {t} ("key", "value", "expired_at") VALUES (?1, ?2, ?3) '
+                f'INSERT INTO {t} ("key", "value", "expired_at") VALUES (:name, :token, :expires) '
                 'ON CONFLICT("key") DO UPDATE SET "value" = excluded."value", '
-                '"expired_at" = excluded."expired_at" WHERE "expired_at" <= ?4 OR "value" = ?2'
+                '"expired_at" = excluded."expired_at" '
+                'WHERE "expired_at" <= :now OR "value" = :token'
             ),
             slots=(
                 f'SELECT "key", "value", "expired_at" FROM {t} WHERE "key" IN ({names}) '
-                'AND ("expired_at" > ?3 OR "value" = ?4)'
+                'AND ("expired_at" > :now OR "value" = :token)'
             ),
-            read=f'SELECT "value", "expired_at" FROM {t} WHERE "key" = ?1',
+            read=f'SELECT "value", "expired_at" FROM {t} WHERE "key" = :name',
             put=(
-                f'INSERT INTO {t} ("key", "value", "expired_at") VALUES (?1, ?2, ?3) '
+                f'INSERT INTO {t} ("key", "value", "expired_at") VALUES (:name, :token, :expires) '
                 'ON CONFLICT("key") DO UPDATE SET "value" = excluded."value"'
             ),
-            delete=f'DELETE FROM {t} WHERE "key" = ?3 AND "value" = ?4 AND "expired_at" > ?5',
+            delete=(
+                f'DELETE FROM {t} WHERE "key" = :name AND "value" = :token AND "expired_at" > :now'
+            ),
             delete_any=(
-                f'DELETE FROM {t} WHERE "key" IN ({names}) AND "value" = ?4 AND "expired_at" > ?5'
+                f'DELETE FROM {t} WHERE "key" IN ({names}) '
+                'AND "value" = :token AND "expired_at" > :now'
             ),
             extend=(
-                f'UPDATE {t} SET "expired_at" = ?6 '
-                'WHERE "key" = ?3 AND "value" = ?4 AND "expired_at" > ?5'
+                f'UPDATE {t} SET "expired_at" = :expires '
+                'WHERE "key" = :name AND "value" = :token AND "expired_at" > :now'
             ),
             extend_any=(
-                f'UPDATE {t} SET "expired_at" = ?6 WHERE "key" IN ({names}) '
-                'AND "value" = ?4 AND "expired_at" > ?5'
+                f'UPDATE {t} SET "expired_at" = :expires WHERE "key" IN ({names}) '
+                'AND "value" = :token AND "expired_at" > :now'
             ),
         )
 
@@ -430,20 +436,24 @@ class SQLiteStore:
             if permits == 1:
                 slot = 0
             else:
-                rows = conn.execute(sql.slots, (permits, key, now, token)).fetchall()
+                found = {"permits": permits, "key": key, "now": now, "token": token}
+                rows = conn.execute(sql.slots, found).fetchall()
                 held = {_slot_of(name, key): value for name, value, _ in rows}
                 mine = [slot for slot, value in held.items() if value == token]
                 free = (slot for slot in range(permits) if slot not in held)
                 slot = mine[0] if mine else next(free, -1)
             if slot >= 0:
-                cursor = conn.execute(sql.take, (f"permit:{slot}:{key}", token, expires, now))
+                name = f"permit:{slot}:{key}"
+                taken = {"name": name, "token": token, "expires": expires, "now": now}
+                cursor = conn.execute(sql.take, taken)
                 if cursor.rowcount == 1:
                     if waiter is not None:
                         _register(backend, (self._table, key), waiter, False)
                     return slot, expires, self._bump(conn, key) if self._fencing else None
             if waiter is not None:
                 if permits == 1:
-                    rows = conn.execute(sql.slots, (1, key, now, None)).fetchall()
+                    asked = {"permits": 1, "key": key, "now": now, "token": None}
+                    rows = conn.execute(sql.slots, asked).fetchall()
                 ends = [at for _, _, at in rows if at > now]
                 waiter.expires_in = (min(ends) - now) / 1000 if ends else None
                 _register(backend, (self._table, key), waiter, not waiter.last)
@@ -460,7 +470,7 @@ class SQLiteStore:
     def _bump(self, conn: Conn, key: str) -> int:
         """Increment the fence counter of ``key``; raise on a row that dmutex did not write."""
         name = f"fence:{key}"
-        row = conn.execute(self._sql.read, (name,)).fetchone()
+        row = conn.execute(self._sql.read, {"name": name}).fetchone()
         if row is None:
             fence = 1
         else:
@@ -470,13 +480,13 @@ class SQLiteStore:
                     f"the row {name!r} of table {self._table!r} holds a value dmutex did not write"
                 )
             fence = int(str(value)) + 1
-        conn.execute(self._sql.put, (name, str(fence), _FOREVER))
+        conn.execute(self._sql.put, {"name": name, "token": str(fence), "expires": _FOREVER})
         return fence
 
-    def _match(self, key: str, token: str, slot: int | None) -> tuple[int, str, str | None, str]:
-        """The parameters that pick the row of ``key`` holding ``token`` (then: now, expiry)."""
+    def _match(self, key: str, token: str, slot: int | None) -> dict[str, object]:
+        """The parameters that pick the row of ``key`` holding ``token`` (add: now, expires)."""
         name = None if slot is None else f"permit:{slot}:{key}"
-        return (self._permits, key, name, token)
+        return {"permits": self._permits, "key": key, "name": name, "token": token}
 
     def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
         """Delete the active row holding ``token``: one statement."""
@@ -485,7 +495,7 @@ class SQLiteStore:
         backend, name = self._backend, (self._table, key)
 
         def delete(conn: Conn) -> list[Wakeup] | None:
-            if conn.execute(statement, (*params, now_ms(clock))).rowcount != 1:
+            if conn.execute(statement, {**params, "now": now_ms(clock)}).rowcount != 1:
                 return None
             return list(backend._waiters.pop(name, ()))
 
@@ -503,7 +513,7 @@ class SQLiteStore:
 
         def update(conn: Conn) -> int | None:
             now = now_ms(clock)
-            done = conn.execute(statement, (*params, now, now + ttl_ms)).rowcount
+            done = conn.execute(statement, {**params, "now": now, "expires": now + ttl_ms}).rowcount
             return now + ttl_ms if done == 1 else None
 
         expires = yield Call(self._run, (update,))
@@ -520,7 +530,8 @@ class SQLiteStore:
             now = now_ms(clock)
             return [
                 now + ttl_ms
-                if conn.execute(statement, (*params, now, now + ttl_ms)).rowcount == 1
+                if conn.execute(statement, {**params, "now": now, "expires": now + ttl_ms}).rowcount
+                == 1
                 else None
                 for params, ttl_ms in batch
             ]
@@ -537,9 +548,10 @@ class SQLiteStore:
 
         def read(conn: Conn) -> Inspection:
             now = now_ms(clock)
-            rows = conn.execute(sql.slots, (permits, key, now, None)).fetchall()
+            asked = {"permits": permits, "key": key, "now": now, "token": None}
+            rows = conn.execute(sql.slots, asked).fetchall()
             found = sorted(Holder(_slot_of(name, key), value, at) for name, value, at in rows)
-            counter = conn.execute(sql.read, (f"fence:{key}",)).fetchone()
+            counter = conn.execute(sql.read, {"name": f"fence:{key}"}).fetchone()
             fence = int(counter[0]) if counter and _is_count(counter[0]) else None
             return Inspection(found, fence, now)
 
