@@ -12,6 +12,7 @@ import math
 import os
 import pwd
 import shutil
+import sqlite3
 import stat
 import tempfile
 import traceback
@@ -74,6 +75,24 @@ def test_a_file_that_is_not_a_database(tmp_path: Path, junk: bytes) -> None:
     path.write_bytes(junk)
     refused(tmp_path, lambda: SQLiteBackend(path), InvalidArgumentError, "not .*database")
     assert path.read_bytes() == junk
+
+
+def test_a_file_kept_busy_past_the_timeout_raises_the_busy_error_not_bad_input(
+    tmp_path: Path,
+) -> None:
+    """The path is fine; the file is locked: sqlite3's own error, after ``timeout``."""
+    path = tmp_path / "locks.sqlite3"
+    SQLiteBackend(path).close()  # a WAL database, as dmutex leaves it
+    blocker = sqlite3.connect(path, isolation_level=None)
+    try:
+        blocker.execute("PRAGMA locking_mode=EXCLUSIVE")
+        blocker.execute("BEGIN EXCLUSIVE")
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            SQLiteBackend(path, timeout=0.05)
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    SQLiteBackend(path).close()  # free again: accepted
 
 
 def test_an_empty_file_and_a_path_object_are_accepted(tmp_path: Path) -> None:

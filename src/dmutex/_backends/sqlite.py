@@ -66,7 +66,7 @@ T = TypeVar("T")
 Conn = sqlite3.Connection
 
 _HEADER = b"SQLite format 3\x00"
-# A fence row's expiry: the largest INTEGER, so it is never active-looking-expired.
+# A fence row's expiry: the largest INTEGER, so that nothing takes it for a lease's.
 _FOREVER = 2**63 - 1
 
 # Every open backend, so that a forked child drops the connections it inherited.
@@ -187,6 +187,8 @@ class SQLiteBackend:
         self._waiters: dict[tuple[str, str], weakref.WeakSet[Wakeup]] = {}
         try:
             self._conn = self._connect()
+        except sqlite3.OperationalError:
+            raise  # a file another process keeps busy past the timeout: not bad input
         except sqlite3.DatabaseError as error:
             raise InvalidArgumentError(
                 f"cannot open the SQLite lock file {self._path!r}: {error}"
