@@ -15,6 +15,8 @@ import shutil
 import sqlite3
 import stat
 import tempfile
+import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from decimal import Decimal
@@ -93,6 +95,63 @@ def test_a_file_kept_busy_past_the_timeout_raises_the_busy_error_not_bad_input(
         blocker.execute("ROLLBACK")
         blocker.close()
     SQLiteBackend(path).close()  # free again: accepted
+
+
+def _rollback_file_with_a_writer(path: Path) -> sqlite3.Connection:
+    """A database in rollback-journal mode, another connection in a write transaction on it."""
+    writer = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    writer.execute("CREATE TABLE t (x)")
+    writer.execute("BEGIN IMMEDIATE")
+    writer.execute("INSERT INTO t VALUES (1)")
+    return writer
+
+
+def test_the_switch_to_wal_waits_for_a_writer_that_makes_sqlite_answer_busy_at_once(
+    tmp_path: Path,
+) -> None:
+    """A writer on a rollback-mode file makes ``journal_mode=WAL`` fail at once, busy
+    handler or not (so do processes opening a new file together): the backend waits."""
+    path = tmp_path / "locks.sqlite3"
+    writer = _rollback_file_with_a_writer(path)
+    try:
+        probe = sqlite3.connect(path, isolation_level=None, timeout=5)
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            probe.execute("PRAGMA journal_mode=WAL")  # the condition: busy, no waiting
+        probe.close()
+        committed = threading.Event()
+
+        def commit_soon() -> None:
+            time.sleep(0.2)
+            writer.execute("COMMIT")
+            committed.set()
+
+        thread = threading.Thread(target=commit_soon)
+        thread.start()
+        backend = SQLiteBackend(path, timeout=30)
+        thread.join()
+        assert committed.is_set()
+        lock = DMutex("svc", backend).acquire("k", ttl=5)
+        assert lock is not None
+        assert lock.release()
+        backend.close()
+    finally:
+        writer.close()
+    check = sqlite3.connect(path, isolation_level=None)
+    assert check.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    assert check.execute("SELECT x FROM t").fetchall() == [(1,)]  # the writer's row kept
+    check.close()
+
+
+def test_a_writer_that_outlasts_the_timeout_still_raises_the_busy_error(tmp_path: Path) -> None:
+    """The same writer, never committing: sqlite3's "database is locked" after ``timeout``."""
+    path = tmp_path / "locks.sqlite3"
+    writer = _rollback_file_with_a_writer(path)
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            SQLiteBackend(path, timeout=0.05)
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
 
 
 def test_an_empty_file_and_a_path_object_are_accepted(tmp_path: Path) -> None:

@@ -47,6 +47,7 @@ import numbers
 import os
 import sqlite3
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +67,7 @@ T = TypeVar("T")
 Conn = sqlite3.Connection
 
 _HEADER = b"SQLite format 3\x00"
+_SQLITE_BUSY = 5  # the primary result code; sqlite3.SQLITE_BUSY is 3.11+
 # A fence row's expiry: the largest INTEGER, so that nothing takes it for a lease's.
 _FOREVER = 2**63 - 1
 
@@ -207,7 +209,7 @@ class SQLiteBackend:
         try:
             # WAL: readers never block the writer; FULL: a grant or fence
             # that was answered survives a power cut, so no fence is reused.
-            conn.execute("PRAGMA journal_mode=WAL").fetchall()
+            _switch_to_wal(conn, time.monotonic() + self._timeout)
             conn.execute("PRAGMA synchronous=FULL")
             conn.execute("PRAGMA schema_version").fetchall()  # "not a database" surfaces here
         except BaseException:
@@ -264,6 +266,34 @@ class SQLiteBackend:
 
     def __repr__(self) -> str:
         return f"SQLiteBackend({self._path!r})"
+
+
+def _switch_to_wal(conn: Conn, deadline: float) -> None:
+    """Put the file in WAL mode, retrying while other connections are busy until ``deadline``.
+
+    Why a loop: switching the journal mode can need the file's exclusive
+    lock, and SQLite answers SQLITE_BUSY at once, without its busy handler,
+    when processes open a new file together (one in ten of six doing so on
+    this machine). The loop gives the switch the same ``timeout`` as any call.
+    """
+    pause = 0.001
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL").fetchall()
+            return
+        except sqlite3.OperationalError as error:
+            if not _is_busy(error) or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
+def _is_busy(error: sqlite3.OperationalError) -> bool:
+    """Whether ``error`` is SQLITE_BUSY (any extended code): another connection holds the file."""
+    code = getattr(error, "sqlite_errorcode", None)  # Python 3.11+; 3.10 has the message only
+    if isinstance(code, int):
+        return code & 0xFF == _SQLITE_BUSY
+    return str(error) == "database is locked"
 
 
 def _register(backend: SQLiteBackend, name: tuple[str, str], waiter: Waiter, on: bool) -> None:
