@@ -49,7 +49,7 @@ def record(signum, frame):
 if mode != "plain":
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, record)
-names = ("DMUTEX_KEY", "DMUTEX_TOKEN", "DMUTEX_FENCE")
+names = ("DMUTEX_KEY", "DMUTEX_TOKEN", "DMUTEX_FENCE", "DMUTEX_SLOT")
 report = {"pid": os.getpid(), "env": {n: os.environ.get(n) for n in names}}
 with open(os.path.join(folder, "ready.tmp"), "w") as out:
     json.dump(report, out)

@@ -110,6 +110,7 @@ def test_child_runs_holding_the_lock_and_it_is_released_when_the_child_is_killed
     assert isinstance(fence, str)
     assert fence.isdigit()  # both SQLite and Redis keep a fence
     assert int(fence) >= 1
+    assert variables["DMUTEX_SLOT"] == "0"  # a mutex: its one permit
 
     # The library sees the key held, and still held past the first lease's expiry (renewed).
     assert DMutex(cli.SERVICE, store.client).acquire(KEY, 5) is None
@@ -325,11 +326,14 @@ def test_limit_makes_a_semaphore(sqlite: Store, env: dict[str, str], tmp_path: P
     processes = [cli.start([*base, *cli.child_command(c.folder, "plain")], env) for c in children]
     started = time.monotonic()
     tokens = set()
+    slots = set()
     for child in children:
         variables = child.wait_ready()["env"]
         assert isinstance(variables, dict)
         tokens.add(variables["DMUTEX_TOKEN"])
+        slots.add(variables["DMUTEX_SLOT"])
     assert len(tokens) == 2
+    assert slots == {"0", "1"}  # each child knows its own permit
 
     third = cli.run(["run", "--backend", sqlite.url, "--limit", "2", "-n", KEY, "--", "true"], env)
     assert third.status == 75, third.stderr

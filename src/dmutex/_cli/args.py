@@ -42,8 +42,9 @@ exit status:
   70   the lease was lost while the command ran (it got SIGTERM, then SIGKILL)
   126  COMMAND cannot be executed       127  COMMAND not found
 
-the command's environment gains DMUTEX_KEY, DMUTEX_TOKEN and DMUTEX_FENCE
-(the grant's fencing number: every grant gets one, on every backend).
+the command's environment gains DMUTEX_KEY, DMUTEX_TOKEN, DMUTEX_FENCE (the
+grant's fencing number: every grant gets one, on every backend) and DMUTEX_SLOT
+(the permit held, 0 to N-1 with --limit N; 0 for a mutex).
 
 examples:
   dmutex run nightly-backup -- ./backup.sh         # one backup at a time on this host

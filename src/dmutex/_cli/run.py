@@ -101,6 +101,8 @@ def _child_env(env: Mapping[str, str], handle: Handle) -> dict[str, str]:
     child["DMUTEX_KEY"] = handle.key
     child["DMUTEX_TOKEN"] = handle.token
     child["DMUTEX_FENCE"] = "" if handle.fence is None else str(handle.fence)
+    # A mutex is a semaphore of one permit: slot 0, so scripts need no special case.
+    child["DMUTEX_SLOT"] = str(handle.slot) if isinstance(handle, DSemaphorePermit) else "0"
     return child
 
 
