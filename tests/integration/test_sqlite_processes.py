@@ -625,17 +625,26 @@ class RaceReport:
     errors: tuple[str, ...]
 
 
+@dataclass
+class RaceTally:
+    """The race worker's running counts, turned into a RaceReport at the end."""
+
+    opened: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def report(self) -> RaceReport:
+        return RaceReport(self.opened, tuple(self.errors))
+
+
 def new_file_race_worker(
     worker: int, reports: Reports, barrier: Barrier, folder: str, trials: int
 ) -> None:
     """Per trial, fork ``OPENERS`` children that open one new file together (this spawned
     process has started no thread, so it may fork)."""
 
-    def body() -> None:
+    def body(tally: RaceTally) -> None:
         barrier.wait(BARRIER_TIMEOUT)
         ctx = multiprocessing.get_context("fork")
-        opened = 0
-        errors: list[str] = []
         for trial in range(trials):
             path = os.path.join(folder, f"new-{trial}.db")
             start = ctx.Barrier(OPENERS)
@@ -645,16 +654,11 @@ def new_file_race_worker(
                 os.close(read)
                 os.waitpid(pid, 0)
                 if answer == "ok":
-                    opened += 1
+                    tally.opened += 1
                 else:
-                    errors.append(answer)
-        reports.put((worker, RaceReport(opened, tuple(errors))))
+                    tally.errors.append(answer)
 
-    try:
-        body()
-    except BaseException:
-        reports.put((worker, traceback.format_exc()))
-        raise
+    processes.report_errors(worker, reports, barrier, RaceTally(), body)
 
 
 def test_processes_that_open_a_new_file_together_all_succeed(tmp_path: Path) -> None:
