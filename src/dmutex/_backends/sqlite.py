@@ -25,8 +25,8 @@ The rules of this module:
 3. Time is the instance's clock (the host's, unless a test passes one):
    every process that shares the file reads the same one. It is read in the
    call, inside the transaction: a call that waited for the file decides
-   and stores expiries by the time it runs, not the time it was asked. Nothing deletes
-   expired rows; the next acquire of the slot overwrites them.
+   and stores expiries by the time it runs, not the time it was asked.
+   Nothing deletes expired rows; the next acquire of the slot overwrites them.
 4. A release wakes the retrying acquires that wait for its key through the
    same backend object (threads and tasks of this process), as
    InMemoryBackend does; a waiter registers in the call of its failed
