@@ -79,7 +79,8 @@ def test_same_methods_with_same_parameters(sync: type[Any], async_: type[Any]) -
 
 
 # Issue 11's names: renewal, loss and fencing.
-LIFECYCLE = ("fence", "auto_renew", "lost", "raise_if_lost", "on_lost", "wait_lost")
+# Issue 21's: the deadline by which the holder counts the lease lost.
+LIFECYCLE = ("fence", "auto_renew", "lost", "raise_if_lost", "on_lost", "wait_lost", "time_left")
 COMMON = ("ready", "acquire", "acquire_with_retry", "run", "run_with_retry", "extend")
 SPEC_NAMES: dict[type[Any], tuple[str, ...]] = {
     DMutex: (*COMMON, "lock", "unlock"),

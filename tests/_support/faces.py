@@ -92,6 +92,10 @@ class Handle:
         return self.raw.lost
 
     @property
+    def time_left(self) -> float:
+        return self.raw.time_left
+
+    @property
     def auto_renew(self) -> bool:
         return self.raw.auto_renew
 

@@ -19,6 +19,7 @@ from tests._support.faces import Face, Handle, Kind
 # A 3 s lease is renewed every 0.9-1.0 s; the tests step the clock by a quarter second.
 TTL = 3.0
 STEP = 0.25
+MARGIN = TTL / 10  # renewal.margin_ms: a tenth of the TTL, at most 2 s
 
 
 def held(handle: Handle | None) -> Handle:
@@ -201,19 +202,24 @@ def test_a_lease_taken_over_is_lost_and_the_new_holder_keeps_it(env: Rig) -> Non
 
 
 @pytest.mark.manual_clock
-def test_a_watched_lease_without_renewal_is_lost_at_its_expiry(env: Rig) -> None:
+def test_a_watched_lease_without_renewal_is_lost_at_its_deadline(env: Rig) -> None:
+    """The deadline is the TTL less its margin (a tenth), from the request's send time."""
     mutex = env.make("mutex")
+    other = env.make("mutex")
     lock = held(mutex.acquire("job", TTL))
     calls: list[str] = []
     lock.on_lost(lambda handle: calls.append(handle.token))
-    advance(env, mutex, TTL - STEP)
+    advance(env, mutex, TTL - MARGIN - STEP)
     assert (lost(lock), calls) == (False, [])
+    assert lock.time_left == pytest.approx(STEP)
     assert lock.extend(TTL) is True, "an extend moves the watch"
-    advance(env, mutex, TTL - STEP)
+    advance(env, mutex, TTL - MARGIN - STEP)
     assert (lost(lock), calls) == (False, [])
     advance(env, mutex, 2 * STEP)
     assert lost(lock) is True
     assert calls == [lock.token]
+    assert lock.time_left == 0.0
+    assert other.acquire("job", TTL) is None, "told before the server lets anyone else in"
 
 
 @pytest.mark.manual_clock

@@ -34,7 +34,7 @@ from tests._support.sampling import until
 
 KEY = "job"
 TTL = "1.5"  # renewed every 0.5 s: a deleted lease is found within about that
-GRACE = "0.5"
+GRACE = "0.3"  # at most a quarter of --ttl
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="dmutex run is POSIX only")
 

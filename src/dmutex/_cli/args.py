@@ -26,6 +26,10 @@ __all__ = ["RunArgs", "StatusArgs", "build_parser", "parse"]
 DEFAULT_SERVICE = "dmutex"
 DEFAULT_TTL = 60.0
 DEFAULT_KILL_GRACE = 10.0
+# COMMAND must be dead by the lease's deadline, and gets SIGTERM --kill-grace
+# before it: a grace of at most a quarter of the TTL leaves a renewal and a
+# few retries between the last answered renewal and the SIGTERM.
+MAX_GRACE_FRACTION = 0.25
 BACKEND_ENV = "DMUTEX_BACKEND"
 
 _BACKEND_HELP = (
@@ -39,7 +43,8 @@ exit status:
   the command's own (128+N if a signal N killed it)
   75   the lock is held (-n), or the wait ran out (-w); change it with -E
   64   usage error          69   the backend cannot be reached
-  70   the lease was lost while the command ran (it got SIGTERM, then SIGKILL)
+  70   the lease was lost, or could not be renewed in time, while the command ran
+       (it got SIGTERM, then SIGKILL by the lease's deadline)
   126  COMMAND cannot be executed       127  COMMAND not found
 
 the command's environment gains DMUTEX_KEY, DMUTEX_TOKEN, DMUTEX_FENCE (the
@@ -209,9 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--kill-grace",
         metavar="SECONDS",
         type=_seconds_or_zero,
-        default=DEFAULT_KILL_GRACE,
-        help="after a lost lease, how long COMMAND has between SIGTERM and SIGKILL "
-        "(default: %(default)g)",
+        default=None,
+        help="how long COMMAND has between SIGTERM and SIGKILL when the lease cannot be "
+        "kept: SIGTERM comes this long before the lease's deadline, SIGKILL at it; at most "
+        f"a quarter of --ttl (default: {DEFAULT_KILL_GRACE:g}, or a quarter of --ttl if less)",
     )
     run.add_argument(
         "-v",
@@ -291,6 +297,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> RunArgs | StatusArgs:
             "(dmutex run [options] KEY -- COMMAND [ARG...])",
         )
     wait: float | None = 0.0 if ns.no_wait else ns.wait
+    kill_grace = _kill_grace(ns.kill_grace, ns.ttl)
     return RunArgs(
         key=ns.key,
         command=command,
@@ -300,6 +307,26 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> RunArgs | StatusArgs:
         ttl=ns.ttl,
         wait=wait,
         conflict_exit_code=ns.conflict_exit_code,
-        kill_grace=ns.kill_grace,
+        kill_grace=kill_grace,
         verbose=ns.verbose,
     )
+
+
+def _kill_grace(given: float | None, ttl: float) -> float:
+    """``--kill-grace``, or its default, once checked against ``--ttl``.
+
+    The command must be dead by the lease's deadline (less than ``--ttl``
+    after the last answered renewal); a grace it could not be given is a
+    usage error that says what would work.
+    """
+    most = ttl * MAX_GRACE_FRACTION
+    if given is None:
+        return min(DEFAULT_KILL_GRACE, most)
+    if given > most:
+        raise Failure(
+            USAGE,
+            f"--kill-grace {given:g} is too long for --ttl {ttl:g}: COMMAND must be stopped "
+            f"before the lease can lapse, so --kill-grace may be at most a quarter of --ttl; "
+            f"use --kill-grace {most:g} or less, or --ttl {given / MAX_GRACE_FRACTION:g} or more",
+        )
+    return given

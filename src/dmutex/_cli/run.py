@@ -191,15 +191,26 @@ def _supervised(
     child = sup.start(args.command, _child_env(env, handle))
     signals.attach(child)
 
-    def stopping() -> None:
-        grace = f"{args.kill_grace:g} s"
+    def stopping(left: float) -> None:
+        grace = f"{min(args.kill_grace, left) if left > 0 else args.kill_grace:g} s"
+        why = (
+            f"could not renew the lease on {args.key!r} ({left:.1f} s before it may lapse)"
+            if left > 0
+            else f"lost the lease on {args.key!r}"
+        )
         _say(
             stderr,
-            f"lost the lease on {args.key!r}: stopping {args.command[0]} "
-            f"(pid {child.pid}: SIGTERM, SIGKILL after {grace})",
+            f"{why}: stopping {args.command[0]} (pid {child.pid}: SIGTERM, SIGKILL after {grace})",
         )
 
-    return sup.supervise(child, lost, wake, kill_grace=args.kill_grace, on_lost=stopping)
+    return sup.supervise(
+        child,
+        lost,
+        wake,
+        kill_grace=args.kill_grace,
+        time_left=lambda: handle.time_left,
+        on_lost=stopping,
+    )
 
 
 def _release(handle: Handle, backend: Backend, stderr: TextIO) -> bool:

@@ -2,10 +2,13 @@
 
 Guarantee: :func:`supervise` returns only after the child has ended. SIGINT,
 SIGTERM and SIGHUP that reach ``dmutex`` are passed on to the child (see
-:class:`Signals` for the one exception); when the lease is found lost the
-child gets SIGTERM, then SIGKILL after ``kill_grace`` seconds, and the
-result is :data:`~dmutex._cli.errors.LOST`. Otherwise the result is the
-child's exit status, 128+N if signal N ended it.
+:class:`Signals` for the one exception). The child is stopped before the
+lease can lapse: it gets SIGTERM ``kill_grace`` seconds before the lease's
+deadline (``time_left`` of the handle: the holder's own clock, so a renewal
+that hangs delays nothing) or as soon as the lease is found lost, and
+SIGKILL ``kill_grace`` seconds later or at the deadline, whichever comes
+first; the result is then :data:`~dmutex._cli.errors.LOST`. Otherwise it is
+the child's exit status, 128+N if signal N ended it.
 
 Caveats: POSIX only (signals, process groups). The child runs in
 ``dmutex``'s own process group, as under ``flock(1)``, so that it stays in
@@ -139,13 +142,16 @@ def supervise(
     wake: threading.Event,
     *,
     kill_grace: float,
-    on_lost: Callable[[], None],
+    time_left: Callable[[], float],
+    on_lost: Callable[[float], None],
 ) -> int:
-    """Wait for ``child`` to end; stop it if ``lost`` is set meanwhile. Returns the exit status.
+    """Wait for ``child`` to end; stop it before the lease can lapse. Returns the exit status.
 
-    ``wake`` is set by whoever sets ``lost`` (the renewal thread); a thread
-    of this function sets it when the child ends. ``on_lost()`` is called
-    once, before the child is sent SIGTERM.
+    ``time_left()`` is the seconds until the lease's deadline (0 once
+    lost). ``wake`` is set by whoever sets ``lost`` (the renewal thread); a
+    thread of this function sets it when the child ends. ``on_lost(left)``
+    is called once, before the child is sent SIGTERM, with the seconds left
+    until the deadline (0 if the lease was found lost).
     """
     ended = threading.Event()
 
@@ -157,16 +163,25 @@ def supervise(
     threading.Thread(target=reap, name="dmutex-child", daemon=True).start()
     kill_at: float | None = None
     killed = False
+    deadline = time.monotonic() + time_left()
     while True:
         # Cleared before the checks, so a set() after them wakes the wait below.
         wake.clear()
         if ended.is_set():
             break
-        if lost.is_set() and kill_at is None:
-            on_lost()
-            kill_at = time.monotonic() + kill_grace
-            _send(child, signal.SIGTERM)
+        now = time.monotonic()
         timeout: float | None = None
+        if kill_at is None:
+            left = 0.0 if lost.is_set() else time_left()
+            if left > 0:
+                deadline = now + left  # moves on with each answered renewal
+            if left <= kill_grace:
+                on_lost(left)
+                # SIGKILL by the deadline, even when the loss came earlier.
+                kill_at = min(now + kill_grace, max(now, deadline))
+                _send(child, signal.SIGTERM)
+            else:
+                timeout = left - kill_grace
         if kill_at is not None and not killed:
             timeout = kill_at - time.monotonic()
             if timeout <= 0:

@@ -99,6 +99,9 @@ class Engine:
     def _attempt(
         self, key: str, token: str, ttl_ms: int, steps: Steps[Lease | None]
     ) -> Steps[Lease | None]:
+        # Taken before the first request: the grant's deadline counts from
+        # no later than the server set its expiry (renewal rule 1).
+        sent = self.clock.monotonic()
         try:
             lease = yield from steps
         except GeneratorExit:
@@ -111,6 +114,7 @@ class Engine:
             raise
         if lease is not None:
             lease.ttl_ms = ttl_ms
+            renewal.confirm(lease, sent, ttl_ms)
         return lease
 
     def acquire_with_retry(
@@ -180,7 +184,7 @@ class Engine:
         released = False
         try:
             result = yield Callback(callback, wrap(lease), lease if renewing else None)
-            if renewing and renewal.is_lost(lease, now_ms(self.clock)):
+            if renewing and renewal.is_lost(lease, self.clock.monotonic()):
                 raise LeaseLostError(lease.key, lease.token)
         finally:
             released = yield from self.release(lease)
@@ -222,6 +226,7 @@ class Engine:
         return self._extend(lease, self.ttl_ms(ttl))
 
     def _extend(self, lease: Lease, ttl_ms: int) -> Steps[bool]:
+        sent = self.clock.monotonic()
         expires = yield from self._store.extend(lease.key, lease.token, lease.slot, ttl_ms)
         if expires is None:
             if not lease.released:
@@ -229,6 +234,7 @@ class Engine:
             return False
         lease.expires_ms = expires
         lease.ttl_ms = ttl_ms
+        renewal.confirm(lease, sent, ttl_ms)
         return True
 
     def renew(self, leases: Sequence[Lease]) -> Steps[list[float | None]]:

@@ -34,6 +34,11 @@ class Lease:
     by); ``renewing`` says whether dmutex renews it. ``fence`` is the
     grant's fencing number where the store keeps one.
 
+    ``deadline`` is when this holder counts the lease lost, in seconds on
+    its clock's ``monotonic()``, and ``confirmed`` the send time of the
+    request that set it (see :mod:`dmutex._core.renewal`, rule 1); until the
+    engine stamps a grant, it is lost at once.
+
     ``released`` is set before a release is sent, so that renewal stops
     first; ``lost`` once dmutex learns that the lease ended without being
     released (see :mod:`dmutex._core.renewal`). ``listeners`` are called
@@ -46,6 +51,8 @@ class Lease:
     expires_ms: int
     fence: int | None = None
     ttl_ms: int = 0
+    deadline: float = -math.inf
+    confirmed: float = -math.inf
     renewing: bool = False
     released: bool = False
     lost: bool = False

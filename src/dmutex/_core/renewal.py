@@ -2,30 +2,42 @@
 
 Rules of this module:
 
-1. Every renewal decision lives here: when the next renewal is due, how a
+1. Loss by deadline, not by reply. Every lease keeps a local deadline on
+   its clock's monotonic time: the send time of the last request that set
+   its expiry and was answered, plus the TTL that request set, less a
+   margin (:func:`margin_ms`). The server set that expiry when the request
+   reached it, which is no earlier than it was sent, so until the deadline
+   no one else can hold the permit, whatever happens to the requests in
+   flight. At the deadline the lease is lost (:func:`watch`, :func:`is_lost`),
+   whether or not any request has returned: the holder decides by its own
+   clock, never by waiting for a reply. Of two answered requests, the later
+   sent sets the deadline (:func:`confirm`).
+2. Every renewal decision lives here: when the next renewal is due, how a
    failing one is retried, and when the lease is given up. The renewers
-   (``dmutex._faces.renewers``) keep time and run what this module returns;
-   they decide nothing.
-2. Nothing here waits or does I/O. :func:`renew` returns the steps of one
+   (``dmutex._faces.renewers``) keep time, run what this module returns
+   and call :func:`watch` at each deadline; they decide nothing.
+3. Nothing here waits or does I/O. :func:`renew` returns the steps of one
    renewal of a batch of leases (one request where the store can), whose
    result is each one's delay until its next, in seconds, or None: stop.
-3. A lease is lost at most once: :func:`lose` marks it and calls its
+4. A lease is lost at most once: :func:`lose` marks it and calls its
    listeners, as the end of a release does (:func:`end`). Only the
    release's own answer may find a released lease lost (it was gone before
    the release reached it); nothing else calls :func:`lose` for a released
    lease.
-4. An answer that arrives after the release was asked for changes nothing:
+5. An answer that arrives after the release was asked for changes nothing:
    the release wins.
-5. A declared loss is final, and a renewed lease whose expiry estimate
-   has passed is declared lost: it is not renewed any more, and a renewal
-   answered after the estimate passed does not revive it (on MongoDB such a
-   renewal, held up in the client, could match a record that had expired;
-   on Redis the key lived on, but the holder could not have known).
+6. A declared loss is final: a lost lease is not renewed any more, and an
+   answer that arrives after its deadline (or after the loss) does not
+   revive it. A lease that is neither renewed nor watched is not declared
+   lost by reading :func:`is_lost`: an ``extend`` that succeeds moves its
+   deadline on.
 
 The guarantee: a lease renewed every third of its TTL survives one missed
-renewal, and one that cannot be renewed is reported lost before its expiry
-estimate passes (by a margin), so its holder learns first. The limit: the
-estimate is this process's clock; see ``expired_at`` on the handles.
+renewal; one that cannot be renewed is reported lost at its deadline, before
+the server can expire it, provided the holder's clock does not run slower
+than the server's (or, where holders compare expiries by their own wall
+clocks, than theirs) by more than the margin over the TTL, and the server's
+clock does not jump forward. Nothing is assumed of the network.
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ from typing import TYPE_CHECKING
 
 from .._clock import Clock
 from .effects import Steps
-from .lease import Lease, now_ms
+from .lease import Lease
 
 if TYPE_CHECKING:
     from .._backends.store import Renewed
@@ -50,8 +62,10 @@ FRACTION = 1 / 3
 JITTER = 0.1
 # After a failed attempt, the next comes a fifth of the interval later.
 RETRY_FRACTION = 1 / 5
-# The lease is given up this long before its expiry estimate: a tenth of the
-# TTL, at most two seconds.
+# The deadline comes this long before the TTL runs out from the request's
+# send time: a tenth of the TTL, at most two seconds. It absorbs a clock rate
+# drift of up to 10% (0.33% for a 600 s TTL) and the delay between the
+# deadline and the moment the holder's listeners have run.
 MAX_MARGIN_MS = 2_000
 
 
@@ -61,21 +75,44 @@ def interval(ttl_ms: int) -> float:
 
 
 def margin_ms(ttl_ms: int) -> int:
-    """How long before its expiry estimate a lease that cannot be renewed is lost."""
+    """How long before a request's TTL runs out (from its send time) its lease is lost."""
     return min(ttl_ms // 10, MAX_MARGIN_MS)
 
 
-def is_lost(lease: Lease, now: int) -> bool:
-    """Whether ``lease`` is known to be gone at ``now`` (ms): declared lost, or past its expiry.
+def deadline(sent: float, ttl_ms: int) -> float:
+    """The deadline that a request sent at ``sent`` (monotonic s) setting ``ttl_ms`` gives."""
+    return sent + (ttl_ms - margin_ms(ttl_ms)) / 1000
 
-    A renewed lease past its expiry estimate is declared lost here and then
-    (rule 5), listeners called, by whoever reads it first. For a lease that
-    is not renewed the estimate is only that: an ``extend`` that finds it
-    still active (another caller extended it by token) moves it on.
+
+def confirm(lease: Lease, sent: float, ttl_ms: int) -> None:
+    """A request sent at ``sent`` set the expiry of ``lease`` ``ttl_ms`` on, and was answered.
+
+    Rule 1: the later sent of two answered requests sets the deadline. A
+    lost lease stays lost (rule 6).
+    """
+    if sent >= lease.confirmed:
+        lease.confirmed = sent
+        lease.deadline = deadline(sent, ttl_ms)
+
+
+def time_left(lease: Lease, clock: Clock) -> float:
+    """Seconds until the deadline of ``lease``; 0.0 once it is lost or released."""
+    if lease.lost or lease.released:
+        return 0.0
+    return max(0.0, lease.deadline - clock.monotonic())
+
+
+def is_lost(lease: Lease, now: float) -> bool:
+    """Whether ``lease`` is known gone at ``now`` (monotonic s): lost, or past its deadline.
+
+    A renewed lease past its deadline is declared lost here and then (rule
+    6), listeners called, by whoever reads it first. One that is not
+    renewed reads as lost, without being declared so: an ``extend`` that
+    finds it still active (another caller extended it by token) moves it on.
     """
     if lease.lost:
         return True
-    if lease.released or now < lease.expires_ms:
+    if lease.released or now < lease.deadline:
         return False
     if lease.renewing:
         lose(lease)
@@ -111,60 +148,56 @@ def renew(
     ``extend_many`` sets each expiry to now + ``lease.ttl_ms`` and answers,
     lease by lease, the new expiry, None when the lease is no longer active
     (it is lost), or the exception its request raised. An error (connection
-    refused, a timeout) is retried until the lease's expiry estimate, less
-    the margin, has passed; then it is lost. None: stop renewing that lease
-    (lost, released, or released meanwhile).
+    refused, a timeout) is retried until the lease's deadline; then it is
+    lost. None: stop renewing that lease (lost, released, or released
+    meanwhile). An answer that comes after the deadline does not count
+    (rule 6): the renewer may have declared the loss while it was awaited.
     """
-    now = now_ms(clock)
-    live = [lease for lease in leases if not _stopped(lease) and not _lapsed(lease, now)]
+    sent = clock.monotonic()
+    live = [lease for lease in leases if not _stopped(lease) and not _lapsed(lease, sent)]
     delays: dict[int, float | None] = {}
     if live:
-        before = [lease.expires_ms for lease in live]
+        ttls = [lease.ttl_ms for lease in live]
         try:
             answers = yield from extend_many(live)
         except Exception as error:  # noqa: BLE001 - any failure to reach the server is retried
             answers = [error] * len(live)
-        now = now_ms(clock)
-        for lease, expiry, answer in zip(live, before, answers, strict=True):
+        now = clock.monotonic()
+        for lease, ttl_ms, answer in zip(live, ttls, answers, strict=True):
             if isinstance(answer, Exception):
                 delays[id(lease)] = _after_error(lease, now)
             else:
-                delays[id(lease)] = _after(lease, expiry, answer, now)
+                delays[id(lease)] = _after(lease, sent, ttl_ms, answer, now)
     return [delays.get(id(lease)) for lease in leases]
 
 
-def _lapsed(lease: Lease, now: int) -> bool:
-    """Whether the expiry estimate of ``lease`` has passed (then it is lost: rule 5)."""
-    if now >= lease.expires_ms and not lease.released:
+def _lapsed(lease: Lease, now: float) -> bool:
+    """Whether the deadline of ``lease`` has passed (then it is lost: rule 6)."""
+    if now >= lease.deadline and not lease.released:
         lose(lease)
         return True
     return False
 
 
-def _after(lease: Lease, before: int, expires: int | None, now: int) -> float | None:
-    """What an answer to a renewal means: the delay until the next one, or None.
-
-    ``before`` is the expiry estimate when the renewal was sent; an answer
-    that comes after it does not count (rule 5).
-    """
-    if lease.released:
-        return None  # the release overtook this renewal
-    if expires is None or now >= before:
+def _after(lease: Lease, sent: float, ttl_ms: int, expires: int | None, now: float) -> float | None:
+    """What an answer to a renewal sent at ``sent`` means: the delay until the next, or None."""
+    if lease.released or lease.lost:
+        return None  # the release overtook this renewal, or the deadline passed meanwhile
+    if expires is None:
         lose(lease)
         return None
+    if _lapsed(lease, now):
+        return None
     lease.expires_ms = max(lease.expires_ms, expires)
+    confirm(lease, sent, ttl_ms)
     return interval(lease.ttl_ms)
 
 
-def _after_error(lease: Lease, now: int) -> float | None:
-    """After a renewal that failed: retry soon, or give the lease up past the margin."""
-    if lease.released:
+def _after_error(lease: Lease, now: float) -> float | None:
+    """After a renewal that failed: retry soon, or give the lease up at its deadline."""
+    if lease.released or lease.lost or _lapsed(lease, now):
         return None
-    deadline = lease.expires_ms - margin_ms(lease.ttl_ms)
-    if now >= deadline:
-        lose(lease)
-        return None
-    return min(interval(lease.ttl_ms) * RETRY_FRACTION, (deadline - now) / 1000)
+    return min(interval(lease.ttl_ms) * RETRY_FRACTION, lease.deadline - now)
 
 
 def _stopped(lease: Lease) -> bool:
@@ -173,15 +206,16 @@ def _stopped(lease: Lease) -> bool:
 
 
 def watch(lease: Lease, clock: Clock) -> float | None:
-    """For a lease that is not renewed but has listeners: seconds until it expires, or None.
+    """For a watched lease (renewed, or with listeners): seconds until its deadline, or None.
 
-    At its expiry estimate it is lost; an extend meanwhile moves the
-    estimate, and the watch with it.
+    At its deadline it is lost (rule 1); a renewal or an extend meanwhile
+    moves the deadline, and the watch with it. None: it ended (lost or
+    released), stop watching.
     """
     if lease.released or lease.lost:
         return None
-    remaining = lease.expires_ms - now_ms(clock)
+    remaining = lease.deadline - clock.monotonic()
     if remaining <= 0:
         lose(lease)
         return None
-    return remaining / 1000
+    return remaining

@@ -89,11 +89,16 @@ class _AsyncHandle(HandleBase[AsyncDriver]):
         if delay is not None:
             AsyncRenewer.of(self._loop).add(self, self._engine.clock, delay)
 
+    def _guard(self, delay: float | None) -> None:
+        if delay is not None:
+            AsyncRenewer.of(self._loop).guard(self, self._engine.clock, delay)
+
+    def _poke(self) -> Callable[[], None]:
+        return AsyncRenewer.of(self._loop).poke
+
     async def _tend(self, group: Sequence[_AsyncHandle]) -> list[float | None]:
-        """Renew (one batch) or watch each of ``group``; see :meth:`DMutexLock._tend`."""
-        renewing = [handle._lease for handle in group if handle._lease.renewing]
-        delays = iter(await self._drive(self._engine.renew(renewing)) if renewing else ())
-        return self._delays(group, delays)
+        """Renew ``group`` in one batch where it can; see :meth:`DMutexLock._tend`."""
+        return await self._drive(self._engine.renew([handle._lease for handle in group]))
 
     async def __aenter__(self: Self) -> Self:
         return self

@@ -50,6 +50,7 @@ class Wrapping(Generic[H]):
         lease.renewing = True
         handle = self._wrap(lease)
         handle._schedule(renewal.interval(lease.ttl_ms))
+        handle._watch()
         return handle
 
     def _wrapper(self, auto_renew: bool) -> Callable[[Lease], H]:

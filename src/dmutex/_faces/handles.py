@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Generic, TypeVar
 
 from .._core import renewal
 from .._core.engine import Engine
-from .._core.lease import Lease, expiry_datetime, now_ms
+from .._core.lease import Lease, expiry_datetime
 from .._errors import LeaseLostError
 from .._validate import check_callback
 
@@ -23,14 +23,23 @@ class HandleBase(Generic[D]):
     sync handles, a coroutine function for the async ones.
     """
 
-    __slots__ = ("__weakref__", "_drive", "_engine", "_lease", "_ticket", "_watched")
+    __slots__ = (
+        "__weakref__",
+        "_drive",
+        "_engine",
+        "_lease",
+        "_ticket",
+        "_watch_ticket",
+        "_watched",
+    )
 
     def __init__(self, lease: Lease, engine: Engine, drive: D) -> None:
         self._lease = lease
         self._engine = engine
         self._drive = drive
-        self._watched = lease.renewing
-        self._ticket = -1  # the renewer's number for this handle's next turn
+        self._watched = False
+        self._ticket = -1  # the renewer's number for this handle's next renewal
+        self._watch_ticket = -1  # and for its deadline's watch
         self._bind()
 
     def _bind(self) -> None:
@@ -78,12 +87,25 @@ class HandleBase(Generic[D]):
     def lost(self) -> bool:
         """True once the lease is known to be gone without this handle releasing it.
 
-        Known gone: a renewal or an ``extend()`` was refused, a renewal could
-        not reach the server before the expiry estimate (less a margin)
-        passed, a ``release()`` found it already gone, or the expiry estimate
-        passed without a renewal. False after a successful ``release()``.
+        Known gone: a renewal or an ``extend()`` was refused, a ``release()``
+        found it already gone, or its deadline (:attr:`time_left`) passed
+        before a renewal or extend was answered. False after a successful
+        ``release()``. Read by this process's own clock: no reply is awaited.
         """
-        return renewal.is_lost(self._lease, now_ms(self._engine.clock))
+        return renewal.is_lost(self._lease, self._engine.clock.monotonic())
+
+    @property
+    def time_left(self) -> float:
+        """Seconds until this holder must count the lease lost, by its own clock.
+
+        The deadline is the send time of the last grant, renewal or extend
+        that was answered, plus the TTL it set, less a margin (a tenth of
+        the TTL, at most 2 s). Until then no other holder can be granted
+        this permit, whatever the network does, as long as the clocks keep
+        the rate assumptions of the README's "Guarantees". 0.0 once lost or
+        released. Use it to bound work that cannot check :attr:`lost`.
+        """
+        return renewal.time_left(self._lease, self._engine.clock)
 
     def raise_if_lost(self) -> None:
         """Raise :class:`~dmutex.LeaseLostError` if :attr:`lost`: call it between steps of work."""
@@ -93,11 +115,14 @@ class HandleBase(Generic[D]):
     def on_lost(self: Self, callback: Callable[[Self], object]) -> None:
         """Call ``callback(handle)`` once, when the lease is found lost; at once if it is.
 
-        Sync handles call it in the thread that found the loss (the renewal
-        thread, or the caller of ``extend()``/``release()``); async handles
-        on their event loop. A lease that is not renewed is watched until
-        its expiry estimate. Never called after a successful ``release()``.
-        An exception from the callback is logged (logger ``dmutex``).
+        Called by the deadline (:attr:`time_left`) at the latest, even while
+        a renewal request hangs. Sync handles call it in the thread that
+        found the loss (the renewer's thread, or the caller of
+        ``extend()``/``release()``); async handles on their event loop. A
+        lease that is not renewed is watched until its deadline too. Never
+        called after a successful ``release()``. An exception from the
+        callback is logged (logger ``dmutex``). Keep it short: the renewer
+        waits for it.
         """
         check_callback(callback)
         lease = self._lease
@@ -112,35 +137,48 @@ class HandleBase(Generic[D]):
             self._watch()
 
     def _settle(self) -> bool:
-        """Whether the lease is lost, marking it so (and calling listeners) if its expiry passed."""
+        """Whether the lease is lost, marking it so (listeners called) if its deadline passed."""
         lease = self._lease
-        if not lease.lost and renewal.is_lost(lease, now_ms(self._engine.clock)):
+        if not lease.lost and renewal.is_lost(lease, self._engine.clock.monotonic()):
             renewal.lose(lease)
         return lease.lost
 
     def _watch(self) -> None:
-        """Have the face's renewer watch this lease's expiry, once (renewed leases already are)."""
+        """Have the face's renewer watch this lease's deadline, once."""
         if not self._watched:
             self._watched = True
-            self._schedule(renewal.watch(self._lease, self._engine.clock))
+            self._guard(renewal.watch(self._lease, self._engine.clock))
+            # Not a method of self: the lease must not keep its handle alive.
+            self._lease.listen(self._poke())
+
+    def _check(self) -> float | None:
+        """The renewer's watch: seconds until the deadline, or None (lost now, or ended)."""
+        return renewal.watch(self._lease, self._engine.clock)
 
     def _schedule(self, delay: float | None) -> None:
+        """Renew this lease ``delay`` seconds from now (None: never)."""
         raise NotImplementedError
 
-    def _delays(
-        self, group: Sequence[HandleBase[D]], renewed: Iterator[float | None]
-    ) -> list[float | None]:
-        """Each handle's next turn: from ``renewed`` in order if renewed, else its watch."""
-        clock = self._engine.clock
-        return [
-            next(renewed) if handle._lease.renewing else renewal.watch(handle._lease, clock)
-            for handle in group
-        ]
+    def _guard(self, delay: float | None) -> None:
+        """Watch this lease's deadline, ``delay`` seconds from now (None: never)."""
+        raise NotImplementedError
+
+    def _poke(self) -> Callable[[], None]:
+        """A function that has the renewer drop this lease's turns once it ended."""
+        raise NotImplementedError
+
+    @property
+    def _over(self) -> bool:
+        """Whether the lease ended (lost or released): the renewer drops its turns."""
+        return self._lease.ended
 
     def _extended(self, done: bool) -> bool:
-        """After an ``extend()``: a renewed lease's next renewal is a third of its new TTL away."""
-        if done and self._lease.renewing and not self._lease.lost:
-            self._schedule(renewal.interval(self._lease.ttl_ms))
+        """After an ``extend()``: renew a third of the new TTL on, and watch the new deadline."""
+        if done and not self._lease.lost:
+            if self._lease.renewing:
+                self._schedule(renewal.interval(self._lease.ttl_ms))
+            if self._watched:  # the deadline may have come closer: a shorter TTL
+                self._guard(renewal.watch(self._lease, self._engine.clock))
         return done
 
     def __repr__(self) -> str:

@@ -2,22 +2,29 @@
 
 Rules of this module:
 
-1. One thread per process tends every sync lease; one task per event loop
-   every async one. Each starts with its first lease and ends after its
-   last, so an idle process runs neither.
+1. One thread per process keeps the time of every sync lease; one task per
+   event loop of every async one. Each starts with its first lease and ends
+   after its last, so an idle process runs neither.
 2. A renewer holds handles weakly: a handle that is garbage-collected is no
-   longer renewed, and its lease expires on its own. The thread is a daemon:
-   a process that exits keeps nothing alive.
+   longer renewed, and its lease expires on its own. The threads are
+   daemons: a process that exits keeps nothing alive.
 3. A renewer decides nothing. A handle's ``_tend()`` runs the engine's
-   renewal (or, for a lease that is only watched, checks its expiry) and
-   answers when to come back, in seconds, or None: never.
-4. Time is the lease's clock's. A :class:`~dmutex.ManualClock` drives the
+   renewal and answers when to come back, in seconds, or None: never. Its
+   ``_check()`` runs the deadline's watch (``dmutex._core.renewal``, rule 1).
+4. Two kinds of turn: a renewal, which makes requests, and a watch of a
+   deadline, which makes none. The timekeeper runs watches itself, on
+   time; it hands renewals to a worker of their engine (a thread, or a
+   task), one worker per engine at a time. So a renewal request that hangs
+   (a client with no socket timeout, a blackholed connection) costs one
+   waiting worker and holds up only later renewals of its own engine,
+   which wait for it; it delays neither another engine's renewals nor any
+   lease's loss at its deadline.
+5. Time is the lease's clock's. A :class:`~dmutex.ManualClock` drives the
    leases on it as it advances (sync ones inside ``advance()``, async ones
-   on their loop, which ``advance()`` wakes); any other clock is waited on
-   in real time.
-5. Tends run one after another, outside every lock here: a renewal request
-   that hangs delays the others on its renewer (give the client a socket
-   timeout), never blocks ``add``.
+   on their loop, which ``advance()`` wakes), renewals inline, so that tests
+   see each step in order; any other clock is waited on in real time.
+6. No lock here is held while a renewal or a listener runs: ``add`` never
+   waits for a request.
 """
 
 from __future__ import annotations
@@ -43,52 +50,87 @@ COALESCE = 0.02
 class SyncTended(Protocol):
     """A sync handle as a renewer sees it.
 
-    ``_ticket`` is the number of its latest turn: a handle rescheduled
-    earlier (an extend with a shorter TTL) leaves its old turn behind, and a
-    turn whose number is not the handle's ticket is dropped.
+    ``_ticket`` is the number of its latest renewal turn, ``_watch_ticket``
+    of its latest watch: a handle rescheduled earlier (an extend with a
+    shorter TTL) leaves its old turn behind, and a turn whose number is not
+    the handle's is dropped.
     """
 
     _ticket: int
+    _watch_ticket: int
 
     @property
     def _engine(self) -> object:
-        """Handles of one engine are tended together: one request per batch where it can."""
+        """Handles of one engine are renewed together: one request per batch where it can."""
+        ...
+
+    @property
+    def _over(self) -> bool:
+        """The lease ended: its turns are dropped."""
         ...
 
     # The group is handles of this one's own class and engine.
     def _tend(self, group: Sequence[Any]) -> list[float | None]: ...
+
+    def _check(self) -> float | None: ...
 
 
 class AsyncTended(Protocol):
     """An async handle as a renewer sees it (see :class:`SyncTended`)."""
 
     _ticket: int
+    _watch_ticket: int
 
     @property
     def _engine(self) -> object: ...
 
+    @property
+    def _over(self) -> bool: ...
+
     def _tend(self, group: Sequence[Any]) -> Awaitable[list[float | None]]: ...
+
+    def _check(self) -> float | None: ...
 
 
 Tended = TypeVar("Tended", SyncTended, AsyncTended)
 
 
 class _Timeline(Generic[Tended]):
-    """The handles due on one clock, earliest first; the caller holds its renewer's lock."""
+    """The turns due on one clock, earliest first; the caller holds its renewer's lock.
 
-    __slots__ = ("clock", "heap")
+    Renewals and watches have a heap each: renewals due close together are
+    coalesced into one request, watches run exactly at their deadline.
+    """
+
+    __slots__ = ("clock", "renewals", "watches")
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
-        self.heap: list[tuple[float, int, weakref.ref[Tended]]] = []
+        self.renewals: list[tuple[float, int, weakref.ref[Tended]]] = []
+        self.watches: list[tuple[float, int, weakref.ref[Tended]]] = []
 
     def add(self, handle: Tended, delay: float) -> None:
-        due = self.clock.monotonic() + delay
         handle._ticket = ticket = next(_order)
-        heapq.heappush(self.heap, (due, ticket, weakref.ref(handle)))
+        heapq.heappush(self.renewals, (self.clock.monotonic() + delay, ticket, weakref.ref(handle)))
+
+    def guard(self, handle: Tended, delay: float) -> None:
+        handle._watch_ticket = ticket = next(_order)
+        heapq.heappush(self.watches, (self.clock.monotonic() + delay, ticket, weakref.ref(handle)))
+
+    @property
+    def empty(self) -> bool:
+        """Whether no live turn is left: turns of ended leases at the front are dropped first."""
+        for heap, field in ((self.renewals, "_ticket"), (self.watches, "_watch_ticket")):
+            while heap:
+                _, ticket, ref = heap[0]
+                handle = ref()
+                if handle is not None and not handle._over and getattr(handle, field) == ticket:
+                    break
+                heapq.heappop(heap)
+        return not self.renewals and not self.watches
 
     def pop_due(self) -> list[list[Tended]]:
-        """The handles whose turn has come, removed, in groups of one engine each.
+        """The renewals whose turn has come, removed, in groups of one engine each.
 
         On a real clock, turns due within :data:`COALESCE` seconds come now
         too, so that renewals close in time share a request. Turns left
@@ -98,56 +140,97 @@ class _Timeline(Generic[Tended]):
         if not isinstance(self.clock, ManualClock):
             now += COALESCE
         groups: dict[int, list[Tended]] = {}
-        while self.heap and self.heap[0][0] <= now:
-            _, ticket, ref = heapq.heappop(self.heap)
-            handle = ref()
-            if handle is not None and handle._ticket == ticket:
-                groups.setdefault(id(handle._engine), []).append(handle)
+        for handle in _pop(self.renewals, now, "_ticket"):
+            groups.setdefault(id(handle._engine), []).append(handle)
         return list(groups.values())
+
+    def pop_watches(self) -> list[Tended]:
+        """The handles whose deadline's watch is due, removed."""
+        return _pop(self.watches, self.clock.monotonic(), "_watch_ticket")
 
     def wait(self) -> float | None:
         """Seconds until the next turn, or None when nothing waits (or the clock is manual)."""
-        if not self.heap or isinstance(self.clock, ManualClock):
+        if self.empty or isinstance(self.clock, ManualClock):
             return None
-        return max(0.0, self.heap[0][0] - self.clock.monotonic())
+        first = min(heap[0][0] for heap in (self.renewals, self.watches) if heap)
+        return max(0.0, first - self.clock.monotonic())
 
 
-def _schedule(
-    timelines: dict[int, _Timeline[Tended]], clock: Clock, handle: Tended, delay: float
-) -> None:
-    """Put ``handle`` on ``clock``'s timeline, made if new."""
+_Heap = list[tuple[float, int, "weakref.ref[Tended]"]]
+
+
+def _pop(heap: _Heap[Tended], now: float, field: str) -> list[Tended]:
+    """The live handles of ``heap``'s entries due by ``now``, removed, whose ticket still holds."""
+    due: list[Tended] = []
+    while heap and heap[0][0] <= now:
+        _, ticket, ref = heapq.heappop(heap)
+        handle = ref()
+        if handle is not None and getattr(handle, field) == ticket:
+            due.append(handle)
+    return due
+
+
+def _timeline(timelines: dict[int, _Timeline[Tended]], clock: Clock) -> _Timeline[Tended]:
+    """``clock``'s timeline, made if new."""
     timeline = timelines.get(id(clock))
     if timeline is None:
         timeline = timelines[id(clock)] = _Timeline(clock)
-    timeline.add(handle, delay)
+    return timeline
 
 
 def _log_failure(group: Sequence[object]) -> None:
     _log.exception("renewing %d lease(s) failed; they are no longer renewed", len(group))
 
 
+def _check_all(handles: Sequence[SyncTended | AsyncTended]) -> list[float | None]:
+    """Run each handle's watch (rule 3); a bug in one does not stop the others."""
+    delays: list[float | None] = []
+    for handle in handles:
+        try:
+            delays.append(handle._check())
+        except Exception:  # noqa: BLE001 - a bug must not stop the other watches
+            _log.exception("watching a lease's deadline failed")
+            delays.append(None)
+    return delays
+
+
 class SyncRenewer:
-    """The process's renewer of sync leases: one daemon thread, started on demand."""
+    """The process's renewer of sync leases: a timekeeper thread, and a worker per busy engine."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._timelines: dict[int, _Timeline[SyncTended]] = {}
         self._thread: threading.Thread | None = None
         self._tending = threading.local()
+        # Engines with a worker running, and the renewals waiting for it.
+        self._busy: dict[int, list[SyncTended]] = {}
 
     def add(self, handle: SyncTended, clock: Clock, delay: float) -> None:
-        """Tend ``handle`` ``delay`` seconds from now on ``clock``."""
+        """Renew ``handle`` ``delay`` seconds from now on ``clock``."""
         with self._cond:
-            _schedule(self._timelines, clock, handle, delay)
-            if isinstance(clock, ManualClock):
-                clock._listen(self._advanced)
-            elif self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._serve, name="dmutex-renewer", daemon=True
-                )
-                self._thread.start()
-            else:
-                self._cond.notify()
+            _timeline(self._timelines, clock).add(handle, delay)
+            self._started(clock)
+
+    def guard(self, handle: SyncTended, clock: Clock, delay: float) -> None:
+        """Watch ``handle``'s deadline ``delay`` seconds from now on ``clock``."""
+        with self._cond:
+            _timeline(self._timelines, clock).guard(handle, delay)
+            self._started(clock)
+
+    def poke(self) -> None:
+        """Have the thread look again: a lease ended, and its turns may go (any thread)."""
+        with self._cond:
+            self._cond.notify()
+
+    def _started(self, clock: Clock) -> None:
+        """Make sure someone keeps ``clock``'s time; the caller holds the lock."""
+        if isinstance(clock, ManualClock):
+            clock._listen(self._advanced)
+        elif self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="dmutex-renewer", daemon=True)
+            self._thread.start()
+        else:
+            self._cond.notify()
 
     def _advanced(self, clock: ManualClock) -> None:
         """Run, in the advancing thread, what fell due on ``clock``."""
@@ -160,58 +243,97 @@ class SyncRenewer:
                     timeline = self._timelines.get(id(clock))
                     if timeline is None:
                         return
+                    watches = timeline.pop_watches()
                     due = timeline.pop_due()
-                    if not timeline.heap and not due:
+                    if timeline.empty and not due and not watches:
                         del self._timelines[id(clock)]
-                if not due:
+                if not due and not watches:
                     return
-                self._tend_all(timeline, due)
-                del due
+                self._watch_all(timeline, watches)
+                for group in due:
+                    self._tend(timeline, group)
+                del due, watches
         finally:
             self._tending.active = False
 
-    def _tend_all(self, timeline: _Timeline[SyncTended], due: list[list[SyncTended]]) -> None:
-        for group in due:
-            try:
-                delays = group[0]._tend(group)
-            except Exception:  # noqa: BLE001 - a bug must not stop the other renewals
-                _log_failure(group)
-                continue
+    def _watch_all(self, timeline: _Timeline[SyncTended], handles: list[SyncTended]) -> None:
+        delays = _check_all(handles)
+        with self._cond:
+            for handle, delay in zip(handles, delays, strict=True):
+                if delay is not None:
+                    timeline.guard(handle, delay)
+            self._timelines.setdefault(id(timeline.clock), timeline)
+
+    def _tend(self, timeline: _Timeline[SyncTended], group: list[SyncTended]) -> None:
+        """Renew ``group`` in this thread, then put each handle's next turn on ``timeline``."""
+        try:
+            delays = group[0]._tend(group)
+        except Exception:  # noqa: BLE001 - a bug must not stop the other renewals
+            _log_failure(group)
+            return
+        with self._cond:
+            for handle, delay in zip(group, delays, strict=True):
+                if delay is not None:
+                    timeline.add(handle, delay)
+            self._timelines.setdefault(id(timeline.clock), timeline)
+            self._started(timeline.clock)
+
+    def _hand_over(self, timeline: _Timeline[SyncTended], group: list[SyncTended]) -> None:
+        """Give ``group`` to its engine's worker, started if none runs; under the lock."""
+        engine = id(group[0]._engine)
+        waiting = self._busy.get(engine)
+        if waiting is not None:
+            waiting.extend(group)  # behind the request in flight (rule 4)
+            return
+        self._busy[engine] = []
+        worker = threading.Thread(
+            target=self._work, args=(timeline, engine, group), name="dmutex-renewal", daemon=True
+        )
+        worker.start()
+
+    def _work(self, timeline: _Timeline[SyncTended], engine: int, group: list[SyncTended]) -> None:
+        """A worker: renew ``group``, then what queued behind it, until none is left."""
+        while group:
+            self._tend(timeline, group)
             with self._cond:
-                for handle, delay in zip(group, delays, strict=True):
-                    if delay is not None:
-                        timeline.add(handle, delay)
-                self._timelines.setdefault(id(timeline.clock), timeline)
-            del group  # hold no handle while waiting
+                group = self._busy[engine]
+                if group:
+                    self._busy[engine] = []
+                else:
+                    del self._busy[engine]
 
     def _serve(self) -> None:
         while True:
             with self._cond:
                 while True:
-                    due = [
-                        (timeline, timeline.pop_due())
-                        for timeline in self._timelines.values()
-                        if not isinstance(timeline.clock, ManualClock)
-                    ]
-                    due = [(timeline, refs) for timeline, refs in due if refs]
-                    if due:
+                    watches: list[tuple[_Timeline[SyncTended], list[SyncTended]]] = []
+                    for timeline in self._timelines.values():
+                        if isinstance(timeline.clock, ManualClock):
+                            continue
+                        for group in timeline.pop_due():
+                            self._hand_over(timeline, group)
+                        if due := timeline.pop_watches():
+                            watches.append((timeline, due))
+                    if watches:
                         break
-                    for key in [k for k, t in self._timelines.items() if not t.heap]:
+                    for key in [k for k, t in self._timelines.items() if t.empty]:
                         del self._timelines[key]
                     waits = [w for t in self._timelines.values() if (w := t.wait()) is not None]
                     if not waits:
                         self._thread = None
                         return
                     self._cond.wait(min(waits))
-            for timeline, refs in due:
-                self._tend_all(timeline, refs)
+            for timeline, handles in watches:
+                self._watch_all(timeline, handles)
+            del watches
 
     def _forget(self) -> None:
-        """In a forked child: the parent's leases are the parent's, and its thread is gone."""
+        """In a forked child: the parent's leases are the parent's, and its threads are gone."""
         self._cond = threading.Condition()
         self._timelines = {}
         self._thread = None
         self._tending = threading.local()
+        self._busy = {}
 
 
 SYNC = SyncRenewer()
@@ -220,7 +342,7 @@ if hasattr(os, "register_at_fork"):  # pragma: no branch - not on Windows
 
 
 class AsyncRenewer:
-    """The renewer of one event loop's async leases: one task, started on demand."""
+    """The renewer of one event loop's async leases: a timekeeper task, a worker task per engine."""
 
     _by_loop: ClassVar[dict[int, AsyncRenewer]] = {}
 
@@ -229,6 +351,8 @@ class AsyncRenewer:
         self._timelines: dict[int, _Timeline[AsyncTended]] = {}
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Future[None] | None = None
+        self._busy: dict[int, list[AsyncTended]] = {}
+        self._workers: set[asyncio.Task[None]] = set()
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> AsyncRenewer:
@@ -239,11 +363,20 @@ class AsyncRenewer:
         return renewer
 
     def add(self, handle: AsyncTended, clock: Clock, delay: float) -> None:
-        """Tend ``handle`` ``delay`` seconds from now on ``clock``; call on the loop."""
-        _schedule(self._timelines, clock, handle, delay)
+        """Renew ``handle`` ``delay`` seconds from now on ``clock``; call on the loop."""
+        _timeline(self._timelines, clock).add(handle, delay)
+        self._started(clock)
+
+    def guard(self, handle: AsyncTended, clock: Clock, delay: float) -> None:
+        """Watch ``handle``'s deadline ``delay`` seconds from now on ``clock``; call on the loop."""
+        _timeline(self._timelines, clock).guard(handle, delay)
+        self._started(clock)
+
+    def _started(self, clock: Clock) -> None:
         if isinstance(clock, ManualClock):
             clock._listen(self._advanced)
         if self._task is None:
+            self._by_loop[id(self._loop)] = self
             self._task = self._loop.create_task(self._serve(), name="dmutex-renewer")
         else:
             self._poke()
@@ -252,8 +385,12 @@ class AsyncRenewer:
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
 
-    def _advanced(self, clock: ManualClock) -> None:
-        """Wake the loop's task: ``clock`` moved (from any thread)."""
+    def poke(self) -> None:
+        """Have the task look again: a lease ended, and its turns may go (any thread)."""
+        self._advanced(None)
+
+    def _advanced(self, clock: ManualClock | None) -> None:
+        """Wake the loop's task: ``clock`` moved, or a lease ended (from any thread)."""
         if self._loop.is_closed():
             return
         try:
@@ -265,25 +402,65 @@ class AsyncRenewer:
         else:
             self._loop.call_soon_threadsafe(self._poke)
 
+    def _watch_all(self, timeline: _Timeline[AsyncTended], handles: list[AsyncTended]) -> None:
+        for handle, delay in zip(handles, _check_all(handles), strict=True):
+            if delay is not None:
+                timeline.guard(handle, delay)
+        self._timelines.setdefault(id(timeline.clock), timeline)
+
+    async def _tend(self, timeline: _Timeline[AsyncTended], group: list[AsyncTended]) -> None:
+        """Renew ``group``, then put each handle's next turn on ``timeline``."""
+        try:
+            delays = await group[0]._tend(group)
+        except Exception:  # noqa: BLE001 - a bug must not stop the others
+            _log_failure(group)
+            return
+        for handle, delay in zip(group, delays, strict=True):
+            if delay is not None:
+                timeline.add(handle, delay)
+        self._timelines.setdefault(id(timeline.clock), timeline)
+        self._started(timeline.clock)
+
+    def _hand_over(self, timeline: _Timeline[AsyncTended], group: list[AsyncTended]) -> None:
+        """Give ``group`` to its engine's worker task, started if none runs (rule 4)."""
+        engine = id(group[0]._engine)
+        waiting = self._busy.get(engine)
+        if waiting is not None:
+            waiting.extend(group)
+            return
+        self._busy[engine] = []
+        worker = self._loop.create_task(self._work(timeline, engine, group), name="dmutex-renewal")
+        self._workers.add(worker)  # the loop keeps only a weak reference
+        worker.add_done_callback(self._workers.discard)
+
+    async def _work(
+        self, timeline: _Timeline[AsyncTended], engine: int, group: list[AsyncTended]
+    ) -> None:
+        try:
+            while group:
+                await self._tend(timeline, group)
+                group, self._busy[engine] = self._busy[engine], []
+        finally:
+            del self._busy[engine]
+
     async def _serve(self) -> None:
         try:
             while True:
-                due = [(t, refs) for t in list(self._timelines.values()) if (refs := t.pop_due())]
-                for timeline, groups in due:
-                    for group in groups:
-                        try:
-                            delays = await group[0]._tend(group)
-                        except Exception:  # noqa: BLE001 - a bug must not stop the others
-                            _log_failure(group)
-                            continue
-                        for handle, delay in zip(group, delays, strict=True):
-                            if delay is not None:
-                                timeline.add(handle, delay)
-                        self._timelines.setdefault(id(timeline.clock), timeline)
-                    del group, groups
-                if due:
+                ran = False
+                for timeline in list(self._timelines.values()):
+                    if watches := timeline.pop_watches():
+                        self._watch_all(timeline, watches)
+                        ran = True
+                    for group in timeline.pop_due():
+                        ran = True
+                        if isinstance(timeline.clock, ManualClock):
+                            await self._tend(timeline, group)  # inline: rule 5
+                        else:
+                            self._hand_over(timeline, group)
+                    del watches
+                if ran:
                     continue
-                for key in [k for k, t in self._timelines.items() if not t.heap]:
+                for key in [k for k, t in self._timelines.items() if t.empty]:
                     del self._timelines[key]
                 if not self._timelines:
                     return
@@ -298,5 +475,5 @@ class AsyncRenewer:
                         timer.cancel()
         finally:
             self._task = None
-            if self._by_loop.get(id(self._loop)) is self:
+            if self._by_loop.get(id(self._loop)) is self and not self._busy:
                 del self._by_loop[id(self._loop)]

@@ -78,11 +78,16 @@ class _SyncHandle(HandleBase[SyncDriver]):
         if delay is not None:
             SYNC.add(self, self._engine.clock, delay)
 
+    def _guard(self, delay: float | None) -> None:
+        if delay is not None:
+            SYNC.guard(self, self._engine.clock, delay)
+
+    def _poke(self) -> Callable[[], None]:
+        return SYNC.poke
+
     def _tend(self, group: Sequence[_SyncHandle]) -> list[float | None]:
-        """Renew (one batch) or watch each of ``group``, handles of this one's engine."""
-        renewing = [handle._lease for handle in group if handle._lease.renewing]
-        delays = iter(self._drive(self._engine.renew(renewing)) if renewing else ())
-        return self._delays(group, delays)
+        """Renew ``group``, renewed handles of this one's engine, in one batch where it can."""
+        return self._drive(self._engine.renew([handle._lease for handle in group]))
 
     def __enter__(self: Self) -> Self:
         return self
