@@ -125,9 +125,16 @@ def sleep(seconds: float) -> Steps[None]:
 
 
 def extend_each(store: Store, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
-    """``extend_many`` for a store with no batch request: one ``extend`` per lease, in turn."""
+    """``extend_many`` for a store with no batch request: one ``extend`` per lease, in turn.
+
+    A lease that ended while the requests before it were out (its deadline
+    passed, or it was released) gets no request: its answer is None.
+    """
     answers: list[Renewed] = []
     for lease in leases:
+        if lease.ended:
+            answers.append(None)
+            continue
         try:
             expires = yield from store.extend(lease.key, lease.token, lease.slot, lease.ttl_ms)
         except Exception as error:  # noqa: BLE001 - this lease's answer; the others go on
