@@ -5,6 +5,8 @@ extend replies the test scripts, so every request is counted and no test
 sleeps. The renewers are checked for their scale (one thread, one task per
 loop), their lifetime (they end with their last lease, a dropped handle is
 no longer renewed) and their bookkeeping (a turn left behind is dropped).
+On the real clock, a client whose renewals hang shows the loss told at the
+deadline while the request is unanswered, and other instances renewing on.
 """
 
 from __future__ import annotations
@@ -267,3 +269,122 @@ def test_leases_due_together_share_one_request(clock: ManualClock) -> None:
     clock.advance(1.0)  # past every first turn (0.9-1.0 s) at once
     assert seen == [256, 44], "one request per 256 leases"
     assert not any(lock.lost for lock in locks if lock is not None)
+
+
+# --- loss by deadline, whatever the client does ------------------------------------------
+# On the real clock: a ManualClock runs renewals inline, and these tests are
+# about the worker a hung renewal occupies. They assert the order of events
+# (the loss is told while the request is still unanswered), never a duration.
+
+SHORT_TTL = 0.5  # deadline 0.45 s after each answered request's send time
+HANG_LIMIT = 10.0  # a hung request is let go after this, so that no test can hang
+
+
+class Hanging(Flaky):
+    """A Redis-shaped client whose renewals hang until the test lets them answer (1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.answered = threading.Event()
+
+    def execute_command(self, *args: RedisArg) -> RedisReply:
+        if args[1] != RENEW.sha:
+            return super().execute_command(*args)
+        self.extends += 1
+        self.entered.set()
+        self.gate.wait(HANG_LIMIT)
+        self.answered.set()
+        return [1]
+
+
+class AsyncHanging(Hanging):
+    """The same, for the asyncio face: the renewal's coroutine awaits the gate."""
+
+    async def execute_command(self, *args: RedisArg) -> RedisReply:  # type: ignore[override]  # the async shape of the same client
+        if args[1] != RENEW.sha:
+            return super(Hanging, self).execute_command(*args)
+        self.extends += 1
+        self.entered.set()
+        deadline = time.monotonic() + HANG_LIMIT
+        while not self.gate.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        self.answered.set()
+        return [1]
+
+
+def test_a_hung_renewal_loses_the_lease_at_its_deadline_without_its_reply() -> None:
+    client = Hanging()
+    told: list[bool] = []
+    lock = DMutex("svc", client).acquire("job", SHORT_TTL, auto_renew=True)
+    assert lock is not None
+    lock.on_lost(lambda handle: told.append(client.answered.is_set()))
+    assert client.entered.wait(HANG_LIMIT), "the first renewal was sent"
+    assert lock.wait_lost(HANG_LIMIT) is True
+    assert told == [False], "told once, while the renewal was still unanswered"
+    assert lock.time_left == 0.0
+    client.gate.set()
+    assert client.answered.wait(HANG_LIMIT)
+    time.sleep(0.05)  # the worker handles the late success
+    assert lock.lost is True, "a reply after the deadline does not revive the lease"
+    assert client.extends == 1, "nothing more is sent for a lost lease"
+
+
+def test_a_hung_renewal_cancels_the_async_run_body_at_its_deadline() -> None:
+    client = AsyncHanging()
+
+    async def main() -> list[str]:
+        events: list[str] = []
+        mutex = AsyncDMutex("svc", client)
+
+        async def body(handle: object) -> str:
+            try:
+                await asyncio.sleep(HANG_LIMIT)
+            except asyncio.CancelledError:
+                events.append(f"cancelled, answered={client.answered.is_set()}")
+                raise
+            return "never"
+
+        try:
+            await mutex.run("job", body, SHORT_TTL, auto_renew=True)
+        except Exception as error:  # noqa: BLE001 - the test names the type below
+            events.append(type(error).__name__)
+        client.gate.set()
+        return events
+
+    assert asyncio.run(main()) == ["cancelled, answered=False", "LeaseLostError"]
+
+
+def test_a_hung_client_delays_no_other_instance() -> None:
+    hung, healthy = Hanging(), Flaky()
+    stuck = DMutex("svc", hung).acquire("stuck", SHORT_TTL, auto_renew=True)
+    fine = DMutex("svc", healthy).acquire("fine", SHORT_TTL, auto_renew=True)
+    assert stuck is not None
+    assert fine is not None
+    try:
+        assert hung.entered.wait(HANG_LIMIT)
+        assert stuck.wait_lost(HANG_LIMIT) is True
+        before = healthy.extends
+        # Several of the healthy lease's deadlines pass while the other hangs.
+        until = time.monotonic() + HANG_LIMIT
+        while healthy.extends < before + 4 and time.monotonic() < until:
+            time.sleep(0.01)
+        assert healthy.extends >= before + 4, "the healthy instance kept renewing"
+        assert not hung.answered.is_set(), "... while the other's request still hung"
+        assert fine.lost is False
+    finally:
+        hung.gate.set()
+    assert fine.release() is True
+
+
+def test_later_sent_answers_set_the_deadline(clock: ManualClock) -> None:
+    """Rule 1: a shorter-TTL extend sent after a grant moves the deadline closer."""
+    lock = DMutex("svc", Flaky(), clock=clock).acquire("job", 10.0)
+    assert lock is not None
+    assert lock.time_left == pytest.approx(9.0)  # 10 s less its tenth
+    clock.advance(1.0)
+    assert lock.extend(2.0) is True
+    assert lock.time_left == pytest.approx(1.8)
+    clock.advance(1.8)
+    assert lock.lost is True
