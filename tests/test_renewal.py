@@ -18,7 +18,15 @@ import time
 
 import pytest
 
-from dmutex import AsyncDMutex, DMutex, InMemoryBackend, ManualClock, RedisArg, RedisReply
+from dmutex import (
+    AsyncDMutex,
+    DMutex,
+    InMemoryBackend,
+    LeaseLostError,
+    ManualClock,
+    RedisArg,
+    RedisReply,
+)
 from dmutex._backends.redis import ACQUIRE, EXTEND, RELEASE, RENEW
 from dmutex._core import renewal
 
@@ -388,3 +396,62 @@ def test_later_sent_answers_set_the_deadline(clock: ManualClock) -> None:
     assert lock.time_left == pytest.approx(1.8)
     clock.advance(1.8)
     assert lock.lost is True
+
+
+# --- run() reports the work's fate, not the clean-up's -------------------------------
+
+
+class FailingRelease(Flaky):
+    """Renewals as planned; every release raises, as through a partition."""
+
+    def execute_command(self, *args: RedisArg) -> RedisReply:
+        if args[1] == RELEASE.sha:
+            raise ConnectionError("partitioned")
+        return super().execute_command(*args)
+
+
+class AsyncFailingRelease(FailingRelease):
+    async def execute_command(self, *args: RedisArg) -> RedisReply:  # type: ignore[override]  # the async shape of the same client
+        return super().execute_command(*args)
+
+
+def test_a_lost_lease_surfaces_as_lease_lost_even_when_the_release_fails(
+    clock: ManualClock,
+) -> None:
+    client = FailingRelease()
+    client.plan = [0]  # the first renewal is refused: the lease is gone
+
+    def work(handle: object) -> str:
+        step(clock, 1.5)
+        return "done"
+
+    with pytest.raises(LeaseLostError) as caught:
+        DMutex("svc", client, clock=clock).run("job", work, TTL, auto_renew=True)
+    assert isinstance(caught.value.__cause__, ConnectionError)
+
+
+def test_the_callbacks_exception_is_never_replaced_by_a_failing_release(
+    clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    def work(handle: object) -> str:
+        raise ValueError("the work failed")
+
+    with pytest.raises(ValueError, match="the work failed"):
+        DMutex("svc", FailingRelease(), clock=clock).run("job", work, TTL)
+    assert "releasing 'job' after its callback raised failed" in caplog.text
+
+
+def test_an_async_body_cancelled_by_the_loss_surfaces_as_lease_lost(clock: ManualClock) -> None:
+    client = AsyncFailingRelease()
+    client.plan = [0]
+
+    async def main() -> None:
+        async def work(handle: object) -> str:
+            await clock.sleep_async(1.5)
+            await asyncio.sleep(3600)
+            return "never"
+
+        await AsyncDMutex("svc", client, clock=clock).run("job", work, TTL, auto_renew=True)
+
+    with pytest.raises(LeaseLostError):
+        asyncio.run(main())

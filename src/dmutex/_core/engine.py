@@ -23,11 +23,16 @@ Rules of this module:
    renew and when to give up is ``renewal.py``'s.
 8. A retrying acquire waits as ``waiting.py`` says, through the store,
    which may be woken by a release; the next attempt decides, always.
+9. ``run`` reports what happened to the work, not to the clean-up: the
+   callback's own exception is never replaced by a failing release (which
+   is logged), and a lease lost while it ran surfaces as
+   :class:`LeaseLostError`, the release's error as its cause.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -48,6 +53,7 @@ from .lease import Lease, new_token, now_ms, ttl_to_ms
 from .waiting import Waiter
 
 H = TypeVar("H")
+_log = logging.getLogger("dmutex")
 
 # A default TTL is converted once when no process could live to see it pass
 # the latest storable expiry: a century of margin.
@@ -181,14 +187,26 @@ class Engine:
         lease = yield from acquisition
         if lease is None:
             return None
-        released = False
         try:
             result = yield Callback(callback, wrap(lease), lease if renewing else None)
-            if renewing and renewal.is_lost(lease, self.clock.monotonic()):
-                raise LeaseLostError(lease.key, lease.token)
-        finally:
+        except BaseException:
+            # Rule 9: the callback's exception (a LeaseLostError from a
+            # cancelled async callback among them) is what the caller gets.
+            try:
+                yield from self.release(lease)
+            except Exception:  # noqa: BLE001 - logged; the lease lapses within its TTL
+                _log.warning(
+                    "releasing %r after its callback raised failed", lease.key, exc_info=True
+                )
+            raise
+        lost = renewing and renewal.is_lost(lease, self.clock.monotonic())
+        try:
             released = yield from self.release(lease)
-        if renewing and not released:
+        except Exception as error:
+            if lost or (renewing and lease.lost):
+                raise LeaseLostError(lease.key, lease.token) from error
+            raise
+        if lost or (renewing and not released):
             raise LeaseLostError(lease.key, lease.token)
         return result
 
