@@ -455,3 +455,23 @@ def test_an_async_body_cancelled_by_the_loss_surfaces_as_lease_lost(clock: Manua
 
     with pytest.raises(LeaseLostError):
         asyncio.run(main())
+
+
+@pytest.mark.parametrize("timeout", [1e10, 1e308, 2**63])
+def test_wait_lost_takes_any_finite_timeout(timeout: float) -> None:
+    """A timeout past what Event.wait and the loop's timers accept is waited in pieces."""
+    backend = InMemoryBackend()
+    lock = DMutex("svc", backend).acquire("job", TTL)
+    assert lock is not None
+    releasing = threading.Timer(0.05, lock.release)
+    releasing.start()
+    assert lock.wait_lost(timeout=timeout) is False, "ended by the release, not lost"
+    releasing.join()
+
+    async def main() -> bool:
+        handle = await AsyncDMutex("svc", backend).acquire("other", TTL)
+        assert handle is not None
+        asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(handle.release()))
+        return await handle.wait_lost(timeout=timeout)
+
+    assert asyncio.run(main()) is False

@@ -22,6 +22,7 @@ from .._backends.memory import InMemoryBackend
 from .._backends.sqlite import SQLiteBackend
 from .._core.engine import Engine
 from .._core.lease import Lease
+from .._core.waiting import MAX_WAIT
 from .._validate import check_timeout
 from .base import MutexBase, SemaphoreBase, Wrapping
 from .drive import AsyncDriver, waker
@@ -79,7 +80,14 @@ class _AsyncHandle(HandleBase[AsyncDriver]):
         try:
             if not self._settle():
                 self._watch()
-                await asyncio.wait((ended,), timeout=seconds)
+                # In pieces, as the sync wait_lost: no timer is set past MAX_WAIT.
+                loop = asyncio.get_running_loop()
+                until = None if seconds is None else loop.time() + seconds
+                while not ended.done():
+                    left = MAX_WAIT if until is None else until - loop.time()
+                    if left <= 0:
+                        break
+                    await asyncio.wait((ended,), timeout=min(left, MAX_WAIT))
         finally:
             lease.unlisten(wake)
             ended.cancel()

@@ -8,6 +8,7 @@ for the algorithm's steps and runs them with the instance's
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -18,6 +19,7 @@ from .._backends.memory import InMemoryBackend
 from .._backends.sqlite import SQLiteBackend
 from .._core.engine import Engine
 from .._core.lease import Lease
+from .._core.waiting import MAX_WAIT
 from .._validate import check_timeout
 from .base import MutexBase, SemaphoreBase, Wrapping
 from .drive import SyncDriver
@@ -69,7 +71,13 @@ class _SyncHandle(HandleBase[SyncDriver]):
         try:
             if not self._settle():
                 self._watch()
-                ended.wait(seconds)
+                # In pieces: Event.wait refuses a timeout past the platform's limit.
+                until = None if seconds is None else time.monotonic() + seconds
+                while not ended.is_set():
+                    left = MAX_WAIT if until is None else until - time.monotonic()
+                    if left <= 0:
+                        break
+                    ended.wait(min(left, MAX_WAIT))
         finally:
             lease.unlisten(ended.set)
         return self.lost
