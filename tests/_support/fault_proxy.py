@@ -31,6 +31,24 @@ the next ``n`` faultable chunks after each fault pass: with one proxy per
 client, the request a client sends right after a fault (its clean-up, say)
 reaches the server. :attr:`FaultProxy.counts` tells the test how many of
 each fault were injected.
+
+A blackhole (:attr:`FaultProxy.blackholed`, or the :meth:`FaultProxy.blackhole`
+block) is a network that stops answering without saying so, as a host that
+vanished does: on every connection open when it starts, and on every one
+accepted while it lasts, the proxy forwards nothing more either way. It
+reads and drops what either side sends (so that a client's sends never
+block), and it closes nothing: no FIN, no RST reaches the client, which
+waits for its reply for as long as its own timeouts let it, forever
+without one. A connection that the server closes meanwhile is closed on
+the server's side only. New connections are accepted and never connected
+upstream: the server sees nothing of them. Setting ``blackholed = True``
+returns once the proxy thread has applied it, so that no byte crosses
+after it returns. A connection blackholed stays so when the blackhole
+ends (the bytes it dropped cannot be replayed, so its stream is broken);
+connections accepted after that are forwarded again. Stopping the proxy
+closes every socket, blackholed ones too: a client hung on one then gets
+its connection error. :attr:`FaultProxy.swallowed` counts the chunks the
+blackhole dropped.
 """
 
 from __future__ import annotations
@@ -101,7 +119,7 @@ class _Pair:
     """One client connection and the proxy's connection upstream for it."""
 
     client: socket.socket
-    server: socket.socket
+    server: socket.socket | None  # None: accepted during a blackhole, never connected upstream
     to_client: bytearray = field(default_factory=bytearray)
     to_server: bytearray = field(default_factory=bytearray)
     held: bytearray = field(default_factory=bytearray)  # client bytes behind a delay
@@ -109,14 +127,20 @@ class _Pair:
     swallow_reply: bool = False  # DROP_REPLY: close at the first reply byte
     tear_reply: bool = False  # CUT on the reply side
     closed: bool = False
+    sunk: bool = False  # blackholed: bytes either way are read and dropped
     watching: dict[int, int] = field(default_factory=dict)  # fd -> selector events
+
+    def sockets(self) -> list[socket.socket]:
+        """The pair's open sockets: a sunk pair may have none upstream."""
+        return [self.client] if self.server is None else [self.client, self.server]
 
 
 class FaultProxy:
     """A fault-injecting TCP proxy in front of ``upstream``; a context manager.
 
     ``host`` and ``port`` are where clients connect. Faults start off; turn
-    them on and off at any time with :meth:`faults` or :attr:`enabled`.
+    them on and off at any time with :meth:`faults` or :attr:`enabled`. A
+    blackhole (:attr:`blackholed`, :meth:`blackhole`) overrides them.
     """
 
     def __init__(
@@ -138,11 +162,14 @@ class FaultProxy:
         self._calm = 0
         self._lifetime = lifetime
         self._enabled = threading.Event()
+        self._blackholed = threading.Event()
+        self._applied: list[threading.Event] = []  # blackhole requests the thread has to ack
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._counts: Counter[Fault] = Counter()
         self._chunks = 0
         self._connections = 0
+        self._swallowed = 0
         self._errors: list[str] = []
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -205,6 +232,47 @@ class FaultProxy:
             self.enabled = False
 
     @property
+    def blackholed(self) -> bool:
+        """Whether the proxy is a blackhole now (see the module docstring)."""
+        return self._blackholed.is_set()
+
+    @blackholed.setter
+    def blackholed(self, value: bool) -> None:
+        if not value:
+            self._blackholed.clear()  # connections already blackholed stay so
+            return
+        applied = threading.Event()
+        with self._lock:
+            self._applied.append(applied)
+        self._blackholed.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        # The thread acks at the top of its next loop, after sinking every
+        # pair: from then on nothing crosses. A thread that is not running has
+        # no pair to sink (one not started yet sinks each one it accepts).
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while not applied.wait(0.01):
+            if not self._thread.is_alive():
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fault proxy on port {self.port} did not apply the blackhole")
+
+    @contextlib.contextmanager
+    def blackhole(self) -> Iterator[FaultProxy]:
+        """Be a blackhole inside the block; connections it caught stay dead after it."""
+        self.blackholed = True
+        try:
+            yield self
+        finally:
+            self.blackholed = False
+
+    @property
+    def swallowed(self) -> int:
+        """Chunks (either way) read and dropped by the blackhole so far."""
+        with self._lock:
+            return self._swallowed
+
+    @property
     def counts(self) -> dict[Fault, int]:
         """How many chunks got each outcome so far (PASS included)."""
         with self._lock:
@@ -245,6 +313,7 @@ class FaultProxy:
                 now = time.monotonic()
                 if now >= ends:
                     break
+                self._apply_blackhole()
                 self._fire_timers(now)
                 timeout = min(0.1, ends - now)
                 if self._timers:
@@ -274,6 +343,10 @@ class FaultProxy:
         assert isinstance(pair, _Pair)
         if pair.closed:
             return
+        if pair.sunk:
+            assert isinstance(sock, socket.socket)
+            self._drain(pair, sock)
+            return
         if events & selectors.EVENT_WRITE:
             self._flush(pair)
         if pair.closed or not events & selectors.EVENT_READ:
@@ -287,6 +360,16 @@ class FaultProxy:
         try:
             client, _ = self._listener.accept()
         except BlockingIOError:
+            return
+        if self._blackholed.is_set():
+            # Accepted, never connected upstream: the client waits for ever.
+            with self._lock:
+                self._connections += 1
+            client.setblocking(False)
+            pair = _Pair(client, None, sunk=True)
+            self._pairs.add(pair)
+            self._selector.register(client, selectors.EVENT_READ, pair)
+            pair.watching[client.fileno()] = selectors.EVENT_READ
             return
         try:
             server = socket.create_connection(self.upstream, timeout=5.0)
@@ -302,6 +385,52 @@ class FaultProxy:
         self._pairs.add(pair)
         self._selector.register(client, selectors.EVENT_READ, pair)
         self._selector.register(server, selectors.EVENT_READ, pair)
+
+    def _apply_blackhole(self) -> None:
+        """Sink every pair if the proxy is a blackhole; ack the requests that asked for it."""
+        with self._lock:
+            requests, self._applied = self._applied, []
+        if self._blackholed.is_set():
+            for pair in list(self._pairs):
+                self._sink(pair)
+        for applied in requests:
+            applied.set()
+
+    def _sink(self, pair: _Pair) -> None:
+        """Forward nothing more on ``pair``, either way; drop what it had buffered."""
+        if pair.sunk or pair.closed:
+            return
+        pair.sunk = True
+        pair.to_client.clear()
+        pair.to_server.clear()
+        pair.held.clear()
+        pair.holding = False
+        pair.swallow_reply = pair.tear_reply = False
+        for sock in pair.sockets():
+            if pair.watching.get(sock.fileno(), selectors.EVENT_READ) != selectors.EVENT_READ:
+                self._selector.modify(sock, selectors.EVENT_READ, pair)
+                pair.watching[sock.fileno()] = selectors.EVENT_READ
+
+    def _drain(self, pair: _Pair, sock: socket.socket) -> None:
+        """Read and drop a chunk on a sunk pair; a side that closed is closed on its own."""
+        try:
+            data = sock.recv(CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            with self._lock:
+                self._swallowed += 1
+        elif sock is pair.client:
+            self._close(pair)  # the client left: nobody is left to keep in the dark
+        else:
+            # The server closed: close that side alone, so that the client sees nothing.
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(sock)
+            with contextlib.suppress(OSError):
+                sock.close()
+            pair.server = None
 
     def _recv(self, pair: _Pair, sock: socket.socket) -> bytes | None:
         """Bytes read, or None when the peer closed (the pair is then closed)."""
@@ -352,6 +481,7 @@ class FaultProxy:
         elif fault is Fault.CUT:
             if self._rng.random() < 0.5:
                 # The server gets a prefix of the request, then the connection closes.
+                assert pair.server is not None  # only a sunk pair loses its server side
                 self._to_server(pair, data[: self._rng.randrange(len(data))])
                 self._send_now(pair.server, pair.to_server)
                 self._close(pair)
@@ -362,6 +492,7 @@ class FaultProxy:
             self._to_server(pair, data)
 
     def _from_server(self, pair: _Pair) -> None:
+        assert pair.server is not None  # only a sunk pair loses its server side
         data = self._recv(pair, pair.server)
         if not data:
             return
@@ -385,7 +516,7 @@ class FaultProxy:
     def _fire_timers(self, now: float) -> None:
         while self._timers and self._timers[0][0] <= now:
             _, _, pair = heapq.heappop(self._timers)
-            if pair.closed:
+            if pair.closed or pair.sunk:
                 continue
             pair.holding = False
             pair.to_server += pair.held
@@ -403,6 +534,8 @@ class FaultProxy:
     def _flush(self, pair: _Pair) -> None:
         """Send what is buffered each way; watch for writability while some is left."""
         for sock, buffer in ((pair.server, pair.to_server), (pair.client, pair.to_client)):
+            if sock is None:
+                continue
             if buffer:
                 try:
                     sent = sock.send(buffer)
@@ -422,7 +555,7 @@ class FaultProxy:
             return
         pair.closed = True
         self._pairs.discard(pair)
-        for sock in (pair.client, pair.server):
+        for sock in pair.sockets():
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(sock)
             with contextlib.suppress(OSError):

@@ -48,6 +48,13 @@ has a deadline, the proxy stops by itself, sockets time out after a few
 seconds. ``DMUTEX_FAULT_SEED`` changes the seed (the interleaving of the
 workers still varies from run to run). A first test checks the proxy
 itself: one INCR through each fault, as the client and the server see it.
+Then its blackhole, on raw sockets: a connection open when it starts, and
+one accepted during it, get no byte back (within 0.3 s) and are not closed,
+even when the server closes its side; the server never sees their requests;
+after the blackhole new connections are forwarded again while the old one
+stays dead; stopping the proxy ends every one of them (EOF or reset), and a
+redis-py client hung on one without a socket timeout gets its
+``ConnectionError``.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ import contextlib
 import os
 import random
 import re
+import socket
 import threading
 import time
 from collections import Counter
@@ -641,6 +649,174 @@ def test_the_proxy_injects_each_fault(redis_target_server: Server, fault: Fault)
         assert int(clean.get("counter") or 0) in executed
         assert client.ping() is True  # faults off: a new connection goes through
         assert proxy.injected == (0 if fault is Fault.PASS else 1)
+        assert proxy.errors == []
+
+
+# --- the blackhole ---------------------------------------------------------------------------
+
+SILENCE = 0.3  # seconds a blackholed connection is watched for a byte or an EOF
+GONE_WITHIN = 5.0  # seconds for a closed connection's EOF or reset to reach the client
+
+
+def raw_connection(proxy: FaultProxy) -> socket.socket:
+    """A plain TCP connection to the proxy (a Redis server without a password behind it)."""
+    sock = socket.create_connection((proxy.host, proxy.port), timeout=GONE_WITHIN)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def ask(sock: socket.socket, command: bytes) -> bytes:
+    """Send one inline command and read its one-line reply (RESP)."""
+    sock.sendall(command + b"\r\n")
+    reply = b""
+    while not reply.endswith(b"\r\n"):
+        chunk = sock.recv(4096)
+        assert chunk, f"the connection closed before the reply to {command!r}"
+        reply += chunk
+    return reply
+
+
+def silent(sock: socket.socket, seconds: float = SILENCE) -> bool:
+    """Whether ``sock`` gets neither a byte nor an EOF for ``seconds``: it hangs, open."""
+    sock.settimeout(seconds)
+    try:
+        data = sock.recv(4096)
+    except TimeoutError:
+        return True
+    finally:
+        sock.settimeout(GONE_WITHIN)
+    raise AssertionError(f"a blackholed connection got {data!r} ({'EOF' if not data else 'bytes'})")
+
+
+def ended(sock: socket.socket) -> bool:
+    """Whether ``sock`` sees its peer close (EOF or reset) within :data:`GONE_WITHIN`."""
+    sock.settimeout(GONE_WITHIN)
+    try:
+        while sock.recv(4096):
+            pass  # nothing should come, but only the close matters here
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def counter(clean: redis.Redis) -> int:
+    return int(clean.get("counter") or 0)
+
+
+@pytest.fixture
+def clean_client(redis_target_server: Server) -> Iterator[redis.Redis]:
+    """A client on the server's own port: what the server saw."""
+    server = redis_target_server
+    with redis.Redis(host=server.host, port=server.port, password=server.password) as client:
+        yield client
+
+
+def test_a_blackhole_silences_an_open_connection_without_closing_it(
+    redis_target_server: Server, clean_client: redis.Redis
+) -> None:
+    """Blackholed: no reply, no EOF, the server never sees the request; stop() ends it."""
+    server = redis_target_server
+    if server.password:
+        pytest.skip("raw inline commands need a server without a password")
+    with FaultProxy((server.host, server.port), Rates(), seed=SEED) as proxy:
+        with contextlib.closing(raw_connection(proxy)) as sock:
+            assert ask(sock, b"INCR counter") == b":1\r\n"  # forwarded before
+            proxy.blackholed = True
+            assert proxy.blackholed
+            sock.sendall(b"INCR counter\r\n")
+            assert silent(sock)
+            assert counter(clean_client) == 1  # the request never reached the server
+            assert proxy.swallowed >= 1
+            # The server closes its side: the client still sees nothing.
+            clean_client.client_kill_filter(_type="normal", skipme=True)
+            sock.sendall(b"PING\r\n")  # the client can still send
+            assert silent(sock)
+            proxy.stop()
+            assert ended(sock), "the client's connection outlived the proxy"
+        assert proxy.errors == []
+
+
+def test_a_blackhole_accepts_new_connections_and_answers_nothing(
+    redis_target_server: Server, clean_client: redis.Redis
+) -> None:
+    """A connection made during the blackhole is accepted, and hangs; stop() ends it."""
+    server = redis_target_server
+    if server.password:
+        pytest.skip("raw inline commands need a server without a password")
+    with FaultProxy((server.host, server.port), Rates(), seed=SEED) as proxy:
+        proxy.blackholed = True
+        before = proxy.connections
+        with contextlib.closing(raw_connection(proxy)) as sock:
+            sock.sendall(b"INCR counter\r\n")
+            assert silent(sock)
+            assert proxy.connections == before + 1
+            assert counter(clean_client) == 0
+            proxy.stop()
+            assert ended(sock), "the client's connection outlived the proxy"
+        assert proxy.errors == []
+
+
+def test_after_a_blackhole_new_connections_pass_and_the_old_ones_stay_dead(
+    redis_target_server: Server, clean_client: redis.Redis
+) -> None:
+    """The block form: inside it all is silent; after it, new connections are forwarded."""
+    server = redis_target_server
+    if server.password:
+        pytest.skip("raw inline commands need a server without a password")
+    with FaultProxy((server.host, server.port), Rates(), seed=SEED) as proxy:
+        with contextlib.closing(raw_connection(proxy)) as old:
+            assert ask(old, b"PING") == b"+PONG\r\n"
+            with proxy.blackhole():
+                old.sendall(b"INCR counter\r\n")
+                assert silent(old)
+            assert not proxy.blackholed
+            with contextlib.closing(raw_connection(proxy)) as new:
+                assert ask(new, b"INCR counter") == b":1\r\n"
+            old.sendall(b"PING\r\n")
+            assert silent(old)  # its stream lost bytes: it stays dead
+            assert counter(clean_client) == 1
+        assert proxy.errors == []
+
+
+def test_a_client_without_a_socket_timeout_hangs_until_the_proxy_stops(
+    redis_target_server: Server,
+) -> None:
+    """redis-py with no socket timeout waits for ever on a blackhole; stop() unblocks it."""
+    server = redis_target_server
+    no_retry = redis.retry.Retry(redis.backoff.NoBackoff(), 0)
+    outcome: list[BaseException | object] = []
+    with (
+        FaultProxy((server.host, server.port), Rates(), seed=SEED) as proxy,
+        redis.Redis(
+            host=proxy.host,
+            port=proxy.port,
+            password=server.password,
+            socket_timeout=None,
+            retry=no_retry,
+        ) as client,
+    ):
+        assert client.ping() is True
+
+        def call() -> None:
+            try:
+                outcome.append(client.incr("counter"))
+            except redis.exceptions.ConnectionError as error:
+                outcome.append(error)
+
+        proxy.blackholed = True
+        caller = threading.Thread(target=call, name="hung-client", daemon=True)
+        caller.start()
+        caller.join(SILENCE)
+        assert caller.is_alive(), f"the call ended on a blackhole: {outcome!r}"
+        stopped = time.monotonic()
+        proxy.stop()
+        caller.join(GONE_WITHIN)
+        assert not caller.is_alive(), "the client stayed hung after the proxy stopped"
+        assert time.monotonic() - stopped < GONE_WITHIN
+        assert len(outcome) == 1
+        assert isinstance(outcome[0], redis.exceptions.ConnectionError), outcome
         assert proxy.errors == []
 
 

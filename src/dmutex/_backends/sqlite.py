@@ -172,6 +172,7 @@ class SQLiteBackend:
         "_gate",
         "_path",
         "_pid",
+        "_starting",
         "_timeout",
         "_waiters",
         "_worker",
@@ -181,6 +182,9 @@ class SQLiteBackend:
         self._timeout = _check_timeout(timeout)
         self._path = _check_path(path)
         self._gate = threading.Lock()
+        # Guards _worker only: _gate is held through whole calls, busy waits
+        # included, and the event loop must never wait for one.
+        self._starting = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._conn: Conn | None = None
@@ -223,6 +227,7 @@ class SQLiteBackend:
         if self._conn is not None:
             _INHERITED.append(self._conn)
         self._gate = threading.Lock()
+        self._starting = threading.Lock()
         self._worker = None
         self._conn = None
         self._waiters = {}
@@ -240,7 +245,7 @@ class SQLiteBackend:
     def call_async(self, fn: Callable[[Conn], T]) -> asyncio.Future[T]:
         """Run ``fn(connection)`` in this backend's worker thread; a future of the running loop."""
         loop = asyncio.get_running_loop()
-        with self._gate:
+        with self._starting:
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="dmutex-sqlite")
             worker = self._worker
@@ -248,7 +253,7 @@ class SQLiteBackend:
 
     def close(self) -> None:
         """Close the connection and stop the worker thread; a later call opens them anew."""
-        with self._gate:
+        with self._starting:
             worker, self._worker = self._worker, None
         if worker is not None:
             worker.shutdown(wait=True)

@@ -147,7 +147,8 @@ class HandleBase(Generic[D]):
         """Have the face's renewer watch this lease's deadline, once."""
         if not self._watched:
             self._watched = True
-            self._guard(renewal.watch(self._lease, self._engine.clock))
+            if not self._lease.renewing:  # a renewed one is watched while renewing
+                self._guard(renewal.watch(self._lease, self._engine.clock))
             # Not a method of self: the lease must not keep its handle alive.
             self._lease.listen(self._poke())
 
@@ -172,12 +173,17 @@ class HandleBase(Generic[D]):
         """Whether the lease ended (lost or released): the renewer drops its turns."""
         return self._lease.ended
 
+    @property
+    def _deadline(self) -> float:
+        """The lease's deadline, for the renewer's watch (see ``renewal``, rule 1)."""
+        return self._lease.deadline
+
     def _extended(self, done: bool) -> bool:
         """After an ``extend()``: renew a third of the new TTL on, and watch the new deadline."""
         if done and not self._lease.lost:
             if self._lease.renewing:
                 self._schedule(renewal.interval(self._lease.ttl_ms))
-            if self._watched:  # the deadline may have come closer: a shorter TTL
+            if self._watched and not self._lease.renewing:  # the deadline may have come closer
                 self._guard(renewal.watch(self._lease, self._engine.clock))
         return done
 

@@ -19,11 +19,17 @@ Rules of this module:
    waiting worker and holds up only later renewals of its own engine,
    which wait for it; it delays neither another engine's renewals nor any
    lease's loss at its deadline.
-5. Time is the lease's clock's. A :class:`~dmutex.ManualClock` drives the
+5. What is watched: a renewed lease while its renewal is handed over and
+   not yet answered (a *flight*: one watch per hand-over, at the earliest
+   deadline of its leases), since between renewals its next turn comes
+   before its deadline; a lease that is not renewed, once someone listens
+   for its loss, at its own deadline. So a healthy renewal costs the
+   timekeeper no wake of its own.
+6. Time is the lease's clock's. A :class:`~dmutex.ManualClock` drives the
    leases on it as it advances (sync ones inside ``advance()``, async ones
    on their loop, which ``advance()`` wakes), renewals inline, so that tests
    see each step in order; any other clock is waited on in real time.
-6. No lock here is held while a renewal or a listener runs: ``add`` never
+7. No lock here is held while a renewal or a listener runs: ``add`` never
    waits for a request.
 """
 
@@ -45,6 +51,8 @@ _log = logging.getLogger("dmutex")
 _order = itertools.count()
 # Seconds early a renewal may run to share a request with one due now.
 COALESCE = 0.02
+# Seconds an engine's idle sync worker waits for more renewals before it ends.
+LINGER = 1.0
 
 
 class SyncTended(Protocol):
@@ -69,6 +77,11 @@ class SyncTended(Protocol):
         """The lease ended: its turns are dropped."""
         ...
 
+    @property
+    def _deadline(self) -> float:
+        """The lease's deadline on its clock's monotonic time; it only moves on."""
+        ...
+
     # The group is handles of this one's own class and engine.
     def _tend(self, group: Sequence[Any]) -> list[float | None]: ...
 
@@ -87,6 +100,9 @@ class AsyncTended(Protocol):
     @property
     def _over(self) -> bool: ...
 
+    @property
+    def _deadline(self) -> float: ...
+
     def _tend(self, group: Sequence[Any]) -> Awaitable[list[float | None]]: ...
 
     def _check(self) -> float | None: ...
@@ -95,19 +111,47 @@ class AsyncTended(Protocol):
 Tended = TypeVar("Tended", SyncTended, AsyncTended)
 
 
+class _Flight(Generic[Tended]):
+    """Renewals handed to a worker and not yet answered (rule 5): their deadlines are watched."""
+
+    __slots__ = ("handles", "landed")
+
+    def __init__(self, handles: list[Tended]) -> None:
+        self.handles: list[Tended] = handles
+        self.landed = False
+
+
 class _Timeline(Generic[Tended]):
     """The turns due on one clock, earliest first; the caller holds its renewer's lock.
 
-    Renewals and watches have a heap each: renewals due close together are
-    coalesced into one request, watches run exactly at their deadline.
+    Renewals, watches and flights have a heap each: renewals due close
+    together are coalesced into one request, watches and flights run
+    exactly at their deadline.
     """
 
-    __slots__ = ("clock", "renewals", "watches")
+    __slots__ = ("clock", "flights", "renewals", "watches")
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
         self.renewals: list[tuple[float, int, weakref.ref[Tended]]] = []
         self.watches: list[tuple[float, int, weakref.ref[Tended]]] = []
+        self.flights: list[tuple[float, int, _Flight[Tended]]] = []
+
+    def board(self, group: list[Tended]) -> _Flight[Tended]:
+        """Watch ``group``, handed over for renewal, until :meth:`land`."""
+        flight = _Flight(group)
+        self.watch_flight(flight, min(handle._deadline for handle in group))
+        return flight
+
+    def watch_flight(self, flight: _Flight[Tended], due: float) -> None:
+        heapq.heappush(self.flights, (due, next(_order), flight))
+
+    @staticmethod
+    def land(flights: list[_Flight[Tended]]) -> None:
+        """The renewals of ``flights`` were answered: their watch is over."""
+        for flight in flights:
+            flight.landed = True
+            flight.handles = []
 
     def add(self, handle: Tended, delay: float) -> None:
         handle._ticket = ticket = next(_order)
@@ -119,24 +163,49 @@ class _Timeline(Generic[Tended]):
 
     @property
     def empty(self) -> bool:
-        """Whether no live turn is left: turns of ended leases at the front are dropped first."""
-        for heap, field in ((self.renewals, "_ticket"), (self.watches, "_watch_ticket")):
-            while heap:
-                _, ticket, ref = heap[0]
-                handle = ref()
-                if handle is not None and not handle._over and getattr(handle, field) == ticket:
-                    break
+        """Whether no live turn is left: dead turns at the front are dropped first."""
+        while self.renewals:
+            _, ticket, ref = self.renewals[0]
+            handle = ref()
+            if handle is not None and not handle._over and handle._ticket == ticket:
+                break
+            heapq.heappop(self.renewals)
+        self._settle_watches()
+        while self.flights and self.flights[0][2].landed:
+            heapq.heappop(self.flights)
+        return not self.renewals and not self.watches and not self.flights
+
+    def _settle_watches(self) -> None:
+        """Bring the first watch up to date, so that the timekeeper wakes only for a deadline.
+
+        A watch whose lease was renewed meanwhile moves to the new deadline
+        here, while the timekeeper is awake anyway, rather than waking it at
+        the old one; watches of ended leases, and left behind, are dropped.
+        """
+        heap = self.watches
+        while heap:
+            due, ticket, ref = heap[0]
+            handle = ref()
+            if handle is None or handle._over or handle._watch_ticket != ticket:
                 heapq.heappop(heap)
-        return not self.renewals and not self.watches
+                continue
+            deadline = handle._deadline
+            if deadline <= due:
+                return
+            heapq.heapreplace(heap, (deadline, ticket, ref))
 
     def pop_due(self) -> list[list[Tended]]:
         """The renewals whose turn has come, removed, in groups of one engine each.
 
-        On a real clock, turns due within :data:`COALESCE` seconds come now
-        too, so that renewals close in time share a request. Turns left
-        behind (see :class:`SyncTended`) and collected handles are dropped.
+        None until the first is due. Then, on a real clock, turns due within
+        :data:`COALESCE` seconds come too, so that renewals close in time
+        share a request (a wake for a watch takes no renewal early, which
+        would split batches). Turns left behind (see :class:`SyncTended`)
+        and collected handles are dropped.
         """
         now = self.clock.monotonic()
+        if not self.renewals or self.renewals[0][0] > now:
+            return []
         if not isinstance(self.clock, ManualClock):
             now += COALESCE
         groups: dict[int, list[Tended]] = {}
@@ -148,11 +217,31 @@ class _Timeline(Generic[Tended]):
         """The handles whose deadline's watch is due, removed."""
         return _pop(self.watches, self.clock.monotonic(), "_watch_ticket")
 
+    def pop_flights(self) -> list[Tended]:
+        """The handles of the flights whose watch is due, to check (not to watch on).
+
+        Each such flight is watched again at the earliest deadline of its
+        handles still to come, unless it lands first; the check that follows
+        loses those whose deadline has come.
+        """
+        now = self.clock.monotonic()
+        due: list[Tended] = []
+        while self.flights and self.flights[0][0] <= now:
+            _, _, flight = heapq.heappop(self.flights)
+            if flight.landed:
+                continue
+            due.extend(flight.handles)
+            later = [h._deadline for h in flight.handles if not h._over and h._deadline > now]
+            if later:
+                self.watch_flight(flight, min(later))
+        return due
+
     def wait(self) -> float | None:
         """Seconds until the next turn, or None when nothing waits (or the clock is manual)."""
         if self.empty or isinstance(self.clock, ManualClock):
             return None
-        first = min(heap[0][0] for heap in (self.renewals, self.watches) if heap)
+        heaps = (self.renewals, self.watches, self.flights)
+        first = min(heap[0][0] for heap in heaps if heap)
         return max(0.0, first - self.clock.monotonic())
 
 
@@ -194,6 +283,27 @@ def _check_all(handles: Sequence[SyncTended | AsyncTended]) -> list[float | None
     return delays
 
 
+class _Worker:
+    """An engine's sync worker: the renewals queued behind the one it runs, and its wake."""
+
+    __slots__ = ("flights", "pending", "wake")
+
+    def __init__(self) -> None:
+        self.pending: list[SyncTended] = []
+        self.flights: list[_Flight[SyncTended]] = []  # the pending renewals' watches
+        self.wake = threading.Event()
+
+
+class _Queued(Generic[Tended]):
+    """The renewals of an engine queued behind its worker task, and their flights."""
+
+    __slots__ = ("flights", "pending")
+
+    def __init__(self) -> None:
+        self.pending: list[Tended] = []
+        self.flights: list[_Flight[Tended]] = []
+
+
 class SyncRenewer:
     """The process's renewer of sync leases: a timekeeper thread, and a worker per busy engine."""
 
@@ -202,8 +312,8 @@ class SyncRenewer:
         self._timelines: dict[int, _Timeline[SyncTended]] = {}
         self._thread: threading.Thread | None = None
         self._tending = threading.local()
-        # Engines with a worker running, and the renewals waiting for it.
-        self._busy: dict[int, list[SyncTended]] = {}
+        # Engines with a worker thread, and the renewals waiting for it.
+        self._busy: dict[int, _Worker] = {}
 
     def add(self, handle: SyncTended, clock: Clock, delay: float) -> None:
         """Renew ``handle`` ``delay`` seconds from now on ``clock``."""
@@ -278,35 +388,71 @@ class SyncRenewer:
             self._timelines.setdefault(id(timeline.clock), timeline)
             self._started(timeline.clock)
 
-    def _hand_over(self, timeline: _Timeline[SyncTended], group: list[SyncTended]) -> None:
-        """Give ``group`` to its engine's worker, started if none runs; under the lock."""
-        engine = id(group[0]._engine)
-        waiting = self._busy.get(engine)
-        if waiting is not None:
-            waiting.extend(group)  # behind the request in flight (rule 4)
-            return
-        self._busy[engine] = []
-        worker = threading.Thread(
-            target=self._work, args=(timeline, engine, group), name="dmutex-renewal", daemon=True
-        )
-        worker.start()
+    def _hand_over(
+        self,
+        timeline: _Timeline[SyncTended],
+        group: list[SyncTended],
+        flights: list[_Flight[SyncTended]] | None = None,
+    ) -> None:
+        """Give ``group`` to its engine's worker, started if none runs; under the lock.
 
-    def _work(self, timeline: _Timeline[SyncTended], engine: int, group: list[SyncTended]) -> None:
-        """A worker: renew ``group``, then what queued behind it, until none is left."""
-        while group:
-            self._tend(timeline, group)
+        Its deadlines are watched from now until it is answered (rule 5).
+        """
+        if flights is None:
+            flights = [timeline.board(group)]
+        engine = id(group[0]._engine)
+        worker = self._busy.get(engine)
+        if worker is not None:
+            worker.pending.extend(group)  # behind the request in flight, if one is (rule 4)
+            worker.flights.extend(flights)
+            worker.wake.set()
+            return
+        worker = self._busy[engine] = _Worker()
+        threading.Thread(
+            target=self._work,
+            args=(timeline, engine, worker, group, flights),
+            name="dmutex-renewal",
+            daemon=True,
+        ).start()
+
+    def _work(
+        self,
+        timeline: _Timeline[SyncTended],
+        engine: int,
+        worker: _Worker,
+        group: list[SyncTended],
+        flights: list[_Flight[SyncTended]],
+    ) -> None:
+        """A worker: renew ``group``, then what is handed over, until idle for :data:`LINGER`."""
+        try:
+            while True:
+                self._tend(timeline, group)
+                group = []  # hold no handle while waiting
+                idle = False
+                while not group:
+                    with self._cond:
+                        timeline.land(flights)
+                        group, worker.pending = worker.pending, []
+                        flights, worker.flights = worker.flights, []
+                        if not group and idle:
+                            return
+                        worker.wake.clear()
+                    if not group:
+                        idle = not worker.wake.wait(LINGER)
+        finally:
             with self._cond:
-                group = self._busy[engine]
-                if group:
-                    self._busy[engine] = []
-                else:
+                # Whatever was handed over after the last look goes to the next worker.
+                if self._busy.get(engine) is worker:
                     del self._busy[engine]
+                    if worker.pending:
+                        self._hand_over(timeline, worker.pending, worker.flights)
 
     def _serve(self) -> None:
         while True:
             with self._cond:
                 while True:
                     watches: list[tuple[_Timeline[SyncTended], list[SyncTended]]] = []
+                    flying: list[SyncTended] = []
                     for timeline in self._timelines.values():
                         if isinstance(timeline.clock, ManualClock):
                             continue
@@ -314,7 +460,8 @@ class SyncRenewer:
                             self._hand_over(timeline, group)
                         if due := timeline.pop_watches():
                             watches.append((timeline, due))
-                    if watches:
+                        flying.extend(timeline.pop_flights())
+                    if watches or flying:
                         break
                     for key in [k for k, t in self._timelines.items() if t.empty]:
                         del self._timelines[key]
@@ -323,9 +470,10 @@ class SyncRenewer:
                         self._thread = None
                         return
                     self._cond.wait(min(waits))
+            _check_all(flying)  # a flight is watched on by its own entry
             for timeline, handles in watches:
                 self._watch_all(timeline, handles)
-            del watches
+            del watches, flying
 
     def _forget(self) -> None:
         """In a forked child: the parent's leases are the parent's, and its threads are gone."""
@@ -351,7 +499,7 @@ class AsyncRenewer:
         self._timelines: dict[int, _Timeline[AsyncTended]] = {}
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Future[None] | None = None
-        self._busy: dict[int, list[AsyncTended]] = {}
+        self._busy: dict[int, _Queued[AsyncTended]] = {}
         self._workers: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -422,25 +570,36 @@ class AsyncRenewer:
         self._started(timeline.clock)
 
     def _hand_over(self, timeline: _Timeline[AsyncTended], group: list[AsyncTended]) -> None:
-        """Give ``group`` to its engine's worker task, started if none runs (rule 4)."""
+        """Give ``group`` to its engine's worker task, started if none runs (rules 4, 5)."""
+        flight = timeline.board(group)
         engine = id(group[0]._engine)
-        waiting = self._busy.get(engine)
-        if waiting is not None:
-            waiting.extend(group)
+        queued = self._busy.get(engine)
+        if queued is not None:
+            queued.pending.extend(group)
+            queued.flights.append(flight)
             return
-        self._busy[engine] = []
-        worker = self._loop.create_task(self._work(timeline, engine, group), name="dmutex-renewal")
+        self._busy[engine] = _Queued()
+        work = self._work(timeline, engine, group, [flight])
+        worker = self._loop.create_task(work, name="dmutex-renewal")
         self._workers.add(worker)  # the loop keeps only a weak reference
         worker.add_done_callback(self._workers.discard)
 
     async def _work(
-        self, timeline: _Timeline[AsyncTended], engine: int, group: list[AsyncTended]
+        self,
+        timeline: _Timeline[AsyncTended],
+        engine: int,
+        group: list[AsyncTended],
+        flights: list[_Flight[AsyncTended]],
     ) -> None:
+        queued = self._busy[engine]
         try:
             while group:
                 await self._tend(timeline, group)
-                group, self._busy[engine] = self._busy[engine], []
+                timeline.land(flights)
+                group, queued.pending = queued.pending, []
+                flights, queued.flights = queued.flights, []
         finally:
+            timeline.land(flights + queued.flights)
             del self._busy[engine]
 
     async def _serve(self) -> None:
@@ -451,13 +610,16 @@ class AsyncRenewer:
                     if watches := timeline.pop_watches():
                         self._watch_all(timeline, watches)
                         ran = True
+                    if flying := timeline.pop_flights():
+                        _check_all(flying)  # a flight is watched on by its own entry
+                        ran = True
                     for group in timeline.pop_due():
                         ran = True
                         if isinstance(timeline.clock, ManualClock):
-                            await self._tend(timeline, group)  # inline: rule 5
+                            await self._tend(timeline, group)  # inline: rule 6
                         else:
                             self._hand_over(timeline, group)
-                    del watches
+                    del watches, flying
                 if ran:
                     continue
                 for key in [k for k, t in self._timelines.items() if t.empty]:
