@@ -27,6 +27,8 @@ import pytest
 
 from dmutex import DMutex, SQLiteBackend
 from dmutex._backends.inspect import read_holders
+from dmutex._cli.run import request_timeout
+from dmutex._cli.urls import mongodb_timeouts
 from tests._support import cli, mongo_servers
 from tests._support.cli import Child, Store
 from tests._support.redis_servers import Pool, flushed, newest
@@ -446,12 +448,32 @@ def test_dmutex_backend_variable_picks_the_backend(store: Store, env: dict[str, 
         ["run", "--backend", "sqlite://host/x.db", KEY, "--", "true"],
         ["status"],
         ["status", "--limit", "x", KEY],
+        ["run", "--ttl", "2", "--kill-grace", "0.6", KEY, "--", "true"],  # > a quarter
+        ["status", "\udcff\udcfe"],  # argv bytes that are not UTF-8
+        ["run", "\udcff", "--", "true"],
+        ["status", "--backend", "mongodb://127.0.0.1:99999/", KEY],  # a port out of range
+        ["run", "--backend", "mongodb://127.0.0.1:99999/", KEY, "--", "true"],
     ],
 )
 def test_usage_errors_exit_64(env: dict[str, str], args: list[str]) -> None:
+    """One line on stderr, status 64: never a traceback, never 1 (which status means "free")."""
     done = cli.run(args, env)
     assert done.status == 64, done.stderr
     assert "Traceback" not in done.stderr
+    assert done.stderr.strip(), "it says why"
+
+
+def test_mongodb_urls_get_timeouts_that_fit_the_ttl_unless_they_set_their_own() -> None:
+    timeouts = mongodb_timeouts("mongodb://db/ops", request_timeout(2.0))
+    assert timeouts == {
+        "serverSelectionTimeoutMS": 1000,
+        "socketTimeoutMS": 1000,
+        "connectTimeoutMS": 1000,
+    }
+    assert mongodb_timeouts("mongodb://db/?socketTimeoutMS=250", 10.0) == {
+        "serverSelectionTimeoutMS": 10000,
+        "connectTimeoutMS": 5000,
+    }
 
 
 def test_help_lists_every_option_with_its_default_and_examples(env: dict[str, str]) -> None:

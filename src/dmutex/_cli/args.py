@@ -283,6 +283,10 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> RunArgs | StatusArgs:
     backend = ns.backend or env.get(BACKEND_ENV) or None
     if not ns.key:
         raise Failure(USAGE, "KEY must not be empty")
+    try:
+        ns.key.encode("utf-8")
+    except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
+        raise Failure(USAGE, f"KEY must be valid UTF-8, not {ns.key!r}") from None
     if ns.command_name == "status":
         return StatusArgs(ns.key, backend, ns.service, ns.limit, ns.json)
     command: list[str] = list(ns.command)

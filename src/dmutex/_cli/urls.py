@@ -21,7 +21,7 @@ import sqlite3
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
 
 from .._errors import InvalidArgumentError
@@ -174,7 +174,7 @@ def connect(target: Target, *, timeout: float) -> Backend:
         return _connect_sqlite(target, timeout)
     if target.kind == "redis":
         return _connect_redis(target, timeout)
-    return _connect_mongodb(target)
+    return _connect_mongodb(target, timeout)
 
 
 def _missing(target: Target) -> Failure:
@@ -213,19 +213,34 @@ def _connect_redis(target: Target, timeout: float) -> Backend:
     return Backend(target, client, (redis.RedisError, OSError), closer=client.close)
 
 
-def _connect_mongodb(target: Target) -> Backend:
+def mongodb_timeouts(url: str, timeout: float) -> dict[str, int]:
+    """The timeouts pymongo gets for ``timeout`` seconds a request, less those ``url`` sets.
+
+    pymongo waits 30 s to find a server and for ever for a reply by
+    default; the command's requests must fail well within the TTL. An
+    option the URL names is left to it: a keyword would override it.
+    """
+    ms = round(timeout * 1000)
+    wanted = {
+        "serverSelectionTimeoutMS": ms,
+        "socketTimeoutMS": ms,
+        "connectTimeoutMS": min(ms, 5000),
+    }
+    named = url.lower()
+    return {name: value for name, value in wanted.items() if f"{name.lower()}=" not in named}
+
+
+def _connect_mongodb(target: Target, timeout: float) -> Backend:
     try:
         import pymongo
         import pymongo.errors
     except ImportError:
         raise _missing(target) from None
     try:
-        client: pymongo.MongoClient[dict[str, object]]
-        if "serverselectiontimeoutms" in target.url.lower():
-            client = pymongo.MongoClient(target.url)
-        else:  # 5 s to find a server, not pymongo's 30: a kwarg would override the URL's own
-            client = pymongo.MongoClient(target.url, serverSelectionTimeoutMS=5000)
-    except pymongo.errors.InvalidURI as error:
+        # Any: MongoClient takes its URL options as **kwargs: Any.
+        options: dict[str, Any] = dict(mongodb_timeouts(target.url, timeout))
+        client: pymongo.MongoClient[dict[str, object]] = pymongo.MongoClient(target.url, **options)
+    except (pymongo.errors.InvalidURI, ValueError) as error:  # ValueError: a port out of range
         raise Failure(USAGE, f"bad MongoDB URL {target.shown}: {one_line(error)}") from None
     except pymongo.errors.PyMongoError as error:  # mongodb+srv: the DNS lookup failed
         raise Failure(UNAVAILABLE, f"cannot reach {target.shown}: {one_line(error)}") from None
