@@ -206,6 +206,8 @@ BAD_KEYS: list[tuple[object, type[Exception]]] = [
     (b"key", TypeError),
     ("\ud800", ValueError),  # UTF-8 cannot encode it; it failed inside the client
     ("ok\udfff", ValueError),
+    ("k" * 501, ValueError),  # past what every layout stores (MAX_KEY_LENGTH)
+    ("é" * 501, ValueError),  # characters, not bytes
 ]
 
 

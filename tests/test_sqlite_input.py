@@ -327,3 +327,26 @@ def test_a_directory_this_user_cannot_write(shared_dir: Path) -> None:
     assert name == "InvalidArgumentError"
     assert "its directory is not writable by this user" in message
     assert listing(shared_dir) == before
+
+
+@pytest.mark.parametrize(
+    ("service", "table_name", "table_prefix"),
+    [
+        ("svc", "sqlite_master", "_dmutex_"),
+        ("svc", "SQLite_Sequence", "_dmutex_"),  # SQLite reserves the prefix in any case
+        ("sqlite_stat1", None, ""),  # from the prefix and the service name
+    ],
+)
+def test_table_names_sqlite_reserves_are_refused_at_construction(
+    tmp_path: Path, service: str, table_name: str | None, table_prefix: str
+) -> None:
+    """Not at the first acquire, where sqlite3 said "object name reserved for internal use"."""
+    path = tmp_path / "locks.sqlite3"
+    backend = SQLiteBackend(path)
+    try:
+        before = listing(tmp_path)
+        with pytest.raises(InvalidArgumentError, match="reserves table names"):
+            DMutex(service, backend, table_name=table_name, table_prefix=table_prefix)
+        assert listing(tmp_path) == before
+    finally:
+        backend.close()

@@ -42,10 +42,11 @@ from ._faces.aio import (
     AsyncDSemaphorePermit,
 )
 from ._faces.sync import DMutex, DMutexLock, DSemaphore, DSemaphorePermit, SyncClient
-from ._validate import MAX_PERMITS, BackendName
+from ._validate import MAX_KEY_LENGTH, MAX_PERMITS, BackendName
 from ._version import __version__
 
 __all__ = [
+    "MAX_KEY_LENGTH",
     "MAX_PERMITS",
     "AmbiguousClientError",
     "ArgumentTypeError",

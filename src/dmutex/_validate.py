@@ -14,6 +14,9 @@ BackendName = Literal["mongodb", "redis"]
 _BACKENDS: tuple[BackendName, ...] = ("mongodb", "redis")
 
 MAX_PERMITS = 1024
+# The longest key every layout stores: 512 characters (the TypeScript MySQL
+# store's varchar(512) row key) less "permit:1023:", the longest slot prefix.
+MAX_KEY_LENGTH = 500
 """The largest ``max_permits`` a semaphore may have.
 
 On Redis every operation that looks for a token runs one script over all of
@@ -53,10 +56,22 @@ def check_str(name: str, value: object, *, allow_empty: bool = False) -> str:
 
 
 def check_key(key: object) -> str:
-    """Return a lock key: a non-empty ``str`` that UTF-8 can encode."""
-    if type(key) is str and key and key.isascii():  # the common case, on every operation
-        return key
-    return check_str("key", key)
+    """Return a lock key: a non-empty plain ``str`` of at most 500 characters, UTF-8 encodable.
+
+    A ``str`` subclass (a ``(str, Enum)`` member, say) names the lock of its
+    ``str`` value, on every backend: it is returned as a plain ``str``. The
+    length is the most every layout can store: the TypeScript MySQL store's
+    ``varchar(512)`` row key holds ``permit:{slot}:{key}``.
+    """
+    if type(key) is str and key and key.isascii() and len(key) <= MAX_KEY_LENGTH:
+        return key  # the common case, on every operation
+    text = str.__str__(check_str("key", key))  # the value, whatever the subclass's __str__
+    if len(text) > MAX_KEY_LENGTH:
+        raise InvalidArgumentError(
+            f"key must be at most {MAX_KEY_LENGTH} characters, not {len(text)} "
+            f"(it starts {text[:20]!r})"
+        )
+    return text
 
 
 def check_token(token: object) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import uuid
 from datetime import timedelta
 
@@ -48,6 +49,41 @@ def test_mutex_contention_returns_none(env: Rig) -> None:
     assert first.acquire("job") is None, "not reentrant: the same instance is refused too"
     assert lock.release() is True
     assert held(second.acquire("job")).key == "job"
+
+
+class Job(str, enum.Enum):
+    """A key as many applications spell it: ``str(Job.DAILY)`` is "Job.DAILY", its value "daily"."""
+
+    DAILY = "daily"
+
+
+class Tagged(str):
+    """A str subclass whose ``__str__`` says something else."""
+
+    def __str__(self) -> str:
+        return f"tagged:{super().__str__()}"
+
+
+@pytest.mark.parametrize("key", [Job.DAILY, Tagged("daily")], ids=["str-enum", "str-subclass"])
+def test_a_str_subclass_names_the_lock_of_its_value(env: Rig, key: str) -> None:
+    """On every backend, or a test on one hides a double grant on another."""
+    mutex = env.make("mutex")
+    lock = held(mutex.acquire(key))
+    assert type(lock.key) is str
+    assert lock.key == "daily"
+    assert mutex.acquire("daily") is None
+    assert lock.release() is True
+    plain = held(mutex.acquire("daily"))
+    assert mutex.acquire(key) is None
+    assert plain.release() is True
+
+
+def test_the_longest_key_is_a_lock_on_every_backend(env: Rig) -> None:
+    sem = env.make("semaphore", max_permits=1024)
+    key = "é" * 500  # MAX_KEY_LENGTH characters, 1,000 bytes
+    permit = held(sem.acquire(key))
+    assert permit.key == key
+    assert permit.release() is True
 
 
 def test_keys_are_independent(env: Rig) -> None:

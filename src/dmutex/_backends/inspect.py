@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .._faces.drive import SyncDriver
 from .._options import DEFAULT_PREFIX, Kind, Options
+from .._validate import check_key
 from . import open_store
 from .store import Holder, Inspection
 
@@ -23,6 +24,7 @@ def read_holders(
     :class:`~dmutex.DSemaphore`'s, under the default names for ``service``.
     Raises what the client raises; bad arguments raise before any request.
     """
+    key = check_key(key)
     kind: Kind = "mutex" if limit == 1 else "semaphore"
     prefix = DEFAULT_PREFIX[kind]
     options = Options.check(

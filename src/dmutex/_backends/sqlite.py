@@ -92,6 +92,10 @@ def quote(identifier: str) -> str:
         raise InvalidArgumentError(
             f"an SQLite table name must be non-empty and without NUL bytes, not {identifier!r}"
         )
+    if identifier[:7].lower() == "sqlite_":  # SQLite refuses them only at the first statement
+        raise InvalidArgumentError(
+            f"SQLite reserves table names that begin with 'sqlite_' (any case): {identifier!r}"
+        )
     return '"' + identifier.replace('"', '""') + '"'
 
 

@@ -18,8 +18,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
+from .._errors import ArgumentTypeError, InvalidArgumentError
+from .._validate import check_key
 from .._version import __version__
-from .errors import CONFLICT, USAGE, Failure
+from .errors import CONFLICT, USAGE, Failure, one_line
 
 __all__ = ["RunArgs", "StatusArgs", "build_parser", "parse"]
 
@@ -284,9 +286,11 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> RunArgs | StatusArgs:
     if not ns.key:
         raise Failure(USAGE, "KEY must not be empty")
     try:
-        ns.key.encode("utf-8")
-    except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
-        raise Failure(USAGE, f"KEY must be valid UTF-8, not {ns.key!r}") from None
+        # The library's rule: UTF-8 (argv bytes that are not arrive as lone
+        # surrogates), at most MAX_KEY_LENGTH characters.
+        check_key(ns.key)
+    except (InvalidArgumentError, ArgumentTypeError) as error:
+        raise Failure(USAGE, f"KEY: {one_line(error)}") from None
     if ns.command_name == "status":
         return StatusArgs(ns.key, backend, ns.service, ns.limit, ns.json)
     command: list[str] = list(ns.command)

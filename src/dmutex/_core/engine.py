@@ -88,7 +88,7 @@ class Engine:
 
     def acquire(self, key: str, ttl: float | None) -> Steps[Lease | None]:
         """Try once to take a permit; None only when all permits are active."""
-        check_key(key)
+        key = check_key(key)
         return self._attempt(*self._request(key, self.ttl_ms(ttl)))
 
     def _request(
@@ -133,7 +133,7 @@ class Engine:
         past the deadline, and makes one last attempt at the deadline. Time
         is monotonic.
         """
-        check_key(key)
+        key = check_key(key)
         ttl_ms = self.ttl_ms(ttl)
         timeout, retry_delay = check_timeout(timeout), check_retry_delay(retry_delay)
         waiter = waiting.waiter(retry_delay) if timeout > 0 else None
@@ -265,13 +265,13 @@ class Engine:
 
     def release_token(self, key: str, token: str) -> Steps[bool]:
         """Release the active permit of ``key`` that holds ``token``."""
-        check_key(key)
+        key = check_key(key)
         check_token(token)
         return completing(self._store.release(key, token, None))
 
     def extend_token(self, key: str, token: str, ttl: float | None) -> Steps[bool]:
         """Extend the active permit of ``key`` that holds ``token``."""
-        check_key(key)
+        key = check_key(key)
         check_token(token)
         return self._extend_token(key, token, self.ttl_ms(ttl))
 
@@ -296,7 +296,7 @@ class Engine:
         With no token given and none remembered, returns False without I/O:
         there is nothing this instance may release.
         """
-        check_key(key)
+        key = check_key(key)
         if token is None:
             with self._remembered_lock:
                 token = self._remembered.get(key)
