@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,8 +40,11 @@ def test_contend_example_shows_the_second_command_refused_and_the_third_waiting(
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == 4, lines
-    assert lines[0] == "first:  holds quickstart (fence 1) for 2 s"
+    first = re.fullmatch(r"first:  holds quickstart \(fence (\d+)\) for 2 s", lines[0])
+    assert first is not None, lines[0]
     assert lines[1] == "second: -n refused at once, exit status 75"
-    assert lines[2] == "third:  waited for the first, then ran (fence 2)"
+    third = re.fullmatch(r"third:  waited for the first, then ran \(fence (\d+)\)", lines[2])
+    assert third is not None, lines[2]
+    assert int(third[1]) > int(first[1]), "fences strictly increase"
     assert lines[3] == "lock free again: OK"
     assert (tmp_path / "dmutex" / "locks.sqlite3").exists()

@@ -130,13 +130,26 @@ class _Restartable:
         self.close()
 
 
+# How a restarted Redis keeps its data: every write (the fault tests), nothing
+# (a cache), or the snapshots of the usual ``save`` setting, which a SIGKILL
+# rolls back to the last one (SAVE or BGSAVE by hand here: no timer fires).
+REDIS_PERSISTENCE = {
+    "aof-always": ["--save", "", "--appendonly", "yes", "--appendfsync", "always"],
+    "none": ["--save", "", "--appendonly", "no"],
+    "rdb": ["--save", "3600 1", "--appendonly", "no"],
+}
+
+
 class DurableRedis(_Restartable):
-    """``redis-server`` with an append-only file synced on every write."""
+    """``redis-server`` with an append-only file synced on every write (or as ``persistence``)."""
 
     name = "redis"
 
-    def __init__(self, executable: redis_servers.Executable) -> None:
+    def __init__(
+        self, executable: redis_servers.Executable, persistence: str = "aof-always"
+    ) -> None:
         self.executable = executable
+        self.persistence = REDIS_PERSISTENCE[persistence]
         super().__init__()
 
     @property
@@ -150,9 +163,7 @@ class DurableRedis(_Restartable):
             "--bind", "127.0.0.1",
             "--daemonize", "no",
             "--dir", str(self.folder),
-            "--save", "",
-            "--appendonly", "yes",
-            "--appendfsync", "always",
+            *self.persistence,
         ]  # fmt: skip
 
     def env(self) -> dict[str, str]:
@@ -164,7 +175,7 @@ class DurableRedis(_Restartable):
 
 
 # Run with ``python -I -c``: no script folder and no PYTHON* variables on the
-# path, as secantus_daemon.py is. argv: port, storage folder.
+# path, as secantus_daemon.py is. argv: port, storage folder (or ":memory:").
 SECANTUS_LAUNCHER = """\
 import signal, sys, threading
 from secantus import SecantusDBServer
@@ -189,9 +200,13 @@ finally:
 
 
 class DurableSecantusDB(_Restartable):
-    """SecantusDB on disk, each commit synced before it is acknowledged."""
+    """SecantusDB on disk, each commit synced before it is acknowledged; or in memory."""
 
     name = "secantusdb"
+
+    def __init__(self, *, in_memory: bool = False) -> None:
+        self.in_memory = in_memory  # nothing kept across a restart, as a test server often is
+        super().__init__()
 
     @property
     def url(self) -> str:
@@ -199,7 +214,8 @@ class DurableSecantusDB(_Restartable):
 
     def command(self) -> list[str]:
         data = self.folder / "data"
-        return [sys.executable, "-I", "-c", SECANTUS_LAUNCHER, str(self.port), str(data)]
+        storage = ":memory:" if self.in_memory else str(data)
+        return [sys.executable, "-I", "-c", SECANTUS_LAUNCHER, str(self.port), storage]
 
     def env(self) -> dict[str, str]:
         # Whatever temporary files it makes go into its own folder.

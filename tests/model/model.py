@@ -3,8 +3,9 @@
 Time is an integer count of milliseconds. A permit is active while
 ``now < expires``, or while it is renewed: renewal keeps it active for as long
 as nothing removes it (the machine moves time in steps short enough for
-that). Each grant of a key takes the key's next fence: 1, 2, 3, ...
-Nothing here knows about backends, faces or I/O.
+that). Each grant of a key carries a fence strictly above every earlier
+grant's of that key (a store may skip numbers: its clock in microseconds is
+a floor). Nothing here knows about backends, faces or I/O.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ class Model:
         slots = self.permits.get(key, {})
         return {slot: p for slot, p in slots.items() if p.renewed or self.now < p.expires}
 
-    def next_fence(self, key: str) -> int:
-        """The fence the next grant of ``key`` carries, taken now."""
-        self.fences[key] = self.fences.get(key, 0) + 1
-        return self.fences[key]
+    def take_fence(self, key: str, fence: int | None) -> bool:
+        """Whether a grant of ``key`` may carry ``fence`` now: above every earlier one. Keeps it."""
+        if fence is None:
+            return False
+        earlier, self.fences[key] = self.fences.get(key, 0), fence
+        return fence > earlier
 
     def is_full(self, key: str) -> bool:
         return len(self.active(key)) == self.max_permits

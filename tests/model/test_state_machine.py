@@ -154,7 +154,7 @@ class LeaseMachine(RuleBasedStateMachine):
         ttl_ms = round(ttl * 1000)
         expires = self.model.grant(key, handle.slot, handle.token, ttl_ms, renewed=renew)
         self.check_expiry(handle, expires)
-        assert handle.fence == self.model.next_fence(key), "fences: 1, 2, 3, ... per key"
+        assert self.model.take_fence(key, handle.fence), "fences strictly increase per key"
         assert handle.auto_renew is renew
         if renew:
             self.renewed[handle.token] = (handle, ttl_ms)
@@ -243,7 +243,7 @@ class LeaseMachine(RuleBasedStateMachine):
             stored = self.backend.active(self.prefix)
             assert stored.get(f"{self.prefix}permit:{handle.slot}:{key}") == handle.token
             assert handle.slot not in self.model.active(key)
-            assert handle.fence == self.model.next_fence(key)
+            assert self.model.take_fence(key, handle.fence)
             seen.append(handle.token)
             if raises:
                 raise Boom

@@ -46,6 +46,22 @@ from .store import Holder, Inspection, Renewed, extend_each, sleep
 DUPLICATE_KEY = 11000
 # Marks a fence counter document as dmutex's own.
 _FENCE_KIND = "dmutex-fence"
+# The counter's next value, by ``dmutex._core.fences`` (rule 1): the larger of
+# itself plus one and the server's clock in microseconds ($$NOW is in
+# milliseconds). An update pipeline (MongoDB 4.2 and later), so that both are
+# read and written in one atomic step.
+_NEXT_FENCE = [
+    {
+        "$set": {
+            "fence": {
+                "$max": [
+                    {"$add": [{"$ifNull": ["$fence", 0]}, 1]},
+                    {"$multiply": [{"$toLong": "$$NOW"}, 1000]},
+                ]
+            }
+        }
+    }
+]
 
 
 def is_duplicate_key(error: BaseException) -> bool:
@@ -153,20 +169,22 @@ class MongoStore:
         return (yield from self._fence(lease))
 
     def _fence(self, lease: Lease) -> Steps[Lease | None]:
-        """Increment the key's fence counter for ``lease``; None if the lease ran out first.
+        """Move the key's fence counter on for ``lease``; None if the lease ran out first.
 
         The counter is the document ``{_id: "fence:<key>", kind:
         "dmutex-fence", fence: <n>}`` beside the slots (no ``expiredAt``, so
-        the TTL index never removes it). It is incremented after the slot is
-        taken, and the grant counts only if the reply comes back before the
-        lease's expiry estimate: then the increment happened while the lease
-        was active, and any later holder of the slot took it after that
-        expiry, so its increment comes later and its fence is higher. A
-        holder paused past its expiry between the two requests gets None,
-        never a fence above a later holder's. A document with that ``_id``
-        that dmutex did not write is never changed: the upsert collides
-        with it (twice: the first collision may be another acquire creating
-        the counter at the same moment) and the acquire raises.
+        the TTL index never removes it), moved to the larger of itself plus
+        one and the server's clock in microseconds (:data:`_NEXT_FENCE`).
+        It moves after the slot is taken, and the grant counts only if the
+        reply comes back before the lease's expiry estimate: then the move
+        happened while the lease was active, and any later holder of the
+        slot took it after that expiry, so its move comes later and its
+        fence is higher. A holder paused past its expiry between the two
+        requests gets None, never a fence above a later holder's. A
+        document with that ``_id`` that dmutex did not write is never
+        changed: the upsert collides with it (twice: the first collision may
+        be another acquire creating the counter at the same moment) and the
+        acquire raises.
         """
         assert self._bump is not None  # only called with fencing on
         selector = {"_id": f"fence:{lease.key}", "kind": _FENCE_KIND}
@@ -174,7 +192,7 @@ class MongoStore:
         options = {"upsert": True, "return_document": True}
         for attempt in (1, 2):
             try:
-                doc = yield Call(self._bump, (selector, {"$inc": {"fence": 1}}), options)
+                doc = yield Call(self._bump, (selector, _NEXT_FENCE), options)
                 break
             except Exception as error:
                 if not is_duplicate_key(error):

@@ -229,7 +229,10 @@ else
 end
 if slot >= 0 then
   if counter then
-    fence = fence + 1
+    -- dmutex._core.fences, rule 1: above the counter, and at least the
+    -- server's clock in microseconds, so a lost counter restarts above it.
+    local clock = redis.call('TIME')
+    fence = math.max(fence + 1, tonumber(clock[1]) * 1000000 + tonumber(clock[2]))
     redis.call('SET', counter, string.format('dmutex:fence:%d', fence))
   end
   -- index is 0 (absent: create it) or 1 here; false leaves another's record alone.

@@ -56,6 +56,7 @@ from typing import TypeVar, cast
 
 from .._clock import Clock
 from .._core.effects import Call, Sleep, Steps, Wait
+from .._core.fences import clock_us, next_fence
 from .._core.lease import MAX_EXPIRY_MS, Lease, now_ms
 from .._core.waiting import Waiter, Wakeup
 from .._errors import ArgumentTypeError, DMutexError, InvalidArgumentError
@@ -490,7 +491,8 @@ class SQLiteStore:
                 if cursor.rowcount == 1:
                     if waiter is not None:
                         _register(backend, (self._table, key), waiter, False)
-                    return slot, expires, self._bump(conn, key) if self._fencing else None
+                    fence = self._bump(conn, key, clock_us(clock)) if self._fencing else None
+                    return slot, expires, fence
             if waiter is not None:
                 if permits == 1:
                     asked = {"permits": 1, "key": key, "now": now, "token": None}
@@ -508,19 +510,19 @@ class SQLiteStore:
         slot, expires, fence = granted
         return Lease(key, token, slot, expires, fence=fence)
 
-    def _bump(self, conn: Conn, key: str) -> int:
-        """Increment the fence counter of ``key``; raise on a row that dmutex did not write."""
+    def _bump(self, conn: Conn, key: str, now_us: int) -> int:
+        """Move the fence counter of ``key`` on (``fences``, rule 1); raise on a foreign row."""
         name = f"fence:{key}"
         row = conn.execute(self._sql.read, {"name": name}).fetchone()
-        if row is None:
-            fence = 1
-        else:
+        counter = 0
+        if row is not None:
             value, expires = row
             if not (_is_count(value) and expires == _FOREVER):
                 raise DMutexError(
                     f"the row {name!r} of table {self._table!r} holds a value dmutex did not write"
                 )
-            fence = int(str(value)) + 1
+            counter = int(str(value))
+        fence = next_fence(counter, now_us)
         conn.execute(self._sql.put, {"name": name, "token": str(fence), "expires": _FOREVER})
         return fence
 
