@@ -72,12 +72,19 @@ from .store import Holder, Inspection, Renewed
 # TypeScript library or an older dmutex granted is not in it, and an expiry
 # past HORIZON, the year 2248, is stored rounded down to it): then the
 # script reads the slot keys, as it would without the index. It
-# over-reports only when a slot key that dmutex granted is deleted by
-# someone else, and then for no longer than that lease's TTL. A record of
+# over-reports only when a slot key that dmutex granted is deleted or
+# shortened by someone else (the TypeScript library releasing or extending
+# by token, a deletion by hand), and then for at most CHECK_MS: an acquire
+# that finds the index full checks it against the slot keys if it was not
+# checked that recently (H.full). A record of
 # that name that dmutex did not write is neither read nor written. Scores
 # are exact integers below 2^53: expiry_ms <= HORIZON and slot < SLOTS.
 SLOTS = 1024
 HORIZON = 2**53 // SLOTS - 1
+# A full index is checked against the slot keys at most this often (ms): a
+# permit the TypeScript library released or shortened (by token, without the
+# index), or a slot key deleted by hand, is counted at most this long.
+CHECK_MS = 250
 if MAX_PERMITS > SLOTS:  # pragma: no cover - a guard on the two constants
     raise ImportError(f"the holders index scores fit {SLOTS} slots, not {MAX_PERMITS}")
 _HOLDERS = f"""\
@@ -85,6 +92,9 @@ _HOLDERS = f"""\
 -- mutex's scripts never pay for them.
 local function index_helpers()
   local H, MARK, SLOTS, HORIZON = {{}}, 'dmutex:holders', {SLOTS}, {HORIZON}
+  -- When the index was last checked against the slot keys, scored -ms: below
+  -- every lease, so no count, range or pruning of leases ever sees it.
+  local CHECKED, CHECK_MS = 'dmutex:checked', {CHECK_MS}
   function H.now_ms()
     local t = redis.call('TIME')
     return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -108,8 +118,25 @@ local function index_helpers()
   end
   -- The latest expiry of a lease in it, or nil; the mark scores +inf.
   function H.latest(holders)
-    local last = redis.call('ZRANGE', holders, -2, -2, 'WITHSCORES')
+    local last = redis.call('ZREVRANGEBYSCORE', holders, '(+inf', '0', 'WITHSCORES', 'LIMIT', 0, 1)
     return last[2] and math.floor(tonumber(last[2]) / SLOTS)
+  end
+  -- Whether the index still counts n active leases once checked against the
+  -- n slot keys KEYS[1..n], if it was not checked in the last CHECK_MS: a
+  -- member whose slot key no longer holds its token is dropped.
+  function H.full(holders, n, now)
+    local checked = redis.call('ZSCORE', holders, CHECKED)
+    if checked and now + tonumber(checked) < CHECK_MS then return true end
+    local active = redis.call('ZRANGEBYSCORE', holders, H.from(now), '(+inf', 'WITHSCORES')
+    for i = 1, #active, 2 do
+      local at = tonumber(active[i + 1]) % SLOTS
+      if at >= n or redis.call('GET', KEYS[at + 1]) ~= active[i] then
+        redis.call('ZREM', holders, active[i])
+      end
+    end
+    redis.call('ZADD', holders, string.format('%d', -now), CHECKED)
+    H.settle(holders)
+    return redis.call('ZCOUNT', holders, H.from(now), '(+inf') >= n
   end
   -- The earliest expiry of an active lease in it, from time now on.
   function H.earliest(holders, now)
@@ -201,7 +228,7 @@ if index == 1 then
     if mine and mine < n and redis.call('GET', KEYS[mine + 1]) == token then
       slot = mine
     else
-      full = true
+      full = H.full(holders, n, now)
     end
   end
 end
@@ -238,7 +265,7 @@ if slot >= 0 then
   -- index is 0 (absent: create it) or 1 here; false leaves another's record alone.
   if taken and index then
     now = now or H.now_ms()
-    redis.call('ZREMRANGEBYSCORE', holders, '-inf', '(' .. H.from(now))
+    redis.call('ZREMRANGEBYSCORE', holders, '0', '(' .. H.from(now))
     H.note(holders, token, slot, ttl, true, now)
   end
   -- Its own member, uniquely named: removing it never touches another's record.
