@@ -431,8 +431,8 @@ def test_a_blocked_waiter_acquires_on_release_without_polling(redis_url: str, fa
     assert reply(first)[:2] == [-1, 0], "the first attempt failed"
     assert block.args[:2] == ("BLPOP", SIGNAL)
     # A block ends a server tick late, so it asks for TICK less than the wait.
-    block = timeouts(seen.sent)[0]
-    assert PATIENT / 2 - TICK <= block <= PATIENT - TICK, "U(0.5, 1) x retry_delay, less a tick"
+    asked = timeouts(seen.sent)[0]
+    assert PATIENT / 2 - TICK <= asked <= PATIENT - TICK, "U(0.5, 1) x retry_delay, less a tick"
     assert woken(block), "the release's signal answered the BLPOP"
     assert reply(last)[0] == 0, "slot 0 taken"
 
