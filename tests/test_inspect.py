@@ -3,7 +3,9 @@
 On SQLite, InMemoryBackend, fakeredis and mongomock. ``read_holders`` reads
 the time from the system clock (it takes no ``clock=``), so the leases here
 are made in real time: long ones stay active for the whole test, and an
-expired one is written with an expiry in the past.
+expired one is written with an expiry in the past. So are the fences on SQLite
+and fakeredis (``dmutex._core.fences``): each the larger of the counter plus
+one and the clock in microseconds, read between two readings of the test's.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from __future__ import annotations
 import sqlite3
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import fakeredis
 import mongomock
@@ -30,14 +33,38 @@ from dmutex import (
     SQLiteBackend,
 )
 from dmutex._backends.inspect import Holder, read_holders
+from dmutex._core.fences import US_PER_S, next_fence
 from dmutex._core.lease import now_ms
 from tests._support.mongo_clients import frozen_ttl_monitor
 
+H = TypeVar("H", DMutexLock, DSemaphorePermit)
 HOUR = 3600.0
+# fakeredis's TIME against the test's clock (SQLite reads the test's own: no slack).
+SLACK_US = US_PER_S
 
 
 def expires_ms(handle: DMutexLock | DSemaphorePermit) -> int:
     return round(handle.expired_at.timestamp() * 1000)
+
+
+def now_us() -> int:
+    return int(time.time() * US_PER_S)
+
+
+def fenced(acquire: Callable[[], H | None], previous: int, slack_us: int = 0) -> tuple[H, int]:
+    """The handle ``acquire`` returns and its fence: the next one after ``previous`` (0:
+    none) by a clock read between the test's readings before and after, give or take
+    ``slack_us``."""
+    before = now_us()
+    handle = acquire()
+    after = now_us()
+    assert handle is not None
+    fence = handle.fence
+    assert fence is not None
+    assert (
+        next_fence(previous, before - slack_us) <= fence <= next_fence(previous, after + slack_us)
+    )
+    return handle, fence
 
 
 @pytest.fixture
@@ -51,25 +78,27 @@ def sqlite(tmp_path: Path) -> Iterator[SQLiteBackend]:
 
 def test_sqlite_holders_by_slot_with_the_fence(sqlite: SQLiteBackend, tmp_path: Path) -> None:
     sem = DSemaphore("svc", sqlite, max_permits=4)
-    permits = [sem.acquire("api", ttl=HOUR + slot) for slot in range(3)]
-    assert permits[1] is not None
+    permits: list[DSemaphorePermit] = []
+    fence = 0
+    for slot in range(3):
+        permit, fence = fenced(partial(sem.acquire, "api", ttl=HOUR + slot), fence)
+        permits.append(permit)
     assert permits[1].release() is True
     before = time.time() * 1000
     seen = read_holders(sqlite, service="svc", limit=4, key="api")
     after = time.time() * 1000
     assert seen.holders == [
-        Holder(p.slot, p.token, expires_ms(p)) for p in (permits[0], permits[2]) if p is not None
+        Holder(p.slot, p.token, expires_ms(p)) for p in (permits[0], permits[2])
     ]
     assert [h.slot for h in seen.holders] == [0, 2]
-    assert seen.fence == 3, "three grants"
+    assert seen.fence == fence, "the third grant's"
     assert before - 1 <= seen.now_ms <= after + 1
 
 
 def test_sqlite_expired_rows_and_other_keys_are_not_shown(
     sqlite: SQLiteBackend, tmp_path: Path
 ) -> None:
-    lock = DMutex("svc", sqlite).acquire("job", ttl=HOUR)
-    assert lock is not None
+    lock, fence = fenced(lambda: DMutex("svc", sqlite).acquire("job", ttl=HOUR), 0)
     other = DMutex("svc", sqlite).acquire("job2", ttl=HOUR)
     assert other is not None
     DSemaphore("svc", sqlite, max_permits=3).ready()
@@ -84,7 +113,7 @@ def test_sqlite_expired_rows_and_other_keys_are_not_shown(
         )
     mutex = read_holders(sqlite, service="svc", limit=1, key="job")
     assert mutex.holders == [Holder(0, lock.token, expires_ms(lock))]
-    assert mutex.fence == 1
+    assert mutex.fence == fence, "the grant's"
     sem = read_holders(sqlite, service="svc", limit=3, key="job")
     assert sem.holders == [Holder(2, "theirs", past + 10**9)], "the expired slot 1 is not shown"
     assert sem.fence is None, "no dmutex grant, no counter"
@@ -135,17 +164,15 @@ def test_fakeredis() -> None:
     client = fakeredis.FakeRedis(server=server)
     try:
         sem = DSemaphore("svc", client, max_permits=3)
-        permits = [sem.acquire("api", ttl=HOUR) for _ in range(2)]
-        assert permits[0] is not None
-        assert permits[0].release() is True
+        first, fence = fenced(lambda: sem.acquire("api", ttl=HOUR), 0, SLACK_US)
+        kept, fence = fenced(lambda: sem.acquire("api", ttl=HOUR), fence, SLACK_US)
+        assert first.release() is True
         seen = read_holders(client, service="svc", limit=3, key="api")
         (holder,) = seen.holders
-        kept = permits[1]
-        assert kept is not None
         assert (holder.slot, holder.token) == (kept.slot, kept.token)
         # The server's expiry (its TIME + PTTL): within a few ms of the estimate.
         assert abs(holder.expires_ms - expires_ms(kept)) < 1000
-        assert seen.fence == 2
+        assert seen.fence == fence, "the second grant's"
         plain = DMutex("svc", client, fencing=False).acquire("job", ttl=HOUR)
         assert plain is not None
         mutex = read_holders(client, service="svc", limit=1, key="job")

@@ -9,17 +9,22 @@ with leases long enough that none runs out.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from dmutex import LeaseLostError
-from tests._support.backends import Mongomock, RealMongo, Rig
+from dmutex._backends.inspect import read_holders
+from dmutex._core.fences import US_PER_S, clock_us, next_fence
+from tests._support.backends import Memory, Mongomock, RealMongo, Rig, SQLite
 from tests._support.faces import Face, Handle, Kind
 
 # A 3 s lease is renewed every 0.9-1.0 s; the tests step the clock by a quarter second.
 TTL = 3.0
 STEP = 0.25
 MARGIN = TTL / 10  # renewal.margin_ms: a tenth of the TTL, at most 2 s
+# A real server's clock (Redis TIME, MongoDB $$NOW) against this host's: same host.
+CLOCK_SLACK_US = US_PER_S
 
 
 def held(handle: Handle | None) -> Handle:
@@ -67,12 +72,59 @@ def test_fences_strictly_increase_across_grants_of_a_key(env: Rig) -> None:
         assert fences == sorted(set(fences)), f"not strictly increasing: {fences}"
 
 
+def now_us() -> int:
+    return int(time.time() * US_PER_S)
+
+
+def stored_fence(env: Rig, kind: Kind, key: str) -> int | None:
+    """The fence counter stored for ``key`` in ``kind``'s namespace (service ``svc``), or None.
+
+    Read as ``dmutex status`` reads it, through a sync client of the same storage.
+    """
+    limit = 1 if kind == "mutex" else 2
+    return read_holders(env.backend.client(False), service="svc", limit=limit, key=key).fence
+
+
+def granted(env: Rig, lock: Face, key: str, previous: int) -> int:
+    """Take and release ``key``; its fence, checked against the rule after fence ``previous``.
+
+    ``previous`` is the key's last fence, 0 for its first grant. Exact where the
+    fence's clock is known: InMemoryBackend counts 1, 2, 3, and so does mongomock
+    (it does not evaluate $$NOW); SQLite takes the ManualClock. On a real server
+    the clock is its own, within ``CLOCK_SLACK_US`` of this host's.
+    """
+    before = now_us()
+    handle = held(lock.acquire(key, 60))
+    after = now_us()
+    assert handle.release()
+    fence = handle.fence
+    assert fence is not None
+    if isinstance(env.backend, (Memory, Mongomock)):
+        assert fence == previous + 1
+    elif isinstance(env.backend, SQLite):
+        assert fence == next_fence(previous, clock_us(env.need_clock()))
+    else:
+        assert fence > previous
+        assert before - CLOCK_SLACK_US <= fence <= after + CLOCK_SLACK_US
+    return fence
+
+
 def test_fences_of_different_keys_and_kinds_are_separate_sequences(env: Rig) -> None:
+    """Each key of each namespace has a counter of its own: grants of one never move another's."""
     mutex = env.make("mutex", fencing=True)
-    first = [held(mutex.acquire(key, 60)).fence for key in ("a", "b")]
-    assert first[0] == first[1], "each key starts its own sequence"
     sem = env.make("semaphore", max_permits=2, fencing=True)
-    assert held(sem.acquire("a", 60)).fence == first[0], "another namespace, another sequence"
+    # Each first grant starts from no counter (previous 0), not from the other's.
+    others: dict[tuple[Kind, str], int] = {("mutex", "b"): granted(env, mutex, "b", 0)}
+    others["semaphore", "a"] = granted(env, sem, "a", 0)
+    assert stored_fence(env, "mutex", "b") == others["mutex", "b"]
+    assert stored_fence(env, "semaphore", "a") == others["semaphore", "a"]
+    assert stored_fence(env, "mutex", "a") is None, "another namespace's key 'a' wrote none"
+    fences = [0]
+    for _ in range(5):
+        fences.append(granted(env, mutex, "a", fences[-1]))
+    assert stored_fence(env, "mutex", "a") == fences[-1]
+    for (kind, key), fence in others.items():
+        assert stored_fence(env, kind, key) == fence, f"{kind} {key!r} moved: not its own counter"
 
 
 def test_fencing_false_gives_none_and_default_depends_on_the_backend(env: Rig) -> None:

@@ -13,7 +13,8 @@
   left.
 - Busy file: another connection holds ``BEGIN IMMEDIATE``. With
   ``timeout=0.2`` every call raises ``sqlite3.OperationalError`` and changes
-  no row; after the blocker commits they work, with the next fence. The
+  no row; after the blocker commits they work, each fence the next one by
+  the rule (the counter plus one, or the clock in microseconds if later). The
   asyncio face waits for the file in its worker thread: the event loop keeps
   running meanwhile (a ticker task's ticks are counted, not timed).
 """
@@ -39,6 +40,7 @@ from typing import Literal, TypeAlias, TypeVar
 import pytest
 
 from dmutex import AsyncDMutex, AsyncDMutexLock, AsyncDSemaphore, DMutex, DSemaphore, SQLiteBackend
+from dmutex._core.fences import next_fence
 from tests._support import processes
 from tests._support.cancellation import (
     Face,
@@ -104,6 +106,11 @@ def row(path: Path, table: str, key: str) -> Row | None:
 def now_ms() -> int:
     """The wall clock in whole ms, as the store reads it (``round``)."""
     return round(time.time() * 1000)
+
+
+def now_us() -> int:
+    """The host's clock in whole microseconds, as SQLiteBackend reads it for a fence."""
+    return int(time.time() * 1_000_000)
 
 
 def worker_threads() -> list[threading.Thread]:
@@ -458,7 +465,8 @@ def test_a_busy_file_makes_calls_with_a_short_timeout_raise_and_change_nothing(
 ) -> None:
     """While another connection holds BEGIN IMMEDIATE: acquire (fenced, unfenced, semaphore,
     with retry; both faces), release and extend raise OperationalError; no row changes.
-    After the blocker commits, the same calls work and the fences go on by one."""
+    After the blocker commits, the same calls work and each fence is the next by the rule
+    from the counter the failed calls left alone."""
     path = tmp_path / "locks.db"
     backend = SQLiteBackend(path, timeout=BUSY_TIMEOUT)
     try:
@@ -466,10 +474,16 @@ def test_a_busy_file_makes_calls_with_a_short_timeout_raise_and_change_nothing(
         plain = DMutex(SERVICE, backend, fencing=False, table_name="plain")
         sem = DSemaphore(SERVICE, backend, max_permits=2)
         amutex = AsyncDMutex(SERVICE, backend)
+        firsts: list[int | None] = []
         for face in (mutex, plain, sem):  # tables and fence rows exist before the blocker
             first = face.acquire(BUSY_KEY, ttl=NEW_TTL)
             assert first is not None
+            firsts.append(first.fence)
             assert first.release()
+        mutex_fence, unfenced_fence, sem_fence = firsts
+        assert mutex_fence is not None
+        assert unfenced_fence is None
+        assert sem_fence is not None
         held = mutex.acquire("held", ttl=NEW_TTL)
         assert held is not None
 
@@ -507,18 +521,25 @@ def test_a_busy_file_makes_calls_with_a_short_timeout_raise_and_change_nothing(
         assert after == before
         assert not held.lost, "a release that could not reach the file does not lose the lease"
 
-        # The blocker is gone: everything works, and no failed call used up a fence.
+        # The blocker is gone: everything works, each fence the next after the first
+        # grant's (the rows above show that no failed call moved a counter).
+        start_us = now_us()
         lock = mutex.acquire(BUSY_KEY, ttl=NEW_TTL)
+        end_us = now_us()
         assert lock is not None
-        assert lock.fence == 2
+        assert lock.fence is not None
+        assert next_fence(mutex_fence, start_us) <= lock.fence <= next_fence(mutex_fence, end_us)
         assert lock.release()
         unfenced = plain.acquire(BUSY_KEY, ttl=NEW_TTL)
         assert unfenced is not None
         assert unfenced.fence is None
         assert unfenced.release()
+        start_us = now_us()
         permit = sem.acquire(BUSY_KEY, ttl=NEW_TTL)
+        end_us = now_us()
         assert permit is not None
-        assert permit.fence == 2
+        assert permit.fence is not None
+        assert next_fence(sem_fence, start_us) <= permit.fence <= next_fence(sem_fence, end_us)
         assert permit.release()
         assert held.extend(NEW_TTL)
         assert held.release()
@@ -553,7 +574,7 @@ def test_the_event_loop_runs_while_an_asyncio_acquire_waits_for_a_busy_file(
     path = tmp_path / "locks.db"
     backend = WatchedBackend(path)
 
-    async def main() -> tuple[int, object]:
+    async def main() -> tuple[int, object, tuple[int, int]]:
         amutex = AsyncDMutex(SERVICE, backend)
         await amutex.ready()
         ticks = 0
@@ -582,21 +603,25 @@ def test_the_event_loop_runs_while_an_asyncio_acquire_waits_for_a_busy_file(
                     waited = ticks - start
                     assert not acquiring.done(), "the acquire ended while the file was busy"
                 finally:
+                    freed = now_us()
                     blocker.execute("COMMIT")
             lock = await asyncio.wait_for(acquiring, STEP_TIMEOUT)
+            after = now_us()
         finally:
             ticking.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ticking
         assert lock is not None
         assert await lock.release()
-        return waited, lock
+        return waited, lock, (freed, after)
 
     try:
-        waited, lock = asyncio.run(main())
+        waited, lock, (freed, after) = asyncio.run(main())
     finally:
         backend.close()
     assert waited >= TICKS
     assert isinstance(lock, AsyncDMutexLock)
-    assert lock.fence == 1
+    assert lock.fence is not None
+    # The key's first grant: the clock, read in the transaction, once the file was free.
+    assert freed <= lock.fence <= after
     assert worker_threads() == []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from dmutex import AsyncDSemaphore, DMutex, DSemaphore, ManualClock
 from dmutex._backends.cluster import hash_slot
 from dmutex._backends.redis import ACQUIRE, EXTEND, RELEASE, RENEW
 from dmutex._backends.shapes import is_cluster_client
+from dmutex._core.fences import US_PER_S
 from tests._support.redis_cluster import LocalCluster, slot_ranges
 from tests._support.redis_servers import Executable, executables
 
@@ -362,17 +364,25 @@ def test_tagged_semaphore_takes_one_request_per_operation(
     sem = DSemaphore("svc", counter, max_permits=5)
 
     permits = []
+    before = int(time.time() * US_PER_S)
     for slot in range(5):
         permit = sem.acquire(TAGGED, ttl=TTL)
         assert permit is not None
         assert permit.slot == slot
         assert counter.take() == ["EVALSHA"]
         permits.append(permit)
+    after = int(time.time() * US_PER_S)
     assert sem.acquire(TAGGED, ttl=TTL) is None
     assert counter.take() == ["EVALSHA"]
-    # The fence counter shares the tag, so the acquire's own script counts.
+    # The fence counter shares the tag, so the acquire's own script counts: each fence
+    # strictly above the last, at least the node's clock in microseconds (this host's,
+    # within a second).
     fence_key = "_dsemaphore_svc:fence:{orders}"
-    assert [p.fence for p in permits] == [1, 2, 3, 4, 5]
+    fences = [p.fence for p in permits if p.fence is not None]
+    assert len(fences) == 5
+    assert fences == sorted(set(fences)), f"not strictly increasing: {fences}"
+    assert before - US_PER_S <= fences[0]
+    assert fences[-1] <= after + US_PER_S
     # So does the holders index, which answered the full acquire.
     holders = "_dsemaphore_svc:holders:{orders}"
 
@@ -381,7 +391,7 @@ def test_tagged_semaphore_takes_one_request_per_operation(
 
     assert cluster.values() == {
         **{keys[p.slot]: p.token for p in permits},
-        fence_key: "dmutex:fence:5",
+        fence_key: f"dmutex:fence:{fences[-1]}",
         holders: index(*(p.token for p in permits)),
     }
 
@@ -400,7 +410,7 @@ def test_tagged_semaphore_takes_one_request_per_operation(
     assert counter.take() == ["EVALSHA"]
     assert cluster.values() == {
         **{keys[i]: permits[i].token for i in (1, 2, 3)},
-        fence_key: "dmutex:fence:5",
+        fence_key: f"dmutex:fence:{fences[-1]}",
         holders: index(*(permits[i].token for i in (1, 2, 3))),
     }
 

@@ -11,6 +11,7 @@ until the index is deleted too, or the lease's TTL runs out.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -20,6 +21,7 @@ import redis
 from dmutex import MAX_PERMITS, DSemaphore
 from dmutex._backends.redis import ACQUIRE, RedisStore
 from dmutex._clock import SYSTEM_CLOCK
+from dmutex._core.fences import US_PER_S, next_fence
 from dmutex._core.waiting import waiter
 from dmutex._faces.drive import SyncDriver
 from tests._support.redis_clients import Recording
@@ -147,11 +149,17 @@ def test_a_re_sent_acquire_finds_its_own_grant_in_a_full_index(redis_url: str) -
         assert last is not None
         command = recording.commands[-1]
         assert command[1] in (ACQUIRE.sha, ACQUIRE.text)
+        before = int(time.time() * US_PER_S)
         again = client.execute_command(*command)
+        after = int(time.time() * US_PER_S)
         assert int(again[0]) == last.slot, "the same permit, not a second one"
-        # A copy counts a fence of its own, above every grant before it.
+        # A copy counts a fence of its own, above every grant before it: the counter plus
+        # one, or the server's clock in microseconds (this host's, within a second).
         assert last.fence is not None
-        assert int(again[1]) == last.fence + 1
+        fence = int(again[1])
+        assert next_fence(last.fence, before - US_PER_S) <= fence
+        assert fence <= next_fence(last.fence, after + US_PER_S)
+        assert client.get("_dsemaphore_svc:fence:api") == f"dmutex:fence:{fence}".encode()
         assert sem.acquire("api") is None
 
 

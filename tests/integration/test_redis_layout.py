@@ -1,4 +1,10 @@
-"""The TypeScript dmutex's Redis layout, byte for byte, on real servers (spec section 6)."""
+"""The TypeScript dmutex's Redis layout, byte for byte, on real servers (spec section 6).
+
+A fence counter holds ``dmutex:fence:<n>``, ``n`` the last grant's fence: the
+larger of the counter plus one and the server's ``TIME`` in microseconds
+(``dmutex._core.fences``). The servers run on this host, so their clock is
+this process's, within ``CLOCK_SLACK_US``.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,10 @@ import redis
 
 from dmutex import DMutex, DMutexError, DSemaphore
 from dmutex._backends.redis import ACQUIRE, EXTEND, RELEASE
+from dmutex._core.fences import US_PER_S
 from tests._support.redis_clients import Recording
+
+CLOCK_SLACK_US = US_PER_S
 
 
 @pytest.fixture
@@ -37,6 +46,27 @@ def stored(server: redis.Redis) -> dict[str, str]:
     }
 
 
+def now_us() -> int:
+    return int(time.time() * US_PER_S)
+
+
+def check_fences(fences: list[int | None], before_us: int, after_us: int) -> list[int]:
+    """Fences of grants made one after another between the two readings: each strictly
+    above the one before, and taken from the server's clock."""
+    assert all(fence is not None for fence in fences)
+    taken = [fence for fence in fences if fence is not None]
+    assert taken == sorted(set(taken)), f"not strictly increasing: {taken}"
+    assert before_us - CLOCK_SLACK_US <= taken[0]
+    assert taken[-1] <= after_us + CLOCK_SLACK_US
+    return taken
+
+
+def counter_value(fence: int) -> str:
+    """What a counter holds after a grant of ``fence`` (positive): ``dmutex:fence:<digits>``."""
+    assert fence > 0
+    return f"dmutex:fence:{fence}"
+
+
 def index(server: redis.Redis, name: str) -> dict[str, float]:
     """A semaphore's holders index: each token's score, and the mark at +inf."""
     assert server.type(name) == "zset"
@@ -48,10 +78,13 @@ def index(server: redis.Redis, name: str) -> dict[str, float]:
 def test_semaphore_and_mutex_leave_exactly_the_typescript_keys(
     server: redis.Redis, recording: Recording, fencing: bool | None
 ) -> None:
-    """The TypeScript slot keys, and one fence counter per lock (none with fencing=False)."""
+    """The TypeScript slot keys, and one fence counter per lock (none with fencing=False),
+    holding the lock's last fence."""
+    before = now_us()
     sem = DSemaphore("orders", recording, max_permits=3, fencing=fencing)
     permits = [sem.acquire("api", ttl=60) for _ in range(3)]
     lock = DMutex("orders", recording, fencing=fencing).acquire("job", ttl=60)
+    after = now_us()
     assert lock is not None
     assert all(p is not None for p in permits)
     tokens = [p.token for p in permits if p is not None]
@@ -61,11 +94,16 @@ def test_semaphore_and_mutex_leave_exactly_the_typescript_keys(
         "_dsemaphore_orders:permit:2:api": tokens[2],
         "_dmutex_orders:permit:0:job": lock.token,
     }
-    counters = {
-        "_dsemaphore_orders:fence:api": "dmutex:fence:3",
-        "_dmutex_orders:fence:job": "dmutex:fence:1",
-    }
-    assert stored(server) == (slots if fencing is False else {**slots, **counters})
+    counters = ["_dsemaphore_orders:fence:api", "_dmutex_orders:fence:job"]
+    fences = [p.fence for p in permits if p is not None]
+    if fencing is False:
+        assert [*fences, lock.fence] == [None] * 4
+        assert stored(server) == slots
+    else:
+        api = check_fences(fences, before, after)
+        (job,) = check_fences([lock.fence], before, after)
+        values = [counter_value(api[-1]), counter_value(job)]
+        assert stored(server) == {**slots, **dict(zip(counters, values, strict=True))}
     for name in slots:
         assert 59_000 < server.pttl(name) <= 60_000
     # The semaphore's holders index: its mark, and each token scored by the
@@ -106,11 +144,14 @@ def test_ttl_is_sent_as_px_milliseconds_rounded_up(recording: Recording) -> None
 
 def test_key_prefix_replaces_the_default(server: redis.Redis) -> None:
     with redis.Redis.from_url(_url(server)) as client:
+        before = now_us()
         lock = DMutex("svc", client, key_prefix="app:locks:").acquire("job")
+        after = now_us()
         assert lock is not None
+        (fence,) = check_fences([lock.fence], before, after)
         assert stored(server) == {
             "app:locks:permit:0:job": lock.token,
-            "app:locks:fence:job": "dmutex:fence:1",
+            "app:locks:fence:job": counter_value(fence),
         }
 
 

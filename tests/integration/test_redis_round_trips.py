@@ -251,14 +251,16 @@ def test_acquire_is_one_request_free_and_full(rig: Rig, kind: str, permits: int)
         assert held(handle).slot == slot
         assert seen.requests == ["EVALSHA"]
         assert seen.server_requests == 1
-        # The fence counter: one GET before anything is written, one SET after.
+        # The fence counter: one GET before anything is written, one SET after, and
+        # the server's TIME that the fence is at least (in microseconds).
         if permits == 1:
-            assert seen.server == {"evalsha": 1, "get": 1, "set": 2}
+            assert seen.server == {"evalsha": 1, "get": 1, "set": 2, "time": 1}
         else:
             # One MGET read every slot; one SET NX took the first free one;
-            # the holders index (made by the first grant) records the token.
+            # the holders index (made by the first grant) records the token,
+            # scored by a TIME of its own.
             index = {"zscore": 1, "exists": 1} if slot == 0 else {"zscore": 1, "zcount": 1}
-            grant = {"evalsha": 1, "get": 1, "mget": 1, "set": 2, "time": 1}
+            grant = {"evalsha": 1, "get": 1, "mget": 1, "set": 2, "time": 2}
             assert without_index_ttl(seen.server) == {
                 **grant,
                 **index,
@@ -435,12 +437,13 @@ def test_set_eval_path_is_one_call_per_operation(rig: Rig, kind: str, permits: i
         handles.append(held(handle))
         assert handles[-1].slot == slot
         assert seen.requests == [call]
-        # With the fence counter's GET and SET.
-        took = {"eval": 1, "get": 1, "set": 2}
+        # With the fence counter's GET, SET and the server's TIME.
+        took = {"eval": 1, "get": 1, "set": 2, "time": 1}
         if permits > 1:
             took["mget"] = 1
             index = {"zscore": 1, "exists": 1} if slot == 0 else {"zscore": 1, "zcount": 1}
-            took |= {**index, "time": 1, "zremrangebyscore": 1, "zadd": 1}
+            # The index's TIME is a second one.
+            took |= {**index, "time": 2, "zremrangebyscore": 1, "zadd": 1}
             assert without_index_ttl(seen.server) == took
         else:
             assert seen.server == took

@@ -4,7 +4,8 @@
 (``src/d1-store.ts``) verbatim through a raw ``sqlite3`` connection of its
 own, on the same file as the ``SQLiteBackend``: what that store writes,
 dmutex must honour, and the reverse. Time is a ManualClock read in whole
-milliseconds, as ``Date.now()`` would be.
+milliseconds, as ``Date.now()`` would be; a fence is exactly the larger of
+the counter plus one and that clock in microseconds (``dmutex._core.fences``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dmutex import (
     ManualClock,
     SQLiteBackend,
 )
+from dmutex._core.fences import clock_us, next_fence
 from dmutex._core.lease import now_ms
 
 FOREVER = 2**63 - 1
@@ -228,13 +230,17 @@ def test_rows_hold_slot_token_and_expiry_in_epoch_ms(
     lock = DMutex("orders", backend, clock=clock).acquire("job", ttl=60)
     assert lock is not None
     expires = now_ms(clock) + 12346  # rounded up to a whole millisecond, as on MongoDB
+    # The clock stands still: the first grant takes it, each next one the counter plus one.
+    start = clock_us(clock)
+    assert [p.fence for p in permits if p is not None] == [start, start + 1, start + 2]
+    assert lock.fence == start, "another table, another counter"
     assert dump(raw, "_dsemaphore_orders") == sorted(
         [(f"permit:{p.slot}:api", p.token, expires) for p in permits if p is not None]
-        + [("fence:api", "3", FOREVER)]
+        + [("fence:api", str(start + 2), FOREVER)]
     )
     assert sorted(p.slot for p in permits if p is not None) == [0, 1, 2]
     assert dump(raw, "_dmutex_orders") == [
-        ("fence:job", "1", FOREVER),
+        ("fence:job", str(start), FOREVER),
         ("permit:0:job", lock.token, now_ms(clock) + 60_000),
     ]
 
@@ -422,16 +428,24 @@ def fenced(
 def test_the_fence_row_counts_grants(
     permits: int, backend: SQLiteBackend, clock: ManualClock, raw: sqlite3.Connection
 ) -> None:
+    """Each grant's fence is the larger of the row's count plus one and the clock in
+    microseconds, and the row holds it (ASCII decimal, never expiring)."""
     lock, table = fenced(backend, clock, permits)
     fences: list[int | None] = []
-    for _ in range(3):
+    counter, start = 0, clock_us(clock)  # no row yet
+    # The clock still (the count plus one wins after the first), then a second on (the clock).
+    for step in (0.0, 0.0, 0.0, 1.0, 0.0):
+        clock.advance(step)
         handle = lock.acquire("job", ttl=60)
         assert handle is not None
+        counter = next_fence(counter, clock_us(clock))
+        assert handle.fence == counter
         fences.append(handle.fence)
         assert held_by(raw, table)["fence:job"] == str(handle.fence)
         assert handle.release() is True
-    assert fences == [1, 2, 3]
-    assert dump(raw, table) == [("fence:job", "3", FOREVER)], "released: only the counter stays"
+    assert fences == [start, start + 1, start + 2, start + 1_000_000, start + 1_000_001]
+    released = [("fence:job", str(counter), FOREVER)]
+    assert dump(raw, table) == released, "released: only the counter stays"
 
 
 def test_fencing_false_writes_no_counter_and_leaves_one_alone(
@@ -445,6 +459,7 @@ def test_fencing_false_writes_no_counter_and_leaves_one_alone(
     assert lock.release() is True
     fenced = DMutex("svc", backend, clock=clock).acquire("b", ttl=60)
     assert fenced is not None
+    assert fenced.fence == clock_us(clock), "the first grant: no counter yet, the clock"
     assert fenced.release() is True
     sem = DSemaphore("svc", backend, max_permits=2, fencing=False, clock=clock)
     for key in ("a", "b"):
@@ -452,7 +467,7 @@ def test_fencing_false_writes_no_counter_and_leaves_one_alone(
             assert handle is not None
             assert handle.fence is None
     stored = held_by(raw, "_dmutex_svc")
-    assert (stored.get("fence:a"), stored["fence:b"]) == (None, "1")
+    assert (stored.get("fence:a"), stored["fence:b"]) == (None, str(fenced.fence))
     assert [key for key in held_by(raw, "_dsemaphore_svc") if key.startswith("fence:")] == []
 
 

@@ -11,9 +11,10 @@ What the lock guards is outside SQLite, in plain files of the test's
 directory, so that a lost update or an overlap cannot hide in the store:
 
 - the counter file holds ``count fence worker``: a read-modify-write of it
-  under the lock loses updates unless the lock excludes, the fence written
-  by the previous holder must be lower than the current holder's, and the
-  worker that wrote last tells the next holder whether the lock changed hands;
+  under the lock loses updates unless the lock excludes, the count read is
+  the grant's place in the grant order, the fence written by the previous
+  holder must be lower than the current holder's, and the worker that wrote
+  last tells the next holder whether the lock changed hands;
 - the marker file is created with ``O_EXCL`` on entry and removed on exit:
   finding it there on entry, or gone on exit, is an overlap;
 - the semaphore's gauge is a count of holders kept under ``flock`` (a lock
@@ -22,6 +23,13 @@ directory, so that a lost update or an overlap cannot hide in the store:
 Each cycle first tries one plain ``acquire()``; when that is refused the
 worker counts it and falls back to ``acquire_with_retry()``. In the mutex
 tests even workers use the sync face and odd ones the asyncio face.
+
+Fences (``dmutex._core.fences``) are each the larger of the stored counter
+plus one and the host's clock in microseconds, read in the grant's
+transaction: so each lies between the test's clock readings before the
+workers start and after they end (plus one for each grant that may have
+followed another within a microsecond), and they strictly increase in grant
+order.
 
 Also here: processes that open a new file together; a holder killed by
 SIGKILL keeps its lease until its TTL and leaves the file intact; a file
@@ -57,6 +65,7 @@ from typing import Any, TypeAlias
 import pytest
 
 from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore, SQLiteBackend
+from dmutex._core.fences import next_fence
 from tests._support import processes
 from tests._support.processes import BARRIER_TIMEOUT, DEADLINE
 
@@ -100,7 +109,8 @@ class Report:
     stale: int  # the counter's last fence was not lower than this grant's
     handoffs: int  # cycles whose previous holder was another worker
     failed_releases: int  # release() that returned False
-    fences: tuple[int, ...] = ()  # every grant's fence (mutex tests)
+    fences: tuple[int, ...] = ()  # every grant's fence, in this worker's order
+    places: tuple[int, ...] = ()  # each grant's place in the grant order (mutex tests)
     peak: int = 0  # most holders at once by the gauge (semaphore test)
     slots: tuple[int, ...] = ()  # every slot a permit reported (semaphore test)
 
@@ -117,6 +127,7 @@ class Tally:
     handoffs: int = 0
     failed_releases: int = 0
     fences: list[int] = field(default_factory=list)
+    places: list[int] = field(default_factory=list)
     peak: int = 0
     slots: set[int] = field(default_factory=set)
 
@@ -131,6 +142,7 @@ class Tally:
             self.handoffs,
             self.failed_releases,
             tuple(self.fences),
+            tuple(self.places),
             self.peak,
             tuple(sorted(self.slots)),
         )
@@ -159,7 +171,8 @@ def _leave(marker: str) -> bool:
 
 
 def _counter_cycle(folder: str, worker: int, fence: int | None, tally: Tally) -> None:
-    """Under the lock: note its fence, enter, read-modify-write the counter file, leave."""
+    """Under the lock: note its fence, enter, read-modify-write the counter file (its count
+    is the grant's place in the order), leave."""
     assert fence is not None, "SQLite keeps a fence by default"
     tally.fences.append(fence)
     marker = os.path.join(folder, "inside")
@@ -169,6 +182,7 @@ def _counter_cycle(folder: str, worker: int, fence: int | None, tally: Tally) ->
         counter.seek(0)
         counter.write(f"{count + 1} {fence} {worker}\n")
         counter.truncate()
+    tally.places.append(count)
     if last_fence >= fence:
         tally.stale += 1
     if last_worker not in (-1, worker):
@@ -299,6 +313,8 @@ def semaphore_gauge_worker(
     """``cycles`` times: take a permit, count in and out of the gauge, release; odd: asyncio."""
 
     def work(tally: Tally, permit: Any) -> None:
+        assert permit.fence is not None, "SQLite keeps a fence by default"
+        tally.fences.append(permit.fence)
         _permit_cycle(folder, permit.slot, tally)
 
     _cycles(worker, reports, barrier, folder, cycles, permits, work)
@@ -383,21 +399,45 @@ def integrity(path: Path) -> list[str]:
         return [str(line) for (line,) in conn.execute("PRAGMA integrity_check").fetchall()]
 
 
+def now_us() -> int:
+    """The host's clock in whole microseconds, as SQLiteBackend reads it for a fence."""
+    return int(time.time() * 1_000_000)
+
+
+def _check_fences(fences: list[int], table: str, path: Path, started: int, finished: int) -> None:
+    """Every grant its own fence, all taken between the clock readings ``started`` and
+    ``finished`` (one more microsecond at most for each grant), and the stored counter
+    the largest of them."""
+    assert len(set(fences)) == len(fences), "two grants had one fence"
+    assert started <= min(fences)
+    assert max(fences) <= finished + len(fences)
+    assert rows(path, table).get(f"fence:{KEY}") == (str(max(fences)), 2**63 - 1)
+
+
 def _check_counter(
-    reports: list[Report], folder: Path, path: Path, workers: int, cycles: int
+    reports: list[Report],
+    folder: Path,
+    path: Path,
+    workers: int,
+    cycles: int,
+    clock: tuple[int, int],
 ) -> None:
-    """No lost update, no overlap, fences 1..N each granted once, nothing left held."""
+    """No lost update, no overlap, one fence per grant strictly increasing in grant order,
+    nothing left held. ``clock``: the host's, in microseconds, before and after the run."""
     processes.check_cycles(reports, workers, cycles)
     assert sum(r.overlaps for r in reports) == 0, "two holders were inside at once"
     count, last_fence, _ = _read_counter(folder)
     # Read-modify-write of a plain file loses updates unless the lock excludes.
     assert count == workers * cycles
     assert sum(r.stale for r in reports) == 0, "a holder followed one with a higher fence"
-    fences = sorted(f for r in reports for f in r.fences)
-    assert fences == list(range(1, workers * cycles + 1)), "each grant has its own fence"
-    assert last_fence == workers * cycles
-    table = rows(path, MUTEX_TABLE)
-    assert table.get(f"fence:{KEY}") == (str(workers * cycles), 2**63 - 1)
+    grants = sorted(
+        (place, fence) for r in reports for place, fence in zip(r.places, r.fences, strict=True)
+    )
+    assert [place for place, _ in grants] == list(range(workers * cycles)), "one place each"
+    fences = [fence for _, fence in grants]
+    assert fences == sorted(set(fences)), "fences did not strictly increase in grant order"
+    assert last_fence == fences[-1], "the last holder's fence is the largest"
+    _check_fences(fences, MUTEX_TABLE, path, *clock)
     assert active_permits(path, MUTEX_TABLE) == {}, "the lock outlived its last release"
     assert integrity(path) == ["ok"]
 
@@ -420,10 +460,10 @@ def _print_figures(name: str, started: float, reports: list[Report]) -> None:
 def test_mutex_serializes_read_modify_write_across_8_processes(tmp_path: Path) -> None:
     """8 processes x 1000 cycles on one key, half sync and half asyncio: no lost update."""
     path = _make_shared_files(tmp_path)
-    started = time.monotonic()
+    started, clock = time.monotonic(), now_us()
     reports = run_workers(mutex_counter_worker, PROCESSES, str(tmp_path), CYCLES)
     _print_figures("mutex counter", started, reports)
-    _check_counter(reports, tmp_path, path, PROCESSES, CYCLES)
+    _check_counter(reports, tmp_path, path, PROCESSES, CYCLES, (clock, now_us()))
     assert sum(r.refused for r in reports) > 0, "the workers never contended"
     assert sum(r.handoffs for r in reports) > 0, "the lock never changed hands"
 
@@ -431,10 +471,11 @@ def test_mutex_serializes_read_modify_write_across_8_processes(tmp_path: Path) -
 def test_semaphore_bounds_concurrency_across_processes(tmp_path: Path) -> None:
     """6 processes on a semaphore of 3 permits: never more than 3 inside, never 2 in a slot."""
     path = _make_shared_files(tmp_path)
-    started = time.monotonic()
+    started, clock = time.monotonic(), now_us()
     reports = run_workers(
         semaphore_gauge_worker, SEM_PROCESSES, str(tmp_path), SEM_CYCLES, SEM_PERMITS
     )
+    finished = now_us()
     _print_figures("semaphore gauge", started, reports)
     processes.check_cycles(reports, SEM_PROCESSES, SEM_CYCLES)
     assert sum(r.overlaps for r in reports) == 0, "two holders were in one slot at once"
@@ -445,8 +486,13 @@ def test_semaphore_bounds_concurrency_across_processes(tmp_path: Path) -> None:
     assert {s for r in reports for s in r.slots} == set(range(SEM_PERMITS))
     assert (tmp_path / "gauge").read_text().split() == ["0"]
     assert active_permits(path, SEMAPHORE_TABLE) == {}, "permits outlived their last release"
-    fence = rows(path, SEMAPHORE_TABLE)[f"fence:{KEY}"]
-    assert fence == (str(SEM_PROCESSES * SEM_CYCLES), 2**63 - 1), "one fence per grant"
+    # One fence per grant; each worker's grants came one after another, so its own
+    # fences strictly increase (the order across workers holding at once is not known).
+    for report in reports:
+        assert list(report.fences) == sorted(set(report.fences)), f"worker {report.worker}"
+    fences = [fence for r in reports for fence in r.fences]
+    assert len(fences) == SEM_PROCESSES * SEM_CYCLES
+    _check_fences(fences, SEMAPHORE_TABLE, path, clock, finished)
     assert integrity(path) == ["ok"]
 
 
@@ -484,12 +530,14 @@ def test_a_killed_holder_keeps_its_lease_until_its_ttl_and_the_file_stays_intact
     tmp_path: Path,
 ) -> None:
     """SIGKILL mid-lease (and mid-write): the row stays and blocks until its expiry; then
-    another process takes the key with the next fence; integrity_check says ok."""
+    another process takes the key with a higher fence; integrity_check says ok."""
     path = _make_shared_files(tmp_path)
+    spawning = now_us()
     with processes.spawned(killed_holder, str(tmp_path), KILL_TTL, who="the child") as child:
         acquired = child.report("acquired", BARRIER_TIMEOUT)
         assert isinstance(acquired, tuple)
         token, fence, expires = acquired
+        assert spawning <= fence <= now_us(), "a new file's first grant: the clock"
         child.report("busy", STEP_TIMEOUT)
         child.kill(STEP_TIMEOUT)
 
@@ -504,9 +552,11 @@ def test_a_killed_holder_keeps_its_lease_until_its_ttl_and_the_file_stays_intact
         deadline = time.monotonic() + KILL_TTL + STEP_TIMEOUT
         while taken is None:
             assert time.monotonic() < deadline, "the dead holder's lease never became free"
+            before_us = now_us()
             before = round(time.time() * 1000)
             taken = mutex.acquire(KEY, ttl=TTL)
             after = round(time.time() * 1000)
+            after_us = now_us()
             if taken is None:
                 # The store's now is at least ``before``: a refusal then means not yet expired.
                 assert before < expires, f"refused {before - expires} ms after the expiry"
@@ -515,8 +565,10 @@ def test_a_killed_holder_keeps_its_lease_until_its_ttl_and_the_file_stays_intact
             else:
                 assert after >= expires, f"granted {expires - after} ms before the expiry"
         assert refused_before_expiry > 0, "no attempt landed before the expiry: raise KILL_TTL"
-        assert taken.fence == fence + 1
+        assert taken.fence is not None
+        assert next_fence(fence, before_us) <= taken.fence <= next_fence(fence, after_us)
         assert rows(path, MUTEX_TABLE)[f"permit:0:{KEY}"][0] == taken.token
+        assert rows(path, MUTEX_TABLE)[f"fence:{KEY}"] == (str(taken.fence), 2**63 - 1)
         assert taken.release()
         # The key the child was writing when it died works too.
         busy = DSemaphore(SERVICE, backend, max_permits=2)
@@ -558,7 +610,7 @@ def test_root_and_nobody_exclude_each_other_on_a_shared_file(shared_folder: Path
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
     os.close(fd)
     os.chmod(path, 0o666)  # whatever the umask
-    started = time.monotonic()
+    started, clock = time.monotonic(), now_us()
     reports = run_workers(
         shared_file_worker,
         2,
@@ -567,9 +619,10 @@ def test_root_and_nobody_exclude_each_other_on_a_shared_file(shared_folder: Path
         nobody.pw_uid,
         nobody.pw_gid,
     )
+    finished = now_us()
     _print_figures("root and nobody", started, reports)
     assert [r.uid for r in reports] == [nobody.pw_uid, 0]
-    _check_counter(reports, shared_folder, path, 2, SHARED_CYCLES)
+    _check_counter(reports, shared_folder, path, 2, SHARED_CYCLES, (clock, finished))
     # A, B, A: both held the lock while the other still had cycles to run.
     assert sum(r.handoffs for r in reports) >= 2, "the two users never contended"
 
@@ -792,16 +845,26 @@ def test_a_forked_child_can_use_the_backend_object_of_its_parent(tmp_path: Path)
     of its own: the parent's lease excludes it, its grants and releases work, and the
     parent's connection works on after."""
     path = _make_shared_files(tmp_path)
+    started = now_us()
     (seen,) = processes.run_workers(
         fork_worker, 1, str(tmp_path), deadline=DEADLINE, report=ForkReport
     )
-    assert seen.child == {
-        "held elsewhere": True,
-        "sync fence": 1,
-        "sync release": True,
-        "async fence": 1,
-        "async release": True,
-    }
-    assert seen.parent == {"parent release": True, "parent fence": 2}
+    finished = now_us()
+    child, parent = dict(seen.child), dict(seen.parent)
+    sync, async_ = child.pop("sync fence"), child.pop("async fence")
+    again = parent.pop("parent fence")
+    assert child == {"held elsewhere": True, "sync release": True, "async release": True}
+    assert parent == {"parent release": True}
+    assert isinstance(sync, int)
+    assert isinstance(async_, int)
+    assert isinstance(again, int)
+    # Each key's first grant takes the clock; the parent's later grant of the child's key
+    # is above the child's.
+    assert started <= sync <= finished
+    assert started <= async_ <= finished
+    assert sync < again <= next_fence(sync, finished)
+    table = rows(path, MUTEX_TABLE)
+    assert table["fence:child"] == (str(again), 2**63 - 1)
+    assert table["fence:child-async"] == (str(async_), 2**63 - 1)
     assert active_permits(path, MUTEX_TABLE) == {}
     assert integrity(path) == ["ok"]
