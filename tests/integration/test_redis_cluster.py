@@ -383,11 +383,12 @@ def test_tagged_semaphore_takes_one_request_per_operation(
     assert fences == sorted(set(fences)), f"not strictly increasing: {fences}"
     assert before - US_PER_S <= fences[0]
     assert fences[-1] <= after + US_PER_S
-    # So does the holders index, which answered the full acquire.
+    # So does the holders index, which answered the full acquire (checked
+    # against the slot keys then: its stamp, dmutex:checked).
     holders = "_dsemaphore_svc:holders:{orders}"
 
     def index(*tokens: str) -> str:
-        return " ".join(sorted(["dmutex:holders", *tokens]))
+        return " ".join(sorted(["dmutex:checked", "dmutex:holders", *tokens]))
 
     assert cluster.values() == {
         **{keys[p.slot]: p.token for p in permits},

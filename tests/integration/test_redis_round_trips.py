@@ -39,18 +39,19 @@ SCRIPT_REQUESTS = ("evalsha", "eval")
 COMPARE_INSIDE = {"get", "mget", "del", "pexpire"}
 # What a semaphore's scripts run on its holders index: ZSCORE (its mark, a
 # token), ZCOUNT (the active holders), the server's TIME, and the writes.
-INDEX = {"zscore", "zcount", "time", "zremrangebyscore", "zadd", "zrange", "pexpireat", "zrem"}
+INDEX = {"zscore", "zcount", "time", "zremrangebyscore", "zadd", "zrevrangebyscore", "pexpireat"}
+INDEX |= {"zrem", "zrangebyscore"}  # the check of a full index against the slot keys
 INDEX |= {"exists"}  # of an index that is not there yet
 
 
 def without_index_ttl(server: dict[str, int]) -> dict[str, int]:
-    """``server`` less the index's expiry: its latest lease read (ZRANGE), then PEXPIREAT.
+    """``server`` less the index's expiry: its latest lease read (ZREVRANGEBYSCORE), PEXPIREAT.
 
     The index is deleted instead when the last lease leaves it (one more DEL).
     """
-    assert server.get("zrange") == 1
+    assert server.get("zrevrangebyscore") == 1
     assert server.get("pexpireat", 0) + server.get("del", 0) >= 1
-    return {name: n for name, n in server.items() if name not in ("zrange", "pexpireat")}
+    return {name: n for name, n in server.items() if name not in ("zrevrangebyscore", "pexpireat")}
 
 
 # (kind, max_permits): one permit is a one-key script, more read every slot
@@ -258,9 +259,9 @@ def test_acquire_is_one_request_free_and_full(rig: Rig, kind: str, permits: int)
         else:
             # One MGET read every slot; one SET NX took the first free one;
             # the holders index (made by the first grant) records the token,
-            # scored by a TIME of its own.
+            # scored by the same TIME.
             index = {"zscore": 1, "exists": 1} if slot == 0 else {"zscore": 1, "zcount": 1}
-            grant = {"evalsha": 1, "get": 1, "mget": 1, "set": 2, "time": 2}
+            grant = {"evalsha": 1, "get": 1, "mget": 1, "set": 2, "time": 1}
             assert without_index_ttl(seen.server) == {
                 **grant,
                 **index,
@@ -272,12 +273,21 @@ def test_acquire_is_one_request_free_and_full(rig: Rig, kind: str, permits: int)
     assert refused is None, "all permits are held"
     assert seen.requests == ["EVALSHA"]
     assert seen.server_requests == 1
-    # A mutex's SET NX fails, then GET shows another token. A full
-    # semaphore's index counts every permit held: no slot key is read, and
-    # nothing is written (the counter is only read).
-    full = {"evalsha": 1, "get": 1, "zscore": 2, "time": 1, "zcount": 1}
-    expected = {"evalsha": 1, "set": 1, "get": 2} if permits == 1 else full
-    assert seen.server == expected, f"a full semaphore of {permits} answered by its index"
+    if permits == 1:
+        # A mutex's SET NX fails, then GET shows another token.
+        assert seen.server == {"evalsha": 1, "set": 1, "get": 2}
+        return
+    # The first time the index says full, it is checked against the slot keys
+    # (one GET each, its active members read), stamped, and its expiry settled.
+    check = {"evalsha": 1, "get": 1 + permits, "zscore": 3, "time": 1, "zcount": 2}
+    check |= {"zrangebyscore": 1, "zadd": 1}
+    assert without_index_ttl(seen.server) == check, "the index checked once"
+    # Within CHECK_MS of that, the index answers alone: no slot key is read,
+    # and nothing is written (the counter is only read).
+    refused, seen = rig.measure(client, lambda: lock.acquire("k"))
+    assert refused is None
+    fresh = {"evalsha": 1, "get": 1, "zscore": 3, "time": 1, "zcount": 1}
+    assert seen.server == fresh, f"a full semaphore of {permits} answered by its index"
 
 
 @pytest.mark.parametrize(("kind", "permits"), SHAPES, ids=SHAPE_IDS)
@@ -443,7 +453,7 @@ def test_set_eval_path_is_one_call_per_operation(rig: Rig, kind: str, permits: i
             took["mget"] = 1
             index = {"zscore": 1, "exists": 1} if slot == 0 else {"zscore": 1, "zcount": 1}
             # The index's TIME is a second one.
-            took |= {**index, "time": 2, "zremrangebyscore": 1, "zadd": 1}
+            took |= {**index, "zremrangebyscore": 1, "zadd": 1}
             assert without_index_ttl(seen.server) == took
         else:
             assert seen.server == took

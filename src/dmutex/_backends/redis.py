@@ -192,6 +192,16 @@ _ACQUIRE = (
     + """\
 local token, ttl, records, waiter = ARGV[1], ARGV[2], ARGV[3] or '-', ARGV[4]
 local WAITERS, SIGNAL = 'dmutex:waiters', 'dmutex:signal'
+-- The server's clock, read once (TIME) if at all: microseconds, milliseconds.
+local micros
+local function clock_us()
+  if not micros then
+    local t = redis.call('TIME')
+    micros = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  end
+  return micros
+end
+local function clock_ms() return math.floor(clock_us() / 1000) end
 local n, counter, holders, fence, waiters, signal = #KEYS, nil, nil, 0, nil, nil
 if waiter then
   waiters, signal, n = KEYS[#KEYS - 1], KEYS[#KEYS], #KEYS - 2
@@ -220,7 +230,7 @@ end
 local H = holders and index_helpers()
 local slot, taken, full, index, now = -1, false, false, H and H.state(holders), nil
 if index == 1 then
-  now = H.now_ms()
+  now = clock_ms()
   -- Full by the index, unless a copy of this request took the last permit.
   -- Not full: the slot keys' MGET below finds such a copy's grant.
   if redis.call('ZCOUNT', holders, H.from(now), '(+inf') >= n then
@@ -258,13 +268,12 @@ if slot >= 0 then
   if counter then
     -- dmutex._core.fences, rule 1: above the counter, and at least the
     -- server's clock in microseconds, so a lost counter restarts above it.
-    local clock = redis.call('TIME')
-    fence = math.max(fence + 1, tonumber(clock[1]) * 1000000 + tonumber(clock[2]))
+    fence = math.max(fence + 1, clock_us())
     redis.call('SET', counter, string.format('dmutex:fence:%d', fence))
   end
   -- index is 0 (absent: create it) or 1 here; false leaves another's record alone.
   if taken and index then
-    now = now or H.now_ms()
+    now = now or clock_ms()
     redis.call('ZREMRANGEBYSCORE', holders, '0', '(' .. H.from(now))
     H.note(holders, token, slot, ttl, true, now)
   end
@@ -279,8 +288,7 @@ if theirs then
   return redis.error_reply('DMUTEX ' .. theirs .. ' holds a value dmutex did not write')
 end
 if window > 0 then
-  local clock = redis.call('TIME')
-  local t = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+  local t = clock_ms()
   redis.call('ZREMRANGEBYSCORE', waiters, '-inf', string.format('(%d', t))
   redis.call('ZADD', waiters, '+inf', WAITERS, string.format('%d', t + window), waiter)
   if redis.call('PTTL', waiters) < window then redis.call('PEXPIRE', waiters, window) end
