@@ -560,3 +560,10 @@ class FaultProxy:
                 self._selector.unregister(sock)
             with contextlib.suppress(OSError):
                 sock.close()
+
+
+def upstream_address(url: str) -> tuple[str, int]:
+    """``(host, port)`` of a ``mongodb://host:port/...`` URL: what a proxy forwards to."""
+    netloc = url.removeprefix("mongodb://").split("/", 1)[0].rsplit("@", 1)[-1]
+    host, _, port = netloc.rpartition(":")
+    return host, int(port)

@@ -85,7 +85,7 @@ from dmutex import (
 )
 from tests._support import deadlines
 from tests._support.deadlines import Trial
-from tests._support.fault_proxy import FaultProxy, Rates
+from tests._support.fault_proxy import FaultProxy, Rates, upstream_address
 from tests._support.mongo_servers import Doc, Session
 from tests._support.mongo_servers import Server as MongoServer
 from tests._support.redis_servers import Pool
@@ -190,12 +190,26 @@ class Rig:
         """Close the sync clients (after :meth:`end_fault`)."""
 
 
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
 class ProxiedRig(Rig):
     """A server reached through one blackholing proxy per trial."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
         self.proxies: dict[int, FaultProxy] = {}
+        self.sync_clients: list[Closable] = []
+        self.sync_locks: dict[int, DMutex] = {}
+        self.async_locks: dict[int, AsyncDMutex] = {}
+        self.sync_direct: DMutex | None = None
+        self.async_direct: AsyncDMutex | None = None
+
+    def close(self) -> None:
+        clients, self.sync_clients = self.sync_clients, []
+        for client in clients:
+            client.close()
 
     def proxy(self, index: int) -> FaultProxy:
         if index not in self.proxies:
@@ -226,12 +240,7 @@ class RedisRig(ProxiedRig):
     def __init__(self, server: RedisServer) -> None:
         super().__init__((server.host, server.port))
         self.server = server
-        self.sync_clients: list[redis.Redis] = []
         self.async_clients: list[redis.asyncio.Redis] = []
-        self.sync_locks: dict[int, DMutex] = {}
-        self.async_locks: dict[int, AsyncDMutex] = {}
-        self.sync_direct: DMutex | None = None
-        self.async_direct: AsyncDMutex | None = None
 
     def sync_lock(self, index: int) -> DMutex:
         if index not in self.sync_locks:
@@ -282,18 +291,6 @@ class RedisRig(ProxiedRig):
         for client in clients:
             await client.aclose()
 
-    def close(self) -> None:
-        clients, self.sync_clients = self.sync_clients, []
-        for client in clients:
-            client.close()
-
-
-def upstream_address(url: str) -> tuple[str, int]:
-    """``(host, port)`` of a ``mongodb://host:port/...`` URL."""
-    netloc = url.removeprefix("mongodb://").split("/", 1)[0].rsplit("@", 1)[-1]
-    host, _, port = netloc.rpartition(":")
-    return host, int(port)
-
 
 class MongoRig(ProxiedRig):
     name = "mongo"
@@ -301,12 +298,7 @@ class MongoRig(ProxiedRig):
     def __init__(self, server: MongoServer) -> None:
         super().__init__(upstream_address(server.url))
         self.server = server
-        self.sync_clients: list[pymongo.MongoClient[Doc]] = []
         self.async_clients: list[pymongo.AsyncMongoClient[Doc]] = []
-        self.sync_locks: dict[int, DMutex] = {}
-        self.async_locks: dict[int, AsyncDMutex] = {}
-        self.sync_direct: DMutex | None = None
-        self.async_direct: AsyncDMutex | None = None
 
     def through(self, index: int) -> str:
         proxy = self.proxy(index)
@@ -349,11 +341,6 @@ class MongoRig(ProxiedRig):
         clients, self.async_clients = self.async_clients, []
         for client in clients:
             await client.close()
-
-    def close(self) -> None:
-        clients, self.sync_clients = self.sync_clients, []
-        for client in clients:
-            client.close()
 
 
 # The blocker: takes the write lock of each file (BEGIN IMMEDIATE), printing

@@ -94,7 +94,7 @@ from dmutex import (
     DSemaphore,
     DSemaphorePermit,
 )
-from tests._support.fault_proxy import Fault, FaultProxy, Rates
+from tests._support.fault_proxy import Fault, FaultProxy, Rates, upstream_address
 from tests._support.mongo_servers import Doc, Session
 from tests._support.redis_servers import Pool, Server
 from tests._support.sampling import sampling as sampling_thread
@@ -999,10 +999,3 @@ def test_mongo_sync_through_faults(mongo_session: Session, kind: Kind) -> None:
         finally:
             for client in clients:
                 client.close()
-
-
-def upstream_address(url: str) -> tuple[str, int]:
-    """``(host, port)`` of a ``mongodb://host:port/...`` URL."""
-    netloc = url.removeprefix("mongodb://").split("/", 1)[0].rsplit("@", 1)[-1]
-    host, _, port = netloc.rpartition(":")
-    return host, int(port)

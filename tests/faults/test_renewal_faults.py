@@ -108,7 +108,7 @@ from dmutex import (
 from dmutex._backends import redis as redis_backend
 from dmutex._backends.redis import EXTEND
 from tests._support import processes
-from tests._support.fault_proxy import Fault, FaultProxy, Rates
+from tests._support.fault_proxy import Fault, FaultProxy, Rates, upstream_address
 from tests._support.mongo_servers import Session
 from tests._support.redis_servers import Pool, Server
 from tests._support.sampling import sampling as sampling_thread
@@ -993,13 +993,6 @@ def test_redis_async_renewal_through_faults(redis_target_server: Server) -> None
 def is_handshake(chunk: bytes) -> bool:
     """Whether ``chunk`` carries ``hello`` / ``isMaster`` (spared: see test_proxy.py)."""
     return b"hello\x00" in chunk or b"ismaster\x00" in chunk.lower()
-
-
-def upstream_address(url: str) -> tuple[str, int]:
-    """``(host, port)`` of a ``mongodb://host:port/...`` URL."""
-    netloc = url.removeprefix("mongodb://").split("/", 1)[0].rsplit("@", 1)[-1]
-    host, _, port = netloc.rpartition(":")
-    return host, int(port)
 
 
 def test_mongo_sync_renewal_through_faults(

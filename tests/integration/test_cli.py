@@ -12,6 +12,7 @@ asked-for time, well under the run timeout), never tightly.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -563,3 +564,25 @@ def test_mongodb_interoperates_with_the_library_and_fences_its_grants(
         assert DMutex(service, client, db_name=server.db_name).acquire(KEY, 1) is not None
     finally:
         client.close()
+
+
+def test_status_never_exits_1_for_an_error_it_does_not_know(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """1 means "free": a bug inside status exits 70 with its traceback instead."""
+    from dmutex._cli import main
+
+    # The module, not the function of the same name that dmutex._cli exports.
+    status_module = importlib.import_module("dmutex._cli.status")
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(status_module, "read_holders", broken)
+    path = tmp_path / "locks.sqlite3"
+    SQLiteBackend(path).close()
+    assert main(["status", "--backend", f"sqlite://{path}", KEY]) == 70
+    err = capsys.readouterr().err
+    assert "RuntimeError: a bug" in err
+    assert "status failed unexpectedly" in err
+    assert main(["status", "--backend", "redis://127.0.0.1:99999/", KEY]) == 64, "known: usage"

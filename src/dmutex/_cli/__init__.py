@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 from .args import RunArgs, parse
-from .errors import Failure
+from .errors import BROKEN, Failure
 from .run import run
 from .status import status
 
@@ -59,7 +60,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parsed = parse(arguments, env)
         if isinstance(parsed, RunArgs):
             return run(parsed, env, sys.stderr)
-        return status(parsed, env, sys.stdout)
+        try:
+            return status(parsed, env, sys.stdout)
+        except Failure:
+            raise
+        except Exception:  # noqa: BLE001 - a bug: status 1 means "free", never this
+            traceback.print_exc()
+            sys.stderr.write("dmutex: status failed unexpectedly (a bug; the traceback is above)\n")
+            return BROKEN
     except Failure as failure:
         if failure.message:
             sys.stderr.write(f"dmutex: {failure.message}\n")

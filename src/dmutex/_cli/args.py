@@ -64,7 +64,8 @@ examples:
 
 _STATUS_EPILOG = """\
 exit status: 0 if any permit of KEY is held, 1 if it is free, 64 usage error,
-69 the backend cannot be reached.
+69 the backend cannot be reached, 70 an error dmutex does not know (a bug: the
+traceback is printed). 1 never means anything but free.
 
 examples:
   dmutex status nightly-backup

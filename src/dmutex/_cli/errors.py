@@ -7,6 +7,7 @@ script can tell "held" from "broken" from "the command failed".
 from __future__ import annotations
 
 __all__ = [
+    "BROKEN",
     "CONFLICT",
     "FREE",
     "LOST",
@@ -24,6 +25,7 @@ FREE = 1  # dmutex status: nobody holds the key
 USAGE = 64  # EX_USAGE: bad arguments or a bad backend URL
 UNAVAILABLE = 69  # EX_UNAVAILABLE: the backend cannot be reached or used
 LOST = 70  # EX_SOFTWARE: the lease was lost while the command ran
+BROKEN = 70  # EX_SOFTWARE: dmutex status failed in a way it does not know (a bug)
 CONFLICT = 75  # EX_TEMPFAIL: the lock was held (or the wait ran out); -E changes it
 NOT_EXECUTABLE = 126  # the shell's "found but cannot execute"
 NOT_FOUND = 127  # the shell's "command not found"
