@@ -82,6 +82,8 @@ def test_intervals_are_a_third_of_the_ttl_less_up_to_a_tenth() -> None:
     assert max(drawn) - min(drawn) > 0.05, "jittered, not one fixed value"
     assert renewal.margin_ms(3_000) == 300
     assert renewal.margin_ms(600_000) == 2_000, "at most two seconds"
+    assert renewal.margin_ms(1_000) == 200, "at least 0.2 s"
+    assert renewal.margin_ms(500) == 125, "but never more than a quarter of the TTL"
 
 
 def test_one_renewal_per_interval(clock: ManualClock) -> None:

@@ -22,7 +22,7 @@ from tests._support.faces import Face, Handle, Kind
 # A 3 s lease is renewed every 0.9-1.0 s; the tests step the clock by a quarter second.
 TTL = 3.0
 STEP = 0.25
-MARGIN = TTL / 10  # renewal.margin_ms: a tenth of the TTL, at most 2 s
+MARGIN = TTL / 10  # renewal.margin_ms of a 3 s TTL: its tenth
 # A real server's clock (Redis TIME, MongoDB $$NOW) against this host's: same host.
 CLOCK_SLACK_US = US_PER_S
 

@@ -32,8 +32,9 @@ moment each loss is reported, inside the ``on_lost`` callback. What must hold:
 - **no loss reported while the lease had life left**: at the moment of the
   loss, either the last renewal was refused (and the server does not hold
   the token), or the last renewals raised and the estimate was at most the
-  margin (``min(ttl / 10, 2 s)``) away; the last request before a loss is
-  never an acknowledged renewal; a failed renewal is not retried past the
+  margin (a tenth of the TTL, at least 0.2 s but at most a quarter of it,
+  at most 2 s) away; the last request before a loss is never an
+  acknowledged renewal; a failed renewal is not retried past the
   estimate less the margin; and the server's remaining life of the token at
   the loss is at most the margin plus 50 ms (the time from reading the clock
   to the server applying an extend), unless a renewal whose answer was lost
@@ -176,8 +177,13 @@ def epoch_ms(moment: datetime) -> int:
 
 
 def margin_ms(ttl_ms: int) -> int:
-    """How long before its expiry estimate an unrenewable lease is given up (the issue's rule)."""
-    return min(ttl_ms // 10, 2_000)
+    """How long before its expiry estimate an unrenewable lease is given up (the README's rule).
+
+    A tenth of the TTL, at least 0.2 s but at most a quarter of the TTL, and
+    at most 2 s; written out here, not imported, so that the oracle is not the
+    code it checks.
+    """
+    return min(max(ttl_ms // 10, 200), ttl_ms // 4, 2_000)
 
 
 # --- what dmutex sent --------------------------------------------------------------------------

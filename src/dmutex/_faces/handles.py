@@ -100,7 +100,8 @@ class HandleBase(Generic[D]):
 
         The deadline is the send time of the last grant, renewal or extend
         that was answered, plus the TTL it set, less a margin (a tenth of
-        the TTL, at most 2 s). Until then no other holder can be granted
+        the TTL, at least 0.2 s but at most a quarter of it, and at most
+        2 s: ``renewal.margin_ms``). Until then no other holder can be granted
         this permit, whatever the network does, as long as the clocks keep
         the rate assumptions of the README's "Guarantees". 0.0 once lost or
         released. Use it to bound work that cannot check :attr:`lost`.
