@@ -21,6 +21,11 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import pytest
+import redis
+
+from tests._support.redis_servers import Pool, Server
+
 REPORTED_PROBLEMS = 20  # problems listed in a failure message, at most
 
 
@@ -171,3 +176,17 @@ def summary_line() -> str | None:
     if not margins:
         return None
     return "deadline margins: " + ", ".join(m.text() for m in margins)
+
+
+WANTED_REDIS = "redis-7.0"  # one server version; the newest found if there is no 7.0
+
+
+def redis_target(pool: Pool) -> Server:
+    """The Redis server of the deadline suites: 7.0 if there is one, else the newest, emptied."""
+    labels = pool.labels
+    if not labels:
+        pytest.skip(pool.discovery.reason)
+    server = pool.server(WANTED_REDIS if WANTED_REDIS in labels else labels[-1])
+    with redis.Redis.from_url(server.url) as client:
+        client.flushdb()
+    return server

@@ -64,7 +64,6 @@ from tests._support.sampling import until
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="dmutex run is POSIX only")
 
-WANTED_REDIS = "redis-7.0"  # one server version; the newest found if there is no 7.0
 SEED = 20240611  # the proxies inject no random fault: the seed only fills the argument
 TRIALS = {2.0: 20, 5.0: 20}  # --ttl -> trials run at once (80 processes at the peak: fine here)
 STAMP_EVERY = 0.02
@@ -140,19 +139,9 @@ class Stamps:
         return next((moment for what, moment in self.lines if what == "term"), None)
 
 
-def redis_target(pool: Pool) -> Server:
-    labels = pool.labels
-    if not labels:
-        pytest.skip(pool.discovery.reason)
-    server = pool.server(WANTED_REDIS if WANTED_REDIS in labels else labels[-1])
-    with redis.Redis.from_url(server.url) as client:
-        client.flushdb()
-    return server
-
-
 @pytest.fixture
 def cli_server(redis_pool: Pool) -> Server:
-    return redis_target(redis_pool)
+    return deadlines.redis_target(redis_pool)
 
 
 def url_through(server: Server, proxy: FaultProxy) -> str:

@@ -98,7 +98,6 @@ BackendName: TypeAlias = Literal["redis", "mongo", "sqlite"]
 Kind: TypeAlias = Literal["acquire", "run"]
 
 SERVICE = "deadlines"
-WANTED_REDIS = "redis-7.0"  # one server version; the newest found if there is no 7.0
 SEED = 20240611  # the proxies inject no random fault: the seed only fills the argument
 
 TRIALS = 20
@@ -453,24 +452,13 @@ class SQLiteRig(Rig):
             backend.close()
 
 
-def redis_target(pool: Pool) -> RedisServer:
-    """The Redis server of these tests: 7.0 if there is one, else the newest found."""
-    labels = pool.labels
-    if not labels:
-        pytest.skip(pool.discovery.reason)
-    server = pool.server(WANTED_REDIS if WANTED_REDIS in labels else labels[-1])
-    with redis.Redis.from_url(server.url) as client:
-        client.flushdb()
-    return server
-
-
 @pytest.fixture
 def rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Rig]:
     """The backend of ``request.param``; its fault ended and its clients closed after."""
     name: BackendName = request.param
     found: Rig
     if name == "redis":
-        found = RedisRig(redis_target(request.getfixturevalue("redis_pool")))
+        found = RedisRig(deadlines.redis_target(request.getfixturevalue("redis_pool")))
     elif name == "mongo":
         session: Session = request.getfixturevalue("mongo_session")
         found = MongoRig(session.fresh())
@@ -781,7 +769,7 @@ def healthy_checks(
 
 @pytest.fixture
 def redis_healthy_server(redis_pool: Pool) -> RedisServer:
-    return redis_target(redis_pool)
+    return deadlines.redis_target(redis_pool)
 
 
 def test_sync_leases_of_a_healthy_client_renew_on_time_while_another_client_hangs(
