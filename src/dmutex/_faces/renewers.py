@@ -176,23 +176,19 @@ class _Timeline(Generic[Tended]):
         return not self.renewals and not self.watches and not self.flights
 
     def _settle_watches(self) -> None:
-        """Bring the first watch up to date, so that the timekeeper wakes only for a deadline.
+        """Drop the dead watches at the front: of ended leases, collected handles, or left behind.
 
-        A watch whose lease was renewed meanwhile moves to the new deadline
-        here, while the timekeeper is awake anyway, rather than waking it at
-        the old one; watches of ended leases, and left behind, are dropped.
+        Only leases that are not renewed are watched here (rule 5), and their
+        deadline moves only by an extend through the handle, which watches
+        anew: a live watch at the front is due at its lease's deadline.
         """
         heap = self.watches
         while heap:
-            due, ticket, ref = heap[0]
+            _, ticket, ref = heap[0]
             handle = ref()
-            if handle is None or handle._over or handle._watch_ticket != ticket:
-                heapq.heappop(heap)
-                continue
-            deadline = handle._deadline
-            if deadline <= due:
+            if handle is not None and not handle._over and handle._watch_ticket == ticket:
                 return
-            heapq.heapreplace(heap, (deadline, ticket, ref))
+            heapq.heappop(heap)
 
     def pop_due(self) -> list[list[Tended]]:
         """The renewals whose turn has come, removed, in groups of one engine each.
