@@ -1,0 +1,196 @@
+"""The README and the documentation site say what the code does.
+
+Every Python example of README.md and docs/ runs as written and does what the
+text around it says; every public name has an entry in the API reference; the
+files the pages name exist; the design page's module tree is the source tree;
+the quick start's commands are the ones CI runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import inspect
+import re
+from pathlib import Path
+from typing import Any
+
+import mongomock
+import pytest
+import redis
+
+import dmutex
+from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
+
+ROOT = Path(__file__).parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+PAGES = [README, *sorted(DOCS.rglob("*.md"))]
+TEXTS = {page: page.read_text() for page in PAGES}
+
+# A Python example is a fence of its own, at the start of a line (not indented
+# in a list or an admonition, where it could not run as pasted).
+FENCE = re.compile(r"^```python\n(.*?)^```$", flags=re.DOTALL | re.MULTILINE)
+NOT_RUN = "not run by tests/test_docs.py"
+
+
+def _where(page: Path, text: str, block: str) -> str:
+    line = text[: text.index(block)].count("\n") + 1
+    return f"{page.relative_to(ROOT)}:{line}"
+
+
+BLOCKS = [
+    (_where(page, text, block), block)
+    for page, text in TEXTS.items()
+    for block in FENCE.findall(text)
+]
+RUNNABLE = [(where, block) for where, block in BLOCKS if NOT_RUN not in block]
+REDIS = [(where, block) for where, block in RUNNABLE if "import redis" in block]
+LOCAL = [(where, block) for where, block in RUNNABLE if (where, block) not in REDIS]
+
+
+def ids(blocks: list[tuple[str, str]]) -> list[str]:
+    return [f"{where} {block.splitlines()[0]}" for where, block in blocks]
+
+
+def run(where: str, block: str, namespace: dict[str, Any]) -> None:
+    code = compile(block, where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    result = eval(code, namespace)
+    if inspect.iscoroutine(result):
+        asyncio.run(result)
+
+
+def test_the_docs_have_examples() -> None:
+    """Every fence marked python is collected, and there are as many examples as were written."""
+    for page, text in TEXTS.items():
+        assert text.count("```python") == len(FENCE.findall(text)), page
+    assert len(LOCAL) >= 11
+    assert len(REDIS) >= 3
+    readme = [where for where, _ in RUNNABLE if where.startswith("README.md:")]
+    assert len(readme) >= 2, "the README's taste of the API runs"
+
+
+def test_every_example_says_what_it_needs() -> None:
+    """An example that needs a server says so in a comment on its import line."""
+    for where, block in BLOCKS:
+        for line in block.splitlines():
+            if line.startswith(("import redis", "import pymongo")):
+                assert "# needs a " in line, (where, line)
+
+
+def test_an_example_not_run_here_names_the_test_that_runs_its_calls() -> None:
+    skipped = [(where, block) for where, block in BLOCKS if NOT_RUN in block]
+    assert skipped, "the Redis Cluster example is the one not run here"
+    for where, block in skipped:
+        named = re.findall(r"tests/[\w/]+\.py", block.replace(NOT_RUN, ""))
+        assert named, where
+        assert all((ROOT / path).is_file() for path in named), (where, named)
+
+
+@pytest.mark.parametrize(("where", "block"), LOCAL, ids=ids(LOCAL))
+def test_example_runs(where: str, block: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each example runs as pasted: it defines everything it uses."""
+    namespace: dict[str, Any] = {}
+    if "mongomock" in block or "import pymongo" in block:
+        # mongomock's own TTL imitation calls datetime.utcnow(), deprecated
+        # since Python 3.12; hold it still, as the other mongomock tests do.
+        monkeypatch.setattr(mongomock, "utcnow", frozen_ttl_monitor)
+    if "import pymongo" in block:
+        # No MongoDB server here: the examples run against mongomock instead
+        # (behind an awaiting wrapper for the asyncio one).
+        sync, asynchronous = (
+            'pymongo.MongoClient("mongodb://localhost:27017")',
+            'pymongo.AsyncMongoClient("mongodb://localhost:27017")',
+        )
+        assert sync in block or asynchronous in block
+        block = block.replace(sync, "mongomock.MongoClient()")
+        block = block.replace(asynchronous, "AsyncMongomockClient(mongomock.MongoClient())")
+        block = block.replace("await client.close()", "client.inner.close()")
+        namespace.update(mongomock=mongomock, AsyncMongomockClient=AsyncMongomockClient)
+    run(where, block, namespace)
+
+
+@pytest.mark.parametrize(("where", "block"), REDIS, ids=ids(REDIS))
+def test_redis_example_runs(where: str, block: str, redis_url: str) -> None:
+    """The Redis examples, pointed at a test server instead of localhost:6379."""
+    assert "redis://localhost:6379" in block
+    run(where, block.replace("redis://localhost:6379", redis_url), {})
+    with redis.Redis.from_url(redis_url) as server:
+        assert server.keys("*permit:*") == [], "an example left a lock behind"
+
+
+API = DOCS / "api.md"
+
+
+def test_every_public_name_is_in_the_api_reference() -> None:
+    """Each name of dmutex.__all__ has its generated entry; no entry names anything else."""
+    entries = re.findall(r"^::: dmutex\.(\w+)$", API.read_text(), flags=re.MULTILINE)
+    assert sorted(entries) == sorted(dmutex.__all__)
+
+
+def test_the_readme_fits_on_a_few_screens() -> None:
+    assert len(README.read_text().splitlines()) < 250
+
+
+def test_the_quick_start_commands_are_the_ones_ci_runs() -> None:
+    """.ci/run runs the README's two commands as written, so the README says what CI checks."""
+    readme = README.read_text()
+    quick_start = readme[readme.index("## Quick start") :]
+    commands = re.search(r"```sh\n(.*?)```", quick_start, flags=re.DOTALL)
+    assert commands is not None
+    lines = commands[1].splitlines()
+    assert len(lines) == 2, lines
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    for line in lines:
+        assert line in ci, line
+
+
+# A path in the repository, named in code: `examples/threads.py`, `tests/faults/`.
+NAMED_PATH = re.compile(r"`((?:src|tests|examples|benchmarks|docs)/[\w./-]*)`")
+# A relative Markdown link: [text](path) or [text](path#anchor).
+LINK = re.compile(r"\]\((?!https?://|#|mailto:)([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_the_files_the_pages_name_exist() -> None:
+    """Every repository path a page names in code, and every relative link of the README."""
+    missing = [
+        (str(page.relative_to(ROOT)), path)
+        for page, text in TEXTS.items()
+        for path in NAMED_PATH.findall(text)
+        if not (ROOT / path).exists()
+    ]
+    readme = README.read_text()
+    missing += [("README.md", path) for path in LINK.findall(readme) if not (ROOT / path).exists()]
+    assert missing == []
+
+
+DESIGN = DOCS / "design.md"
+# A line of the tree: its drawing, then a name, then what the module is for.
+TREE_LINE = re.compile(r"^(?P<drawing>[│├└─\s]*)(?P<name>[\w.]+/?)")
+
+
+def design_tree() -> set[str]:
+    """The files the design page's module tree shows, as paths under src/dmutex."""
+    tree = re.search(r"```text\nsrc/dmutex/\n(.*?)```", DESIGN.read_text(), flags=re.DOTALL)
+    assert tree is not None, "the design page draws src/dmutex/"
+    files: set[str] = set()
+    folders: list[str] = []
+    for line in tree[1].splitlines():
+        match = TREE_LINE.match(line)
+        assert match is not None, line
+        depth = len(match["drawing"]) // 4 - 1
+        assert depth >= 0, line
+        del folders[depth:]
+        name = match["name"]
+        if name.endswith("/"):
+            folders.append(name.rstrip("/"))
+        else:
+            files.add("/".join([*folders, name]))
+    return files
+
+
+def test_the_design_page_draws_the_source_tree() -> None:
+    """The module tree on the design page lists every module under src/dmutex, and no other."""
+    package = ROOT / "src" / "dmutex"
+    modules = {path.relative_to(package).as_posix() for path in package.rglob("*.py")}
+    assert design_tree() == modules
