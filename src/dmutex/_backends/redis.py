@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .._clock import Clock, SystemClock
+from .._core.abc import Holder, Inspection, Renewed
 from .._core.effects import Call, Sleep, Steps
 from .._core.lease import MAX_EXPIRY_MS, Lease, now_ms
 from .._core.waiting import Waiter, lost_pause
@@ -55,7 +56,6 @@ from .._errors import DMutexError, InvalidArgumentError
 from .._validate import MAX_PERMITS
 from .cluster import hash_slot, same_hash_slot
 from .shapes import defines, is_cluster_client, method
-from .store import Holder, Inspection, Renewed
 
 # KEYS of every script: slot keys of one lock, in slot order, all in one hash
 # slot on a cluster. Slot numbers are positions in KEYS (0-based, KEYS is

@@ -52,7 +52,7 @@ from .effects import Steps
 from .lease import Lease
 
 if TYPE_CHECKING:
-    from .._backends.store import Renewed
+    from .abc import Renewed
 
 _log = logging.getLogger("dmutex")
 
