@@ -7,8 +7,8 @@ if missing, MongoDB: its index), as before any operation.
 from __future__ import annotations
 
 from .._core.abc import Holder, Inspection
-from .._faces.drive import SyncDriver
 from .._options import DEFAULT_PREFIX, Kind, Options
+from .._runtime.drivers import SyncDriver
 from .._validate import check_key
 from . import open_store
 

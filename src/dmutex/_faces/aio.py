@@ -2,7 +2,7 @@
 
 They mirror the sync classes method for method (a test keeps them in step)
 and run the same engine steps with the instance's
-:class:`~dmutex._faces.drive.AsyncDriver`.
+:class:`~dmutex._runtime.drivers.AsyncDriver`.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from .._backends.sqlite import SQLiteBackend
 from .._core.engine import Engine
 from .._core.lease import Lease
 from .._core.waiting import MAX_WAIT
+from .._runtime.drivers import AsyncDriver, waker
+from .._runtime.renewers import AsyncRenewer
 from .._validate import check_timeout
 from .base import MutexBase, SemaphoreBase, Wrapping
-from .drive import AsyncDriver, waker
 from .handles import HandleBase, SlotMixin
-from .renewers import AsyncRenewer
 
 __all__ = [
     "AsyncClient",

@@ -2,7 +2,7 @@
 
 Each method validates nothing and decides nothing itself: it asks the engine
 for the algorithm's steps and runs them with the instance's
-:class:`~dmutex._faces.drive.SyncDriver`.
+:class:`~dmutex._runtime.drivers.SyncDriver`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from .._backends.sqlite import SQLiteBackend
 from .._core.engine import Engine
 from .._core.lease import Lease
 from .._core.waiting import MAX_WAIT
+from .._runtime.drivers import SyncDriver
+from .._runtime.renewers import SYNC
 from .._validate import check_timeout
 from .base import MutexBase, SemaphoreBase, Wrapping
-from .drive import SyncDriver
 from .handles import HandleBase, SlotMixin
-from .renewers import SYNC
 
 __all__ = ["DMutex", "DMutexLock", "DSemaphore", "DSemaphorePermit", "SyncClient"]
 
