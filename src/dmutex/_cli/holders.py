@@ -1,16 +1,19 @@
 """Reading what a lock's storage holds, without changing it: ``dmutex status``.
 
+It sits with the command (``dmutex._cli``), its only user, since it drives a
+store's effects (``dmutex._runtime.drivers``), which a backend does not.
+
 Sync clients only. The store is prepared first (SQLite: its table created
 if missing, MongoDB: its index), as before any operation.
 """
 
 from __future__ import annotations
 
+from .._backends import open_store
 from .._core.abc import Holder, Inspection
 from .._options import DEFAULT_PREFIX, Kind, Options
 from .._runtime.drivers import SyncDriver
 from .._validate import check_key
-from . import open_store
 
 __all__ = ["Holder", "Inspection", "read_holders"]
 
