@@ -31,7 +31,13 @@ def read_holders(
     kind: Kind = "mutex" if limit == 1 else "semaphore"
     prefix = DEFAULT_PREFIX[kind]
     options = Options.check(
-        kind, service, limit, 300, None, db_name, None, prefix, None, None, None, None, prefix
+        kind,
+        service_name=service,
+        max_permits=limit,
+        default_ttl_seconds=300,
+        db_name=db_name,
+        collection_prefix=prefix,
+        table_prefix=prefix,
     )
     store = open_store(client, options, asynchronous=False)
     drive = SyncDriver(store.clock, store.ready)
