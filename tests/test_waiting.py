@@ -30,7 +30,8 @@ from dmutex import (
     SQLiteBackend,
 )
 from dmutex._backends import memory, sqlite
-from dmutex._backends.redis import MIN_BLOCK, RedisStore, _blocking
+from dmutex._backends.redis import RedisStore
+from dmutex._backends.redis.waits import MIN_BLOCK, block_budget
 from dmutex._clock import SYSTEM_CLOCK
 from dmutex._core.effects import Call, Sleep
 from dmutex._core.waiting import (
@@ -305,7 +306,7 @@ class _Client:
     ],
 )
 def test_blocking_waits_take_at_most_half_the_pool(client: _Client, budget: int | None) -> None:
-    found = _blocking(client)
+    found = block_budget(client)
     if budget is None and client.connection_pool is None and client.connection is None:
         assert found is not None
         return
@@ -322,19 +323,19 @@ def test_blocking_waits_take_at_most_half_the_pool(client: _Client, budget: int 
 def test_an_asyncio_single_connection_client_never_blocks_before_its_first_command() -> None:
     client = _Client(_Pool(10))  # redis.asyncio: no connection yet, only the flag
     client.single_connection_client = True
-    assert _blocking(client) is None
+    assert block_budget(client) is None
 
 
 def test_instances_on_one_pool_share_its_budget() -> None:
     pool = _Pool(4)
-    first, second = _blocking(_Client(pool)), _blocking(_Client(pool))
+    first, second = block_budget(_Client(pool)), block_budget(_Client(pool))
     assert first is not None
     assert second is not None
     assert first[0] is second[0]
 
 
 def test_a_block_ends_before_the_socket_timeout() -> None:
-    found = _blocking(_Client(_Pool(10, socket_timeout=5)))
+    found = block_budget(_Client(_Pool(10, socket_timeout=5)))
     assert found is not None
     assert found[1] == pytest.approx(4.0)
 

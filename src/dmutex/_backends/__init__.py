@@ -5,7 +5,7 @@ lives below this package, in ``dmutex._core.abc``.
 
 - ``shapes.py``: detection and every other check of a client's shape;
 - ``clients.py``: the client contracts, published as ``typing.Protocol``;
-- ``memory.py``, ``redis.py`` (with ``cluster.py``), ``mongo.py``, ``sqlite.py``: one store each.
+- ``memory.py``, ``redis/`` (with ``cluster.py``), ``mongo.py``, ``sqlite.py``: one store each.
 """
 
 from __future__ import annotations
