@@ -39,6 +39,7 @@ from dmutex._core.waiting import (
     REGISTRATION_MARGIN_MS,
     Waiter,
     next_wait,
+    pieces,
     waiter,
 )
 
@@ -511,3 +512,28 @@ def test_an_abandoned_sqlite_waiter_leaves_nothing_registered(tmp_path: Path) ->
     backend = SQLiteBackend(tmp_path / "locks.sqlite3")
     abandon_a_waiter(backend, 0.001)
     backend.close()
+
+
+@pytest.mark.parametrize(
+    ("seconds", "expected"),
+    [
+        (0.0, []),
+        (-1.0, []),
+        (1.5, [1.5]),
+        (2.5 * MAX_WAIT, [MAX_WAIT, MAX_WAIT, 0.5 * MAX_WAIT]),
+    ],
+)
+def test_a_wait_in_pieces_lasts_its_whole_and_no_piece_outlasts_max_wait(
+    seconds: float, expected: list[float]
+) -> None:
+    now = [100.0]
+    found = []
+    for piece in pieces(seconds, lambda: now[0]):
+        found.append(piece)
+        now[0] += piece  # the piece ran out
+    assert found == expected
+
+
+def test_a_wait_without_end_is_pieces_of_max_wait_until_it_stops_asking() -> None:
+    endless = pieces(None, lambda: 0.0)
+    assert [next(endless) for _ in range(3)] == [MAX_WAIT] * 3
