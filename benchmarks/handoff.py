@@ -102,7 +102,7 @@ from redis_cycle import (
 )
 
 from dmutex import AsyncDMutex, DMutex
-from dmutex._backends.redis import ACQUIRE, RELEASE
+from dmutex._backends.redis.scripts import ACQUIRE, RELEASE
 
 DEFAULT_SERVER = "/usr/bin/redis-server"  # Redis 7.0 here; PATH in the venv finds 6.2
 LOCK_TTL_S = 30  # every lease and lock: none expires during a run

@@ -60,7 +60,7 @@ import redis.asyncio
 from redis_cycle import BenchmarkError, private_server, shown
 
 from dmutex import AsyncDMutex, AsyncDMutexLock, DMutex, DMutexLock, InMemoryBackend
-from dmutex._backends.store import Renewed
+from dmutex._core.abc import Renewed
 from dmutex._core.effects import Steps
 from dmutex._core.lease import Lease
 

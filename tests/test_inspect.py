@@ -32,7 +32,7 @@ from dmutex import (
     ManualClock,
     SQLiteBackend,
 )
-from dmutex._backends.inspect import Holder, read_holders
+from dmutex._cli.holders import Holder, read_holders
 from dmutex._core.fences import US_PER_S, next_fence
 from dmutex._core.lease import now_ms
 from tests._support.mongo_clients import frozen_ttl_monitor

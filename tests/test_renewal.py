@@ -27,7 +27,7 @@ from dmutex import (
     RedisArg,
     RedisReply,
 )
-from dmutex._backends.redis import ACQUIRE, EXTEND, RELEASE, RENEW
+from dmutex._backends.redis.scripts import ACQUIRE, EXTEND, RELEASE, RENEW
 from dmutex._core import renewal
 
 TTL = 3.0

@@ -8,8 +8,8 @@ from datetime import datetime, timezone
 import pytest
 
 from dmutex import ManualClock
-from dmutex._backends.store import Inspection, Renewed, extend_each, sleep
 from dmutex._clock import Clock
+from dmutex._core.abc import Inspection, Renewed, extend_each, sleep
 from dmutex._core.effects import Call, Callback, Effect, Sleep, Steps
 from dmutex._core.engine import Engine
 from dmutex._core.lease import MAX_EXPIRY_MS, Lease

@@ -30,7 +30,8 @@ from dmutex import (
     SQLiteBackend,
 )
 from dmutex._backends import memory, sqlite
-from dmutex._backends.redis import MIN_BLOCK, RedisStore, _blocking
+from dmutex._backends.redis import RedisStore
+from dmutex._backends.redis.waits import MIN_BLOCK, block_budget
 from dmutex._clock import SYSTEM_CLOCK
 from dmutex._core.effects import Call, Sleep
 from dmutex._core.waiting import (
@@ -38,6 +39,7 @@ from dmutex._core.waiting import (
     REGISTRATION_MARGIN_MS,
     Waiter,
     next_wait,
+    pieces,
     waiter,
 )
 
@@ -305,7 +307,7 @@ class _Client:
     ],
 )
 def test_blocking_waits_take_at_most_half_the_pool(client: _Client, budget: int | None) -> None:
-    found = _blocking(client)
+    found = block_budget(client)
     if budget is None and client.connection_pool is None and client.connection is None:
         assert found is not None
         return
@@ -322,19 +324,19 @@ def test_blocking_waits_take_at_most_half_the_pool(client: _Client, budget: int 
 def test_an_asyncio_single_connection_client_never_blocks_before_its_first_command() -> None:
     client = _Client(_Pool(10))  # redis.asyncio: no connection yet, only the flag
     client.single_connection_client = True
-    assert _blocking(client) is None
+    assert block_budget(client) is None
 
 
 def test_instances_on_one_pool_share_its_budget() -> None:
     pool = _Pool(4)
-    first, second = _blocking(_Client(pool)), _blocking(_Client(pool))
+    first, second = block_budget(_Client(pool)), block_budget(_Client(pool))
     assert first is not None
     assert second is not None
     assert first[0] is second[0]
 
 
 def test_a_block_ends_before_the_socket_timeout() -> None:
-    found = _blocking(_Client(_Pool(10, socket_timeout=5)))
+    found = block_budget(_Client(_Pool(10, socket_timeout=5)))
     assert found is not None
     assert found[1] == pytest.approx(4.0)
 
@@ -510,3 +512,28 @@ def test_an_abandoned_sqlite_waiter_leaves_nothing_registered(tmp_path: Path) ->
     backend = SQLiteBackend(tmp_path / "locks.sqlite3")
     abandon_a_waiter(backend, 0.001)
     backend.close()
+
+
+@pytest.mark.parametrize(
+    ("seconds", "expected"),
+    [
+        (0.0, []),
+        (-1.0, []),
+        (1.5, [1.5]),
+        (2.5 * MAX_WAIT, [MAX_WAIT, MAX_WAIT, 0.5 * MAX_WAIT]),
+    ],
+)
+def test_a_wait_in_pieces_lasts_its_whole_and_no_piece_outlasts_max_wait(
+    seconds: float, expected: list[float]
+) -> None:
+    now = [100.0]
+    found = []
+    for piece in pieces(seconds, lambda: now[0]):
+        found.append(piece)
+        now[0] += piece  # the piece ran out
+    assert found == expected
+
+
+def test_a_wait_without_end_is_pieces_of_max_wait_until_it_stops_asking() -> None:
+    endless = pieces(None, lambda: 0.0)
+    assert [next(endless) for _ in range(3)] == [MAX_WAIT] * 3

@@ -7,22 +7,10 @@ one host from a file; ``InMemoryBackend`` stands in for a server in tests.
 
 from __future__ import annotations
 
-from ._backends.clients import (
-    AsyncMongoClientLike,
-    AsyncMongoCollectionLike,
-    AsyncMongoDatabaseLike,
-    AsyncRedisCommandClient,
-    AsyncRedisSetEvalClient,
-    MongoClientLike,
-    MongoCollectionLike,
-    MongoDatabaseLike,
-    MongoDeleteResultLike,
-    MongoUpdateResultLike,
-    RedisArg,
-    RedisCommandClient,
-    RedisReply,
-    RedisSetEvalClient,
-)
+from types import FunctionType as _FunctionType
+
+from ._backends import clients as _clients
+from ._backends.clients import *  # noqa: F403 - the client contracts, as clients.__all__ lists them
 from ._backends.memory import InMemoryBackend
 from ._backends.sqlite import SQLiteBackend
 from ._clock import Clock, ManualClock, SystemClock
@@ -55,11 +43,6 @@ __all__ = [
     "AsyncDMutexLock",
     "AsyncDSemaphore",
     "AsyncDSemaphorePermit",
-    "AsyncMongoClientLike",
-    "AsyncMongoCollectionLike",
-    "AsyncMongoDatabaseLike",
-    "AsyncRedisCommandClient",
-    "AsyncRedisSetEvalClient",
     "BackendName",
     "Clock",
     "DMutex",
@@ -71,18 +54,19 @@ __all__ = [
     "InvalidArgumentError",
     "LeaseLostError",
     "ManualClock",
-    "MongoClientLike",
-    "MongoCollectionLike",
-    "MongoDatabaseLike",
-    "MongoDeleteResultLike",
-    "MongoUpdateResultLike",
-    "RedisArg",
-    "RedisCommandClient",
-    "RedisReply",
-    "RedisSetEvalClient",
     "SQLiteBackend",
     "SyncClient",
     "SystemClock",
     "UnsupportedClientError",
     "__version__",
 ]
+__all__ += _clients.__all__
+
+# The public classes report the package as their module, as httpcore's and
+# trio's do: reprs, help(), docs and pickles show ``dmutex.DMutex``, the path
+# users import, not the private module that defines it.
+for _name in __all__:
+    _value = globals()[_name]
+    if isinstance(_value, (type, _FunctionType)):
+        _value.__module__ = __name__
+del _name, _value, _clients, _FunctionType

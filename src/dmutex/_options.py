@@ -58,21 +58,27 @@ class Options:
     def check(
         cls,
         kind: Kind,
+        /,
+        *,
         service_name: object,
         max_permits: object,
         default_ttl_seconds: object,
-        backend: object,
         db_name: object,
-        collection_name: object,
         collection_prefix: object,
-        key_prefix: object,
-        clock: object,
-        fencing: object,
-        table_name: object,
         table_prefix: object,
-        /,
+        backend: object = None,
+        collection_name: object = None,
+        key_prefix: object = None,
+        clock: object = None,
+        fencing: object = None,
+        table_name: object = None,
     ) -> Options:
-        """Check every argument, in the order the constructors' signatures give them."""
+        """Check every argument, by the names of the constructors' parameters.
+
+        Checked in the order the constructors' signatures give them, so the
+        first bad argument is the one reported. The arguments with a default
+        here are those whose constructors' default is None.
+        """
         service = check_str("service_name", service_name)
         permits = check_max_permits(max_permits)
         default_ttl = check_ttl("default_ttl_seconds", default_ttl_seconds)

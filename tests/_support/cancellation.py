@@ -35,7 +35,7 @@ import pytest
 
 from dmutex import AsyncDMutex, AsyncDMutexLock, AsyncDSemaphore, AsyncDSemaphorePermit, SystemClock
 from dmutex._core.waiting import Wakeup
-from dmutex._faces import drive
+from dmutex._runtime import drivers
 
 PATTERNS = {
     "mutex": ("run", "run_with_retry", "async with", "release"),
@@ -113,7 +113,7 @@ def note_retry_waits(monkeypatch: pytest.MonkeyPatch) -> None:
 
     On the system clock a retry wait waits there, not in the clock's ``sleep_async``.
     """
-    woken = drive._woken
+    woken = drivers._woken
 
     async def noting(wakeup: Wakeup, seconds: float) -> None:
         before = doing("retry wait")
@@ -122,7 +122,7 @@ def note_retry_waits(monkeypatch: pytest.MonkeyPatch) -> None:
         finally:
             doing(before)
 
-    monkeypatch.setattr(drive, "_woken", noting)
+    monkeypatch.setattr(drivers, "_woken", noting)
 
 
 @dataclass

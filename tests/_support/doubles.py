@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from dmutex._backends.redis import ACQUIRE
+from dmutex._backends.redis.scripts import ACQUIRE
 
 
 class RecordingRedis:

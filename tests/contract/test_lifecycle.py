@@ -14,7 +14,7 @@ import time
 import pytest
 
 from dmutex import LeaseLostError
-from dmutex._backends.inspect import read_holders
+from dmutex._cli.holders import read_holders
 from dmutex._core.fences import US_PER_S, clock_us, next_fence
 from tests._support.backends import Memory, Mongomock, RealMongo, Rig, SQLite
 from tests._support.faces import Face, Handle, Kind

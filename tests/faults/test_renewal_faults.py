@@ -106,8 +106,8 @@ from dmutex import (
     DMutexLock,
     LeaseLostError,
 )
-from dmutex._backends import redis as redis_backend
-from dmutex._backends.redis import EXTEND
+from dmutex._backends.redis import scripts as redis_scripts
+from dmutex._backends.redis.scripts import EXTEND
 from tests._support import processes
 from tests._support.fault_proxy import Fault, FaultProxy, Rates, upstream_address
 from tests._support.mongo_servers import Session
@@ -250,7 +250,7 @@ class Script(Protocol):
 # dmutex's renewal scripts: the one-lease extend, and the batched renewal
 # where this version of dmutex has one (ARGV: token, TTL and the position of
 # a semaphore's holders index, per lease).
-_BATCH: Script | None = getattr(redis_backend, "RENEW", None)
+_BATCH: Script | None = getattr(redis_scripts, "RENEW", None)
 RENEWAL_SCRIPTS: list[Script] = [EXTEND] if _BATCH is None else [EXTEND, _BATCH]
 RENEWAL_NAMES = {name for script in RENEWAL_SCRIPTS for name in (script.sha, script.text)}
 

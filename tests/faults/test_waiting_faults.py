@@ -85,7 +85,7 @@ from dmutex import (
     DSemaphore,
     DSemaphorePermit,
 )
-from dmutex._backends.redis import ACQUIRE, RELEASE
+from dmutex._backends.redis.scripts import ACQUIRE, RELEASE
 from tests._support import fault_servers
 from tests._support.fault_proxy import FaultProxy, Rates
 from tests._support.sampling import process_state, sampling

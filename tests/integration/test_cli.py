@@ -27,7 +27,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from dmutex import DMutex, SQLiteBackend
-from dmutex._backends.inspect import read_holders
+from dmutex._cli.holders import read_holders
 from dmutex._cli.run import request_timeout
 from dmutex._cli.urls import mongodb_timeouts
 from tests._support import cli, mongo_servers

@@ -29,7 +29,7 @@ from dmutex import (
 from dmutex._backends.shapes import detect
 from dmutex._clock import SystemClock
 from dmutex._core.effects import Call, Steps
-from dmutex._faces.drive import AsyncDriver, SyncDriver
+from dmutex._runtime.drivers import AsyncDriver, SyncDriver
 
 SYNC: list[Any] = [DMutex, DSemaphore]
 ASYNC: list[Any] = [AsyncDMutex, AsyncDSemaphore]

@@ -51,7 +51,7 @@ from pymongo import ReturnDocument
 
 import dmutex
 from dmutex import AsyncDMutex, AsyncDMutexLock, DMutex, DMutexLock
-from dmutex._backends.redis import RENEW
+from dmutex._backends.redis.scripts import RENEW
 from tests._support import processes
 from tests._support.mongo_servers import SELECTION_TIMEOUT_MS, mongo_label
 from tests._support.mongo_servers import Session as MongoSession

@@ -37,7 +37,7 @@ import valkey.cluster
 
 from dmutex import AsyncDSemaphore, DMutex, DSemaphore, ManualClock
 from dmutex._backends.cluster import hash_slot
-from dmutex._backends.redis import ACQUIRE, EXTEND, RELEASE, RENEW
+from dmutex._backends.redis.scripts import ACQUIRE, EXTEND, RELEASE, RENEW
 from dmutex._backends.shapes import is_cluster_client
 from dmutex._core.fences import US_PER_S
 from tests._support.redis_cluster import LocalCluster, slot_ranges

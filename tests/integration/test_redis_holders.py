@@ -20,11 +20,12 @@ import pytest
 import redis
 
 from dmutex import MAX_PERMITS, DSemaphore
-from dmutex._backends.redis import ACQUIRE, RedisStore
+from dmutex._backends.redis import RedisStore
+from dmutex._backends.redis.scripts import ACQUIRE
 from dmutex._clock import SYSTEM_CLOCK
 from dmutex._core.fences import US_PER_S, next_fence
 from dmutex._core.waiting import waiter
-from dmutex._faces.drive import SyncDriver
+from dmutex._runtime.drivers import SyncDriver
 from tests._support.redis_clients import Recording
 from tests._support.sampling import until
 

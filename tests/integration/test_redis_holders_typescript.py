@@ -26,7 +26,7 @@ import pytest
 import redis
 
 from dmutex import DSemaphore
-from dmutex._backends.redis import CHECK_MS
+from dmutex._backends.redis.scripts import CHECK_MS
 from tests._support.sampling import until
 
 KEY = "api"

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from dmutex import DMutex, DMutexError, DSemaphore
-from dmutex._backends.redis import ACQUIRE, EXTEND, RELEASE
+from dmutex._backends.redis.scripts import ACQUIRE, EXTEND, RELEASE
 from dmutex._core.fences import US_PER_S
 from tests._support.redis_clients import Recording
 

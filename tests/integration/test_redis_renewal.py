@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from dmutex import DMutex, DSemaphore, ManualClock
-from dmutex._backends.redis import RENEW, RENEW_BATCH
+from dmutex._backends.redis.scripts import RENEW, RENEW_BATCH
 from tests._support.redis_clients import Recording as RedisRecording
 
 TTL = 60.0

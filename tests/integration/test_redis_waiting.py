@@ -40,7 +40,8 @@ from dmutex import (
     RedisArg,
     RedisReply,
 )
-from dmutex._backends.redis import ACQUIRE, RELEASE, TICK
+from dmutex._backends.redis.scripts import ACQUIRE, RELEASE
+from dmutex._backends.redis.waits import TICK
 from dmutex._core.waiting import REGISTRATION_MARGIN_MS
 from tests._support.processes import stop_process
 from tests._support.redis_cluster import LocalCluster, slot_ranges

@@ -1,14 +1,17 @@
 """The backends: a store per kind of client, and the one function that opens them.
 
-- ``store.py``: the :class:`Store` protocol the engine talks to;
+Each store implements the :class:`Store` protocol the engine talks to, which
+lives below this package, in ``dmutex._core.abc``.
+
 - ``shapes.py``: detection and every other check of a client's shape;
 - ``clients.py``: the client contracts, published as ``typing.Protocol``;
-- ``memory.py``, ``redis.py`` (with ``cluster.py``), ``mongo.py``, ``sqlite.py``: one store each.
+- ``memory.py``, ``redis/`` (with ``cluster.py``), ``mongo.py``, ``sqlite.py``: one store each.
 """
 
 from __future__ import annotations
 
 from .._clock import SYSTEM_CLOCK
+from .._core.abc import Store
 from .._errors import InvalidArgumentError
 from .._options import Options
 from .._validate import check_collection_name, check_db_name
@@ -17,7 +20,6 @@ from .mongo import MongoStore
 from .redis import RedisStore
 from .shapes import defines, detect, method, refuse_asyncio, refuse_sync
 from .sqlite import SQLiteBackend, SQLiteStore, quote
-from .store import Store
 
 
 def open_store(client: object, options: Options, *, asynchronous: bool) -> Store:

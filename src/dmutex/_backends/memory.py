@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from .._clock import SYSTEM_CLOCK, Clock
+from .._core.abc import Holder, Inspection, Renewed, extend_each
 from .._core.effects import Steps, Wait
 from .._core.lease import MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
 from .._core.waiting import Waiter, Wakeup
-from .store import Holder, Inspection, Renewed, extend_each
 
 __all__ = ["InMemoryBackend", "MemoryStore"]
 

@@ -36,12 +36,12 @@ from datetime import datetime, timezone
 from typing import cast
 
 from .._clock import Clock
+from .._core.abc import Holder, Inspection, Renewed, extend_each, sleep
 from .._core.effects import Call, Steps
 from .._core.lease import EPOCH, MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
 from .._core.waiting import Waiter
 from .._errors import DMutexError, UnsupportedClientError
 from .shapes import method
-from .store import Holder, Inspection, Renewed, extend_each, sleep
 
 DUPLICATE_KEY = 11000
 # Marks a fence counter document as dmutex's own.

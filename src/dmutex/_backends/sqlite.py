@@ -55,12 +55,12 @@ from dataclasses import dataclass
 from typing import TypeVar, cast
 
 from .._clock import Clock
+from .._core.abc import Holder, Inspection, Renewed
 from .._core.effects import Call, Sleep, Steps, Wait
 from .._core.fences import clock_us, next_fence
 from .._core.lease import MAX_EXPIRY_MS, Lease, now_ms
 from .._core.waiting import Waiter, Wakeup
 from .._errors import ArgumentTypeError, DMutexError, InvalidArgumentError
-from .store import Holder, Inspection, Renewed
 
 __all__ = ["SQLiteBackend", "SQLiteStore"]
 

@@ -1,10 +1,19 @@
 """Exit statuses of the ``dmutex`` command, and the error that carries one to ``main()``.
 
 The numbers follow ``sysexits.h`` and the shell, as ``flock(1)`` does: a
-script can tell "held" from "broken" from "the command failed".
+script can tell "held" from "broken" from "the command failed". A client's
+own error while the command uses the backend is status 69
+(:func:`backend_errors`), for ``run`` and ``status`` alike.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .urls import Backend
 
 __all__ = [
     "BROKEN",
@@ -17,6 +26,7 @@ __all__ = [
     "UNAVAILABLE",
     "USAGE",
     "Failure",
+    "backend_errors",
     "one_line",
 ]
 
@@ -47,3 +57,14 @@ def one_line(error: BaseException) -> str:
     """An exception as one line of text: its type when it says nothing, newlines folded."""
     text = " ".join(str(error).split())
     return text or type(error).__name__
+
+
+@contextlib.contextmanager
+def backend_errors(backend: Backend) -> Iterator[None]:
+    """Turn the client's own errors into status 69, naming the backend (password hidden)."""
+    try:
+        yield
+    except backend.errors as error:
+        raise Failure(
+            UNAVAILABLE, f"cannot use the backend {backend.target.shown}: {one_line(error)}"
+        ) from None

@@ -16,8 +16,8 @@ import shutil
 from collections.abc import Callable
 from typing import TextIO
 
-from .._backends.inspect import Inspection
 from .errors import one_line
+from .holders import Inspection
 
 __all__ = ["Progress", "describe_holders", "short_token", "token_prefix"]
 

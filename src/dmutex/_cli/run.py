@@ -14,18 +14,17 @@ with the lease held to its end.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TextIO
 
-from .._backends.inspect import Inspection, read_holders
 from .._errors import ArgumentTypeError, InvalidArgumentError
 from .._faces.sync import DMutex, DMutexLock, DSemaphore, DSemaphorePermit
 from . import supervise as sup
 from .args import RunArgs
-from .errors import LOST, UNAVAILABLE, USAGE, Failure, one_line
+from .errors import LOST, USAGE, Failure, backend_errors, one_line
+from .holders import Inspection, read_holders
 from .progress import Progress
 from .urls import Backend, connect, parse
 
@@ -41,17 +40,6 @@ def request_timeout(ttl: float) -> float:
     A renewal that hangs longer than that could outlast the lease it renews.
     """
     return min(10.0, max(1.0, ttl / 2))
-
-
-@contextlib.contextmanager
-def backend_errors(backend: Backend) -> Iterator[None]:
-    """Turn the client's own errors into status 69, naming the backend (password hidden)."""
-    try:
-        yield
-    except backend.errors as error:
-        raise Failure(
-            UNAVAILABLE, f"cannot use the backend {backend.target.shown}: {one_line(error)}"
-        ) from None
 
 
 def _lock(args: RunArgs, backend: Backend) -> DMutex | DSemaphore:

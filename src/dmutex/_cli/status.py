@@ -19,12 +19,11 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import TextIO
 
-from .._backends.inspect import Inspection, read_holders
 from .._errors import ArgumentTypeError, InvalidArgumentError
 from .args import StatusArgs
-from .errors import FREE, OK, USAGE, Failure, one_line
+from .errors import FREE, OK, USAGE, Failure, backend_errors, one_line
+from .holders import Inspection, read_holders
 from .progress import short_token, token_prefix
-from .run import backend_errors
 from .urls import connect, parse
 
 __all__ = ["render_json", "render_text", "status"]

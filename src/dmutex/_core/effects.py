@@ -1,8 +1,8 @@
 """The effects: everything dmutex's algorithms ask of the outside world.
 
 An algorithm is a generator of :data:`Steps`. It yields an effect, a driver
-(``dmutex._faces.drive``) carries it out the sync or the asyncio way and sends
-the result back, or throws the exception in. The vocabulary is closed: a
+(``dmutex._runtime.drivers``) carries it out the sync or the asyncio way and
+sends the result back, or throws the exception in. The vocabulary is closed: a
 driver matches :data:`Effect` exhaustively, so a new kind of effect is a type
 error in every driver until each one handles it.
 """

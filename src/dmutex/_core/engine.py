@@ -37,7 +37,6 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from .._backends.store import Store
 from .._errors import LeaseLostError
 from .._validate import (
     check_callback,
@@ -48,6 +47,7 @@ from .._validate import (
     check_ttl,
 )
 from . import renewal, waiting
+from .abc import Store
 from .effects import Callback, Steps, completing
 from .lease import Lease, new_token, now_ms, ttl_to_ms
 from .waiting import Waiter

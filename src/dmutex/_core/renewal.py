@@ -14,7 +14,7 @@ Rules of this module:
    sent sets the deadline (:func:`confirm`).
 2. Every renewal decision lives here: when the next renewal is due, how a
    failing one is retried, and when the lease is given up. The renewers
-   (``dmutex._faces.renewers``) keep time, run what this module returns
+   (``dmutex._runtime.renewers``) keep time, run what this module returns
    and call :func:`watch` at each deadline; they decide nothing.
 3. Nothing here waits or does I/O. :func:`renew` returns the steps of one
    renewal of a batch of leases (one request where the store can), whose
@@ -52,7 +52,7 @@ from .effects import Steps
 from .lease import Lease
 
 if TYPE_CHECKING:
-    from .._backends.store import Renewed
+    from .abc import Renewed
 
 _log = logging.getLogger("dmutex")
 

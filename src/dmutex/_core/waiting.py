@@ -31,7 +31,7 @@ import math
 import os
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 # How long past its wait a waiter's registration outlives it on a server: the
@@ -141,3 +141,20 @@ def next_wait(retry_delay: float, remaining: float, expires_in: float | None) ->
 def lost_pause(seconds: float) -> float:
     """Rule 4: how long a woken waiter that lost pauses, jittered, within a wait of ``seconds``."""
     return min(seconds, LOST_PAUSE * (0.5 + 0.5 * random.random()))  # jitter, not secrecy
+
+
+def pieces(seconds: float | None, now: Callable[[], float]) -> Iterator[float]:
+    """The timeouts of one wait of ``seconds`` (None: no end) on clock ``now``, piece by piece.
+
+    Each piece is at most :data:`MAX_WAIT` and is computed, when asked for,
+    from what is left of the whole, so that the pieces together never
+    outlast ``seconds``; the waiter stops asking once its wait ended. It
+    serves waits that are not a retry's: ``wait_lost`` on both faces, whose
+    event and timers refuse a timeout past the platform's limit.
+    """
+    until = None if seconds is None else now() + seconds
+    while True:
+        left = MAX_WAIT if until is None else until - now()
+        if left <= 0:
+            return
+        yield min(left, MAX_WAIT)

@@ -2,7 +2,7 @@
 
 They mirror the sync classes method for method (a test keeps them in step)
 and run the same engine steps with the instance's
-:class:`~dmutex._faces.drive.AsyncDriver`.
+:class:`~dmutex._runtime.drivers.AsyncDriver`.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from .._backends.memory import InMemoryBackend
 from .._backends.sqlite import SQLiteBackend
 from .._core.engine import Engine
 from .._core.lease import Lease
-from .._core.waiting import MAX_WAIT
+from .._core.waiting import pieces
+from .._runtime.drivers import AsyncDriver, waker
+from .._runtime.renewers import AsyncRenewer
 from .._validate import check_timeout
 from .base import MutexBase, SemaphoreBase, Wrapping
-from .drive import AsyncDriver, waker
 from .handles import HandleBase, SlotMixin
-from .renewers import AsyncRenewer
 
 __all__ = [
     "AsyncClient",
@@ -80,14 +80,10 @@ class _AsyncHandle(HandleBase[AsyncDriver]):
         try:
             if not self._settle():
                 self._watch()
-                # In pieces, as the sync wait_lost: no timer is set past MAX_WAIT.
-                loop = asyncio.get_running_loop()
-                until = None if seconds is None else loop.time() + seconds
-                while not ended.done():
-                    left = MAX_WAIT if until is None else until - loop.time()
-                    if left <= 0:
+                for piece in pieces(seconds, asyncio.get_running_loop().time):
+                    await asyncio.wait((ended,), timeout=piece)
+                    if ended.done():
                         break
-                    await asyncio.wait((ended,), timeout=min(left, MAX_WAIT))
         finally:
             lease.unlisten(wake)
             ended.cancel()

@@ -17,7 +17,7 @@ from .._clock import Clock
 from .._core import renewal
 from .._core.engine import Engine
 from .._core.lease import Lease
-from .._options import Options
+from .._options import Kind, Options
 from .._validate import BackendName, check_flag
 from .handles import HandleBase
 
@@ -56,6 +56,18 @@ class Wrapping(Generic[H]):
     def _wrapper(self, auto_renew: bool) -> Callable[[Lease], H]:
         """The wrap for ``auto_renew``, checked before any request."""
         return self._wrap_renewed if check_flag("auto_renew", auto_renew) else self._wrap
+
+
+def _check(kind: Kind, arguments: dict[str, object]) -> Options:
+    """A constructor's options, checked: ``arguments`` are its ``locals()``, on entry.
+
+    Every parameter but ``self`` and ``client`` is an option, under the name
+    that :meth:`Options.check` takes, so the options are written once, in the
+    signature; an option it does not know is a ``TypeError`` at the first
+    construction.
+    """
+    named = {name: value for name, value in arguments.items() if name not in ("self", "client")}
+    return Options.check(kind, **named)
 
 
 class SemaphoreBase(Face[ClientT]):
@@ -107,13 +119,7 @@ class SemaphoreBase(Face[ClientT]):
         Raises ``TypeError``/``ValueError`` for bad arguments and for a client
         that meets no contract, before any request reaches the client.
         """
-        # In the order of the signature, which Options.check takes positionally.
-        options = Options.check(
-            "semaphore", service_name, max_permits, default_ttl_seconds, backend,
-            db_name, collection_name, collection_prefix, key_prefix, clock, fencing,
-            table_name, table_prefix,
-        )  # fmt: skip
-        self._open(client, options)
+        self._open(client, _check("semaphore", locals()))
 
 
 class MutexBase(Face[ClientT]):
@@ -140,10 +146,4 @@ class MutexBase(Face[ClientT]):
         The options mean what they mean for a semaphore; the defaults name
         ``_dmutex_`` instead of ``_dsemaphore_``.
         """
-        # In the order of the signature, which Options.check takes positionally.
-        options = Options.check(
-            "mutex", service_name, 1, default_ttl_seconds, backend,
-            db_name, collection_name, collection_prefix, key_prefix, clock, fencing,
-            table_name, table_prefix,
-        )  # fmt: skip
-        self._open(client, options)
+        self._open(client, _check("mutex", {**locals(), "max_permits": 1}))

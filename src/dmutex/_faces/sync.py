@@ -2,7 +2,7 @@
 
 Each method validates nothing and decides nothing itself: it asks the engine
 for the algorithm's steps and runs them with the instance's
-:class:`~dmutex._faces.drive.SyncDriver`.
+:class:`~dmutex._runtime.drivers.SyncDriver`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from .._backends.memory import InMemoryBackend
 from .._backends.sqlite import SQLiteBackend
 from .._core.engine import Engine
 from .._core.lease import Lease
-from .._core.waiting import MAX_WAIT
+from .._core.waiting import pieces
+from .._runtime.drivers import SyncDriver
+from .._runtime.renewers import SYNC
 from .._validate import check_timeout
 from .base import MutexBase, SemaphoreBase, Wrapping
-from .drive import SyncDriver
 from .handles import HandleBase, SlotMixin
-from .renewers import SYNC
 
 __all__ = ["DMutex", "DMutexLock", "DSemaphore", "DSemaphorePermit", "SyncClient"]
 
@@ -71,13 +71,9 @@ class _SyncHandle(HandleBase[SyncDriver]):
         try:
             if not self._settle():
                 self._watch()
-                # In pieces: Event.wait refuses a timeout past the platform's limit.
-                until = None if seconds is None else time.monotonic() + seconds
-                while not ended.is_set():
-                    left = MAX_WAIT if until is None else until - time.monotonic()
-                    if left <= 0:
+                for piece in pieces(seconds, time.monotonic):
+                    if ended.wait(piece):
                         break
-                    ended.wait(min(left, MAX_WAIT))
         finally:
             lease.unlisten(ended.set)
         return self.lost

@@ -1,5 +1,8 @@
 """Renewers: where renewed (and watched) leases wait for their next turn.
 
+They sit in ``dmutex._runtime``, beside the drivers: the threads and tasks
+that run ``dmutex._core.renewal``'s decisions for the public handles.
+
 Rules of this module:
 
 1. One thread per process keeps the time of every sync lease; one task per

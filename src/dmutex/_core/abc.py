@@ -1,10 +1,21 @@
-"""The store protocol: what a backend does for the engine.
+"""The store protocol: what a backend does for the engine, and the types it answers with.
 
-A backend turns a client into a :class:`Store` bound to one namespace (a
-service's key prefix or collection, and a permit count). Each operation is a
-generator of effects, so one store serves sync and async clients alike.
-Adding a backend means adding a store module beside this one and a branch in
-``open_store`` (``__init__.py``); the engine does not change.
+It sits in ``_core`` (as psycopg keeps its protocols in ``abc.py`` below the
+generators) so that the engine depends on the protocol, never on a backend:
+``dmutex._backends`` implements it, one store module per kind of client.
+
+Rules of this module:
+
+1. A backend turns a client into a :class:`Store` bound to one namespace (a
+   service's key prefix or collection, and a permit count). Each operation
+   is a generator of effects, so one store serves sync and async clients
+   alike.
+2. Adding a backend means adding a store module in ``dmutex._backends`` and
+   a branch in ``open_store`` (``dmutex._backends.__init__``); neither this
+   protocol nor the engine changes.
+3. The helpers here (:func:`sleep`, :func:`extend_each`) are what a store
+   without a native mechanism answers with; like the protocol, they do no
+   I/O: they only yield effects.
 """
 
 from __future__ import annotations
@@ -14,9 +25,9 @@ from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
 from .._clock import Clock
-from .._core.effects import Sleep, Steps
-from .._core.lease import Lease
-from .._core.waiting import Waiter
+from .effects import Sleep, Steps
+from .lease import Lease
+from .waiting import Waiter
 
 Renewed: TypeAlias = "int | Exception | None"
 """One lease's answer to ``extend_many``: its new expiry, None (not active), or the error."""

@@ -1,16 +1,19 @@
 """Reading what a lock's storage holds, without changing it: ``dmutex status``.
 
+It sits with the command (``dmutex._cli``), its only user, since it drives a
+store's effects (``dmutex._runtime.drivers``), which a backend does not.
+
 Sync clients only. The store is prepared first (SQLite: its table created
 if missing, MongoDB: its index), as before any operation.
 """
 
 from __future__ import annotations
 
-from .._faces.drive import SyncDriver
+from .._backends import open_store
+from .._core.abc import Holder, Inspection
 from .._options import DEFAULT_PREFIX, Kind, Options
+from .._runtime.drivers import SyncDriver
 from .._validate import check_key
-from . import open_store
-from .store import Holder, Inspection
 
 __all__ = ["Holder", "Inspection", "read_holders"]
 
@@ -28,7 +31,13 @@ def read_holders(
     kind: Kind = "mutex" if limit == 1 else "semaphore"
     prefix = DEFAULT_PREFIX[kind]
     options = Options.check(
-        kind, service, limit, 300, None, db_name, None, prefix, None, None, None, None, prefix
+        kind,
+        service_name=service,
+        max_permits=limit,
+        default_ttl_seconds=300,
+        db_name=db_name,
+        collection_prefix=prefix,
+        table_prefix=prefix,
     )
     store = open_store(client, options, asynchronous=False)
     drive = SyncDriver(store.clock, store.ready)

@@ -1,5 +1,8 @@
 """Drivers: where the algorithms' effects meet the world, sync or asyncio.
 
+They sit in ``dmutex._runtime``, between the public classes (``_faces``),
+each of which owns one, and the engine and stores whose effects they run.
+
 Each public instance owns one driver, and the driver is the one place where
 the instance's policy wraps the algorithms: before an operation's first
 request to the server it prepares the store, once per instance, one caller

@@ -1,0 +1,12 @@
+"""The Redis backend, one file per thing it holds.
+
+- ``scripts.py``: the Lua scripts, one named constant each;
+- ``waits.py``: the budget of blocking waits (``BLPOP`` wake-ups) per pool;
+- ``store.py``: :class:`RedisStore`, which runs the scripts and the waits.
+"""
+
+from __future__ import annotations
+
+from .store import RedisStore
+
+__all__ = ["RedisStore"]

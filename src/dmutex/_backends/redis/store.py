@@ -1,0 +1,482 @@
+"""The Redis store: each operation is one request to the server.
+
+It sits in ``dmutex._backends.redis`` with the Lua scripts it runs
+(``scripts.py``) and the budget of its blocking waits (``waits.py``).
+
+Layout (shared with the TypeScript dmutex): slot ``i`` of lock ``key`` is the
+string key ``f"{key_prefix}permit:{i}:{key}"``, its value the holder's token,
+its expiry set with ``PX`` in milliseconds. Redis deletes a key whose expiry
+has passed, so "active" is simply "the key exists and holds the token".
+Beside them dmutex keeps only records of its own, each marked as dmutex's
+and never written where something else is: a lock's fence counter, a
+semaphore's holders index (``scripts.py``: a hint that spares reading every
+slot key, never trusted for safety) and, while someone waits, its waiting
+records.
+
+Guarantees, on one Redis server: at most ``max_permits`` keys of a lock exist
+at any instant, because each is created only by ``SET ... NX``; release and
+extend compare the token and act in one atomic script, so a holder whose lease
+expired and was taken over cannot touch the new holder's key. Every script
+declares, in ``KEYS``, every key it touches, and writes only slot keys that
+are absent or hold the caller's own token (and the records above).
+
+An acquire is idempotent: the token is fixed before the first send, and a
+script that finds the token already in a slot returns that slot. So when a
+client re-sends an acquire whose reply was lost (redis-py and valkey-py do,
+after a connection error), the copy answers with the lease the first one
+took, instead of reporting contention or taking a second slot.
+
+Limits:
+
+- Expiry is the server's: Redis treats a key as expired once its clock is past
+  the expiry, so a lease lasts ``ttl`` plus up to a millisecond, and
+  ``expired_at`` (computed with this process's clock before the request is
+  sent) is an estimate that is never later than the server's.
+- A release whose reply was lost and re-sent answers False (the first copy
+  deleted the key): after ``release()`` returns, True or False, the token
+  holds no slot.
+- Replication is asynchronous. A key written on a primary that fails before
+  the write reaches a replica is lost on failover, and a second holder can
+  then be granted the same slot. See the README's section on failover.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+from ..._clock import Clock, SystemClock
+from ..._core.abc import Holder, Inspection, Renewed
+from ..._core.effects import Call, Sleep, Steps
+from ..._core.lease import MAX_EXPIRY_MS, Lease, now_ms
+from ..._core.waiting import Waiter, lost_pause
+from ..._errors import DMutexError, InvalidArgumentError
+from ..cluster import hash_slot, same_hash_slot
+from ..shapes import defines, is_cluster_client, method
+from .scripts import (
+    ACQUIRE,
+    EXTEND,
+    FENCE_MARK,
+    FOREIGN,
+    INSPECT,
+    RELEASE,
+    RENEW,
+    RENEW_BATCH,
+    Script,
+)
+from .waits import MIN_BLOCK, REFRESH, TICK, Blockers, block_budget
+
+__all__ = ["RedisStore"]
+
+
+def _is_noscript(error: BaseException) -> bool:
+    """Whether ``error`` is the server's NOSCRIPT reply to EVALSHA.
+
+    redis-py and valkey-py strip the ``NOSCRIPT`` code into the exception
+    class (``NoScriptError``); other clients keep it in the message.
+    """
+    message = str(error)
+    return (
+        type(error).__name__ == "NoScriptError"
+        or message.startswith("NOSCRIPT")
+        or message.startswith("No matching script")
+    )
+
+
+def _grant(reply: object, last: int) -> tuple[int, int, int]:
+    """The acquire script's ``{position, fence[, expiry]}``; expiry -1 when not given.
+
+    Position in ``-1..last``, fence >= 0, expiry (a holder's PTTL) >= -2.
+    """
+    if not isinstance(reply, (list, tuple)) or len(reply) not in (2, 3):
+        raise DMutexError(f"unexpected reply from Redis: {reply!r}")
+    position, fence = _as_int(reply[0], -1, last), _as_int(reply[1], 0, 2**63 - 1)
+    if len(reply) == 2:
+        return position, fence, -1
+    if position != -1 or fence != 0:  # only a failed attempt reports the holder's expiry
+        raise DMutexError(f"unexpected reply from Redis: {reply!r}")
+    return position, fence, _as_int(reply[2], -2, 2**63 - 1)
+
+
+def _as_int(reply: object, low: int, high: int) -> int:
+    """An integer script reply in ``low..high``, however the client decoded it.
+
+    Anything else is a client or server that does not speak this protocol; it
+    raises rather than pass for contention or success.
+    """
+    value: int | None = None
+    if isinstance(reply, int) and not isinstance(reply, bool):
+        value = reply
+    elif isinstance(reply, (bytes, str)):
+        with contextlib.suppress(ValueError):
+            value = int(reply)
+    if value is None or not low <= value <= high:
+        raise DMutexError(f"unexpected reply from Redis: {reply!r}")
+    return value
+
+
+class RedisStore:
+    """One namespace of lock keys on one Redis server or cluster; a ``Store``.
+
+    Two client paths: ``execute_command`` (redis-py, valkey-py, fakeredis,
+    cluster clients), where scripts run by ``EVALSHA`` and fall back to
+    ``EVAL`` once when the server answers ``NOSCRIPT``; and ``set`` + ``eval``
+    (the ioredis shape), where scripts run by ``EVAL``.
+
+    Every operation is one script, a mutex's acquire too: a plain ``SET NX``
+    could not tell a re-sent copy of itself from contention.
+
+    On a cluster client, a lock whose slot keys fall into different hash
+    slots is handled one key per request (see :meth:`acquire`); wrap the lock
+    key in a hash tag, ``"{orders}"``, to keep one request per operation.
+    """
+
+    max_expiry_ms = MAX_EXPIRY_MS
+
+    def __init__(
+        self,
+        client: object,
+        prefix: str,
+        max_permits: int,
+        clock: Clock,
+        *,
+        fencing: bool | None = None,
+    ) -> None:
+        self._prefix = prefix
+        self._permits = max_permits
+        self._fencing = fencing
+        self._cluster = is_cluster_client(client)
+        # Detection checked the client's shape; pick its path once.
+        self._execute: Callable[..., object] | None = None
+        self._eval: Callable[..., object] | None = None
+        if defines(client, "execute_command"):
+            self._execute = method(client, "execute_command")
+        else:
+            self._eval = method(client, "eval")
+        self._clock = clock
+        # Waiters block (BLPOP) only where that is safe: a command client
+        # on the system clock, with connections to spare.
+        found = block_budget(client) if self._execute and isinstance(clock, SystemClock) else None
+        self._blockers: Blockers | None = None
+        self._block_cap = 0.0
+        if found is not None:
+            self._blockers, self._block_cap = found
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    def _groups(self, key: str) -> list[list[str]]:
+        """Every slot key of ``key``, in slot order, in groups one script may touch.
+
+        One group, except on a cluster when the keys span hash slots: then
+        one group per key.
+        """
+        names = [f"{self._prefix}permit:{slot}:{key}" for slot in range(self._permits)]
+        if self._cluster and not same_hash_slot(names):
+            return [[name] for name in names]
+        return [names]
+
+    def _run(self, script: Script, keys: Sequence[str], args: tuple[object, ...]) -> Steps[object]:
+        """Run ``script`` in one request (two the first time on a fresh server)."""
+        if self._execute is None:
+            assert self._eval is not None  # detection: no execute_command means set + eval
+            return (yield Call(self._eval, (script.text, len(keys), *keys, *args)))
+        try:
+            return (yield Call(self._execute, ("EVALSHA", script.sha, len(keys), *keys, *args)))
+        except Exception as error:
+            if not _is_noscript(error):
+                raise
+        # EVAL caches the script, so the next EVALSHA on this server succeeds.
+        return (yield Call(self._execute, ("EVAL", script.text, len(keys), *keys, *args)))
+
+    def ready(self) -> Steps[None]:
+        """Nothing to prepare: Redis needs no index."""
+        yield from ()
+
+    def _counter(self, key: str, groups: list[list[str]]) -> str | None:
+        """The fence counter of ``key``, or None: no fencing, or no hash slot to share.
+
+        On a cluster the counter must share the hash slot of the slot keys,
+        so that the acquire's own script can increment it; with
+        ``fencing=True`` a key whose records cannot is an error.
+        """
+        if self._fencing is False:
+            return None
+        name = f"{self._prefix}fence:{key}"
+        if self._cluster and (len(groups) > 1 or not same_hash_slot([groups[0][0], name])):
+            if self._fencing:
+                raise InvalidArgumentError(
+                    f"fencing=True on a cluster needs the key's records in one hash slot: "
+                    f"wrap the key in a hash tag, for example {'{' + key + '}'!r}"
+                )
+            return None
+        return name
+
+    def _holders(self, key: str, groups: list[list[str]]) -> str | None:
+        """The holders index of ``key`` (``scripts.py``), or None: a mutex, or no shared hash slot.
+
+        A semaphore's scripts read it to answer without looking at every
+        slot key; on a cluster it must share the slot keys' hash slot.
+        """
+        if self._permits == 1:
+            return None
+        name = f"{self._prefix}holders:{key}"
+        # By handle, ``groups`` is the one slot key: where only it shares the
+        # index's hash slot, no acquire wrote an index, and the script finds none.
+        if self._cluster and (len(groups) > 1 or not same_hash_slot([groups[0][0], name])):
+            return None
+        return name
+
+    def _wakes(self, key: str, groups: list[list[str]]) -> list[str]:
+        """The waiters and signal records of ``key``, or none: its waiters are not woken.
+
+        Not on a client that cannot block, nor on a cluster unless both
+        records share the hash slot of the slot keys (a hash-tagged key).
+        """
+        if self._blockers is None:
+            return []
+        names = [f"{self._prefix}waiters:{key}", f"{self._prefix}signal:{key}"]
+        if self._cluster and (len(groups) > 1 or not same_hash_slot([groups[0][0], *names])):
+            return []
+        return names
+
+    def acquire(
+        self, key: str, token: str, ttl_ms: int, waiter: Waiter | None = None
+    ) -> Steps[Lease | None]:
+        """Take a free slot of ``key``, or return None when all are held.
+
+        One request: one script over every slot key, the fence counter and,
+        for a ``waiter`` that can be woken, its records. On a cluster with
+        the slot keys in different hash slots, one request per slot until
+        one succeeds (at most ``max_permits``), no fence and no wake-up.
+        Raises before any request when ``fencing=True`` cannot be met.
+        """
+        groups = self._groups(key)
+        counter = self._counter(key, groups)
+        holders = None if self._permits == 1 else self._holders(key, groups)
+        # The extra records, as KEYS and as ARGV names them.
+        records: tuple[list[str], str]
+        if holders is None:
+            records = ([counter], "fence") if counter else ([], "-")
+        else:
+            records = ([counter, holders], "fence+holders") if counter else ([holders], "holders")
+        wakes = self._wakes(key, groups) if waiter is not None else []
+        return self._acquire(key, token, ttl_ms, groups, records, waiter if wakes else None, wakes)
+
+    def _acquire(
+        self,
+        key: str,
+        token: str,
+        ttl_ms: int,
+        groups: list[list[str]],
+        records: tuple[list[str], str],
+        waiter: Waiter | None,
+        wakes: list[str],
+    ) -> Steps[Lease | None]:
+        expires = now_ms(self._clock) + ttl_ms
+        extra, kinds = records
+        args: tuple[object, ...] = (token, ttl_ms) if not extra else (token, ttl_ms, kinds)
+        if waiter is not None:
+            started = self._clock.monotonic()
+            window = 0 if waiter.last else waiter.window_ms
+            if window and waiter.registered and started - waiter.registered_at < REFRESH:
+                window = -1  # registered a moment ago: no need to again
+            registered = "1" if waiter.registered else "0"
+            args = (token, ttl_ms, kinds, waiter.name, window, registered)
+        first = 0
+        for group in groups:
+            keys = [*group, *extra, *wakes]
+            try:
+                reply = yield from self._run(ACQUIRE, keys, args)
+            except Exception as error:
+                said = str(error)
+                if FOREIGN in said:
+                    name = said[said.find("DMUTEX ") + 7 : said.find(f" {FOREIGN}")]
+                    raise DMutexError(f"{name!r} {FOREIGN}: dmutex leaves it alone") from error
+                raise
+            position, fence, left = _grant(reply, len(group) - 1)
+            if position >= 0:
+                if waiter is not None:
+                    waiter.registered = False
+                return Lease(key, token, first + position, expires, fence or None)
+            first += len(group)
+            if waiter is not None:
+                waiter.registered = not waiter.last
+                if window > 0:
+                    waiter.registered_at = started
+                waiter.expires_in = (left + 1) / 1000 if left >= 0 else None
+        return None
+
+    def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
+        """Block on ``key``'s signal list (``BLPOP``) for up to ``seconds``, else sleep.
+
+        Blocks only when the last attempt registered ``waiter`` and a
+        connection of the pool is to spare (see :class:`Blockers`). A
+        failed block (a socket timeout, a server that refuses the command)
+        sleeps the rest of the wait: it never raises.
+
+        A wait longer than a server tick (:data:`TICK`) blocks a tick less
+        than it lasts, and may end that much early; a shorter one blocks
+        all of it and may end up to a tick late, since the server times
+        the block out only on its tick, unless the holder's expiry cuts it
+        short: that one sleeps, to try on time.
+
+        Caveat: a client that re-sends a command whose connection was cut
+        (redis-py's default retry policy) re-sends the BLPOP with its whole
+        timeout, so a cut in the middle of a block stretches that one wait
+        by up to the client's retries times the block. A release still
+        ends it at once; only what sends no signal waits longer.
+        """
+        blockers = self._blockers
+        if waiter.woken:
+            # Woken, then beaten to the permit: pause before blocking (waiting.py, rule 4).
+            waiter.woken = False
+            yield Sleep(lost_pause(seconds))
+            return
+        block = min(seconds, self._block_cap)
+        if block >= TICK + MIN_BLOCK:
+            block -= TICK
+        elif waiter.expires_in is not None and seconds >= waiter.expires_in:
+            # Cut short by the holder's expiry: a block would end a tick late.
+            block = 0.0
+        if not waiter.registered or blockers is None or block < MIN_BLOCK or not blockers.take():
+            yield Sleep(seconds)
+            return
+        assert self._execute is not None  # blocking needs a command client
+        started = self._clock.monotonic()
+        failed = False
+        try:
+            reply = yield Call(
+                self._execute, ("BLPOP", f"{self._prefix}signal:{key}", f"{block:.3f}")
+            )
+        except Exception:  # noqa: BLE001 - the wait degrades to sleeping, rule 3 of waiting.py
+            failed = True
+        else:
+            waiter.woken = reply is not None
+        finally:
+            blockers.give()
+        rest = seconds - (self._clock.monotonic() - started)
+        if failed and rest > 0:
+            yield Sleep(rest)
+
+    def _holder(
+        self,
+        script: Script,
+        key: str,
+        slot: int | None,
+        head: tuple[object, ...],
+        *,
+        wake: bool = False,
+    ) -> Steps[bool]:
+        """Run a compare-token script on the slot key(s) that may hold the token.
+
+        ``head`` is the script's arguments (the token, and the TTL for
+        extend). ``wake``: the script is the release, and gets the lock's
+        waiting records where its waiters can be woken. A semaphore's
+        scripts also get its holders index, which names the token's slot.
+        Returns whether a key held it.
+        """
+        if slot is not None or self._permits == 1:
+            groups = [[f"{self._prefix}permit:{slot or 0}:{key}"]]
+        else:
+            groups = self._groups(key)
+        holders = None if self._permits == 1 else self._holders(key, groups)
+        wakes = self._wakes(key, groups) if wake else []
+        args = head
+        if holders is None:
+            if wakes:
+                args = (*head, self._permits)
+            after = wakes
+        else:
+            args = (*head, self._permits if wakes else "-") if wake else head
+            args = (*args, "holders")
+            after = [holders, *wakes]
+        for group in groups:
+            keys = [*group, *after] if after else group
+            if _as_int((yield from self._run(script, keys, args)), 0, 1) == 1:
+                return True
+        return False
+
+    def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
+        """Delete the slot key that holds ``token`` and wake a waiter, in one atomic script."""
+        return (yield from self._holder(RELEASE, key, slot, (token,), wake=True))
+
+    def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
+        """Set the expiry of the slot key that holds ``token`` to now + ttl."""
+        expires = now_ms(self._clock) + ttl_ms
+        done = yield from self._holder(EXTEND, key, slot, (token, ttl_ms))
+        return expires if done else None
+
+    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
+        """Renew ``leases`` by their TTLs: one request per up to ``RENEW_BATCH`` of them.
+
+        On a cluster, one request per hash slot among their slot keys (a
+        script touches one slot). Answers each lease's new expiry, or None.
+        """
+        names = [f"{self._prefix}permit:{lease.slot}:{lease.key}" for lease in leases]
+        groups: dict[int, list[int]] = {}
+        for index, name in enumerate(names):
+            groups.setdefault(hash_slot(name) if self._cluster else 0, []).append(index)
+        answers: list[Renewed] = [None] * len(leases)
+        for indexes in groups.values():
+            for start in range(0, len(indexes), RENEW_BATCH):
+                chunk = indexes[start : start + RENEW_BATCH]
+                try:
+                    done = yield from self._renew(chunk, leases, names)
+                except Exception as error:  # noqa: BLE001 - these leases' answer; other requests go on
+                    done = [error] * len(chunk)
+                for i, answer in zip(chunk, done, strict=True):
+                    answers[i] = answer
+        return answers
+
+    def holders(self, key: str) -> Steps[Inspection]:
+        """The slot keys of ``key`` that exist, and its fence counter: one read-only script.
+
+        On a cluster with the slot keys in different hash slots, one request
+        per slot key. Expiries are the server's (``PTTL`` from its ``TIME``);
+        a key without one shows the latest expiry a lease may have.
+        """
+        groups = self._groups(key)
+        counter = self._counter(key, groups)
+        found: list[Holder] = []
+        fence: int | None = None
+        now = 0
+        first = 0
+        for number, group in enumerate(groups):
+            extra = [counter] if counter and number == 0 else []
+            reply = yield from self._run(INSPECT, [*group, *extra], ("1" if extra else "0",))
+            if not isinstance(reply, (list, tuple)) or len(reply) < 2 or len(reply) % 3 != 2:
+                raise DMutexError(f"unexpected reply from Redis: {reply!r}")
+            now = _as_int(reply[0], 0, MAX_EXPIRY_MS)
+            stored = reply[1].decode() if isinstance(reply[1], bytes) else reply[1]
+            if extra and isinstance(stored, str) and stored.startswith(FENCE_MARK):
+                fence = _as_int(stored[len(FENCE_MARK) :], 0, 2**63 - 1)
+            for at in range(2, len(reply), 3):
+                position, token, left = reply[at : at + 3]
+                expires = MAX_EXPIRY_MS if left == -1 else now + _as_int(left, 0, MAX_EXPIRY_MS)
+                shown = token.decode() if isinstance(token, bytes) else str(token)
+                found.append(Holder(first + _as_int(position, 0, len(group)), shown, expires))
+            first += len(group)
+        return Inspection(found, fence, now)
+
+    def _renew(
+        self, chunk: list[int], leases: Sequence[Lease], names: list[str]
+    ) -> Steps[list[Renewed]]:
+        """One RENEW request for the leases at ``chunk``: each one's new expiry or None."""
+        expires = [now_ms(self._clock) + leases[i].ttl_ms for i in chunk]
+        keys = [names[i] for i in chunk]
+        # Each semaphore's index once, after the slot keys: its position in KEYS.
+        where: dict[str, int] = {}
+        args: list[object] = []
+        for i in chunk:
+            lease = leases[i]
+            holders = self._holders(lease.key, [[names[i]]])
+            at = 0
+            if holders is not None:
+                at = where.get(holders) or where.setdefault(holders, len(chunk) + len(where) + 1)
+            args += (lease.token, lease.ttl_ms, at)
+        reply = yield from self._run(RENEW, [*keys, *where], tuple(args))
+        if not isinstance(reply, (list, tuple)) or len(reply) != len(chunk):
+            raise DMutexError(f"unexpected reply from Redis: {reply!r}")
+        return [e if _as_int(d, 0, 1) == 1 else None for d, e in zip(reply, expires, strict=True)]
