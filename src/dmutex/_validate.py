@@ -10,13 +10,11 @@ from ._clock import Clock
 from ._errors import ArgumentTypeError, InvalidArgumentError
 
 BackendName = Literal["mongodb", "redis"]
+"""The values ``backend=`` takes: the backend to use instead of detecting it from the client."""
 
 _BACKENDS: tuple[BackendName, ...] = ("mongodb", "redis")
 
 MAX_PERMITS = 1024
-# The longest key every layout stores: 512 characters (the TypeScript MySQL
-# store's varchar(512) row key) less "permit:1023:", the longest slot prefix.
-MAX_KEY_LENGTH = 500
 """The largest ``max_permits`` a semaphore may have.
 
 On Redis every operation that looks for a token runs one script over all of
@@ -24,6 +22,13 @@ a lock's slot keys, and the server serves nobody else meanwhile. Measured on
 a 2-core VM with Redis 7.0 (SLOWLOG, 200 calls each), a full semaphore's
 acquire at 1,024 permits ran 0.41 ms (median; 0.62 ms at most), as did a
 release by an unknown token; at 4,096 permits, 2.1 ms (5.9 ms at most).
+"""
+
+MAX_KEY_LENGTH = 500
+"""The longest key, in characters, that every backend accepts.
+
+Every layout stores it: 512 characters (the TypeScript MySQL store's
+``varchar(512)`` row key) less ``permit:1023:``, the longest slot prefix.
 """
 
 

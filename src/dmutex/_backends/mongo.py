@@ -95,7 +95,8 @@ def _fencing_method(collection: object) -> Callable[..., object]:
 class MongoStore:
     """One collection of lease documents; a ``Store``.
 
-    Requests per operation (see the README, "Requests"): a mutex acquire is one upsert;
+    Requests per operation (see the documentation's MongoDB page,
+    "Requests"): a mutex acquire is one upsert;
     a semaphore acquire is one upsert when the slot it tries first is free,
     two (upsert, then ``distinct`` of the active slots) when all are held,
     else three, plus one per race lost to another caller; with

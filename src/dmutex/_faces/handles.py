@@ -73,8 +73,8 @@ class HandleBase(Generic[D]):
         key (all permits of a key share one sequence). Pass it with every
         write to the resource the lock guards, and let the resource refuse
         a write whose fence is lower than the highest it has seen: a holder
-        whose lease ran out then cannot overwrite its successor's work. See
-        the README, "Fencing tokens", for which backends keep one.
+        whose lease ran out then cannot overwrite its successor's work. The
+        documentation's "Fencing tokens" page says which backends keep one.
         """
         return self._lease.fence
 
@@ -103,7 +103,7 @@ class HandleBase(Generic[D]):
         the TTL, at least 0.2 s but at most a quarter of it, and at most
         2 s: ``renewal.margin_ms``). Until then no other holder can be granted
         this permit, whatever the network does, as long as the clocks keep
-        the rate assumptions of the README's "Guarantees". 0.0 once lost or
+        the rate assumptions of the documentation's "Guarantees and limits". 0.0 once lost or
         released. Use it to bound work that cannot check :attr:`lost`.
         """
         return renewal.time_left(self._lease, self._engine.clock)

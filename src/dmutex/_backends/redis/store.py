@@ -37,7 +37,7 @@ Limits:
   holds no slot.
 - Replication is asynchronous. A key written on a primary that fails before
   the write reaches a replica is lost on failover, and a second holder can
-  then be granted the same slot. See the README's section on failover.
+  then be granted the same slot. See the Redis page's "Failover" in the documentation.
 """
 
 from __future__ import annotations
