@@ -86,6 +86,7 @@ from pymongo.collection import Collection
 from tests._support import faces
 from tests._support.fault_proxy import Fault, FaultProxy, Rates, upstream_address
 from tests._support.mongo_servers import Doc, Session
+from tests._support.proxied import redis_options
 from tests._support.redis_servers import Pool, Server
 from tests._support.sampling import sampling as sampling_thread
 
@@ -773,13 +774,7 @@ def redis_through_faults(server: Server, kind: Kind, face: FaceName) -> None:
             workers = []
             for index, key in enumerate(keys):
                 client_class = redis.Redis if face == "sync" else redis.asyncio.Redis
-                client = client_class(
-                    host=proxy.host,
-                    port=proxy.port,
-                    password=server.password,
-                    socket_timeout=REDIS_TIMEOUT,
-                    socket_connect_timeout=REDIS_TIMEOUT,
-                )
+                client = client_class(**redis_options(proxy, server, REDIS_TIMEOUT))
                 clients.append(client)
                 lock = make_lock(face, kind, client, REDIS_TTL, loop)
                 lock.wait(client.ping())  # connected before the faults start

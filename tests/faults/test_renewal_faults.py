@@ -83,7 +83,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 
 import pymongo
 import pymongo.common
@@ -111,6 +111,7 @@ from dmutex._backends.redis import EXTEND
 from tests._support import processes
 from tests._support.fault_proxy import Fault, FaultProxy, Rates, upstream_address
 from tests._support.mongo_servers import Session
+from tests._support.proxied import redis_options
 from tests._support.redis_servers import Pool, Server
 from tests._support.sampling import sampling as sampling_thread
 from tests._support.sampling import until
@@ -918,20 +919,20 @@ def redis_checker(server: Server) -> Checker:
     return Checker(RedisTruth(server), Renewals(), REDIS_RETRY_SLACK_MS)
 
 
-def through(proxy: FaultProxy, server: Server) -> dict[str, Any]:
-    """A Redis client's options to reach ``server`` through ``proxy``; no retries."""
-    return {
-        "host": proxy.host,
-        "port": proxy.port,
-        "password": server.password,
-        "socket_timeout": REDIS_TIMEOUT,
-        "socket_connect_timeout": REDIS_TIMEOUT,
-    }
+Recording = TypeVar("Recording", RecordingRedis, RecordingAsyncRedis)
 
 
-def sync_redis(proxy: FaultProxy, server: Server, renewals: Renewals) -> RecordingRedis:
-    retry = redis.retry.Retry(redis.backoff.NoBackoff(), 0)
-    client = RecordingRedis(**through(proxy, server), retry=retry)
+def recording(
+    cls: type[Recording], proxy: FaultProxy, server: Server, renewals: Renewals
+) -> Recording:
+    """A client of ``cls`` to ``server`` through ``proxy``, retrying nothing; it notes
+    its renewals in ``renewals``."""
+    options = redis_options(proxy, server, REDIS_TIMEOUT)
+    if cls is RecordingRedis:
+        options["retry"] = redis.retry.Retry(redis.backoff.NoBackoff(), 0)
+    else:
+        options["retry"] = redis.asyncio.retry.Retry(redis.backoff.NoBackoff(), 0)
+    client = cls(**options)
     client.renewals = renewals
     return client
 
@@ -940,7 +941,6 @@ def test_redis_sync_renewal_through_faults(redis_target_server: Server) -> None:
     """Sync leases renewed by the renewal thread through the faulty proxies."""
     server = redis_target_server
     checker = redis_checker(server)
-    renewals = checker.renewals
     started = time.monotonic()
     with (
         contextlib.closing(checker.truth),
@@ -949,8 +949,8 @@ def test_redis_sync_renewal_through_faults(redis_target_server: Server) -> None:
         contextlib.ExitStack() as stack,
     ):
         clients = {
-            "steady": stack.enter_context(sync_redis(steady, server, renewals)),
-            "outage": stack.enter_context(sync_redis(outage, server, renewals)),
+            name: stack.enter_context(recording(RecordingRedis, proxy, server, checker.renewals))
+            for name, proxy in (("steady", steady), ("outage", outage))
         }
         locks = {group: DMutex(SERVICE, client) for group, client in clients.items()}
         for index, ttl in enumerate(ttls(REDIS_TTLS, "redis-sync", REDIS_SHARING)):
@@ -966,26 +966,18 @@ def test_redis_sync_renewal_through_faults(redis_target_server: Server) -> None:
         assert_batched(checker, text)
 
 
-def async_redis(proxy: FaultProxy, server: Server, renewals: Renewals) -> RecordingAsyncRedis:
-    retry = redis.asyncio.retry.Retry(redis.backoff.NoBackoff(), 0)
-    client = RecordingAsyncRedis(**through(proxy, server), retry=retry)
-    client.renewals = renewals
-    return client
-
-
 def test_redis_async_renewal_through_faults(redis_target_server: Server) -> None:
     """Async leases renewed by the event loop's renewal task through the faulty proxies."""
     server = redis_target_server
     checker = redis_checker(server)
-    renewals = checker.renewals
     started = time.monotonic()
     released: dict[str, bool] = {}
     records: dict[str, Record] = {}
 
     async def main(steady: FaultProxy, outage: FaultProxy) -> None:
         clients = {
-            "steady": async_redis(steady, server, renewals),
-            "outage": async_redis(outage, server, renewals),
+            name: recording(RecordingAsyncRedis, proxy, server, checker.renewals)
+            for name, proxy in (("steady", steady), ("outage", outage))
         }
         try:
             locks = {group: AsyncDMutex(SERVICE, client) for group, client in clients.items()}
