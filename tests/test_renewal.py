@@ -15,6 +15,7 @@ import asyncio
 import gc
 import threading
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -230,6 +231,34 @@ def test_wait_lost_returns_when_another_thread_releases(clock: ManualClock) -> N
     assert woke == [False]
 
 
+async def run_until_cancelled(
+    mutex: AsyncDMutex,
+    key: str,
+    ttl: float,
+    hang: Callable[[], Awaitable[object]],
+    events: list[str],
+    cancelled: Callable[[], str],
+) -> None:
+    """``mutex.run(key, body, ttl, auto_renew=True)``, the body awaiting ``hang()``.
+
+    Appends ``cancelled()`` when the body is cancelled, then the name of what
+    ``run()`` raised.
+    """
+
+    async def body(handle: object) -> str:
+        try:
+            await hang()
+        except asyncio.CancelledError:
+            events.append(cancelled())
+            raise
+        return "never"
+
+    try:
+        await mutex.run(key, body, ttl, auto_renew=True)
+    except Exception as error:  # noqa: BLE001 - the test names the type
+        events.append(type(error).__name__)
+
+
 def test_async_wait_lost_and_run_cancellation_on_a_manual_clock(clock: ManualClock) -> None:
     async def main() -> list[str]:
         backend = InMemoryBackend(clock=clock)
@@ -242,20 +271,14 @@ def test_async_wait_lost_and_run_cancellation_on_a_manual_clock(clock: ManualClo
         await clock.sleep_async(1.0)
         events.append(f"wait_lost={await waiting}")
 
-        async def work(handle: object) -> str:
+        async def expire_and_hang() -> None:
             backend.force_expire("other")
-            try:
-                await clock.sleep_async(1.0)
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                events.append("callback cancelled")
-                raise
-            return "never"
+            await clock.sleep_async(1.0)
+            await asyncio.sleep(3600)
 
-        try:
-            await mutex.run("other", work, TTL, auto_renew=True)
-        except Exception as error:  # noqa: BLE001 - the test names the type below
-            events.append(type(error).__name__)
+        await run_until_cancelled(
+            mutex, "other", TTL, expire_and_hang, events, lambda: "callback cancelled"
+        )
         return events
 
     assert asyncio.run(main()) == ["wait_lost=True", "callback cancelled", "LeaseLostError"]
@@ -348,18 +371,14 @@ def test_a_hung_renewal_cancels_the_async_run_body_at_its_deadline() -> None:
         events: list[str] = []
         mutex = AsyncDMutex("svc", client)
 
-        async def body(handle: object) -> str:
-            try:
-                await asyncio.sleep(HANG_LIMIT)
-            except asyncio.CancelledError:
-                events.append(f"cancelled, answered={client.answered.is_set()}")
-                raise
-            return "never"
-
-        try:
-            await mutex.run("job", body, SHORT_TTL, auto_renew=True)
-        except Exception as error:  # noqa: BLE001 - the test names the type below
-            events.append(type(error).__name__)
+        await run_until_cancelled(
+            mutex,
+            "job",
+            SHORT_TTL,
+            lambda: asyncio.sleep(HANG_LIMIT),
+            events,
+            lambda: f"cancelled, answered={client.answered.is_set()}",
+        )
         client.gate.set()
         return events
 

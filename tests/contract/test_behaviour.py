@@ -8,13 +8,21 @@ from datetime import timedelta
 
 import pytest
 
+from dmutex import ManualClock
 from tests._support.backends import Rig
-from tests._support.faces import Handle
+from tests._support.faces import Face, Handle
 
 
 def held(handle: Handle | None) -> Handle:
     assert handle is not None, "expected the permit to be granted"
     return handle
+
+
+def taken_then_free(mutex: Face, clock: ManualClock, almost: float) -> None:
+    """``job`` is still taken ``almost`` seconds on; then the clock moves 1 ms more."""
+    clock.advance(almost)
+    assert mutex.acquire("job") is None
+    clock.advance(0.001)
 
 
 # --- acquire ------------------------------------------------------------------
@@ -190,9 +198,7 @@ def test_extend_sets_now_plus_ttl(env: Rig) -> None:
     assert lock.expired_at == clock.now() + timedelta(seconds=10)
     clock.advance(9)
     assert mutex.extend("job", lock.token, 3) is True
-    clock.advance(2.999)
-    assert mutex.acquire("job") is None
-    clock.advance(0.001)
+    taken_then_free(mutex, clock, 2.999)
     assert held(mutex.acquire("job")).key == "job"
 
 
@@ -208,9 +214,7 @@ def test_lease_expires_at_its_ttl(env: Rig) -> None:
     clock = env.need_clock()
     mutex = env.make("mutex")
     lock = held(mutex.acquire("job", ttl=2))
-    clock.advance(1.999)
-    assert mutex.acquire("job") is None
-    clock.advance(0.001)
+    taken_then_free(mutex, clock, 1.999)
     assert lock.extend() is False
     assert held(mutex.acquire("job")).key == "job"
 

@@ -68,7 +68,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Literal, Protocol, TypeAlias, TypeVar
+from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 
 import pymongo
 import pytest
@@ -241,18 +241,22 @@ class RedisRig(ProxiedRig):
         self.server = server
         self.async_clients: list[redis.asyncio.Redis] = []
 
+    def through(self, index: int) -> dict[str, Any]:
+        """A holder's client options: through trial ``index``'s proxy, no socket timeout
+        (a request the blackhole swallows waits for ever), redis-py's default retries
+        (10, with backoff)."""
+        proxy = self.proxy(index)
+        return {
+            "host": proxy.host,
+            "port": proxy.port,
+            "password": self.server.password,
+            "db": self.server.db,
+            "socket_timeout": None,
+        }
+
     def sync_lock(self, index: int) -> DMutex:
         if index not in self.sync_locks:
-            proxy = self.proxy(index)
-            # No socket timeout: a request the blackhole swallows waits for ever.
-            # The retries are redis-py's defaults (10, with backoff).
-            client = redis.Redis(
-                host=proxy.host,
-                port=proxy.port,
-                password=self.server.password,
-                db=self.server.db,
-                socket_timeout=None,
-            )
+            client = redis.Redis(**self.through(index))
             self.sync_clients.append(client)
             self.sync_locks[index] = DMutex(SERVICE, client)
         return self.sync_locks[index]
@@ -266,14 +270,7 @@ class RedisRig(ProxiedRig):
 
     async def async_lock(self, index: int) -> AsyncDMutex:
         if index not in self.async_locks:
-            proxy = self.proxy(index)
-            client = redis.asyncio.Redis(
-                host=proxy.host,
-                port=proxy.port,
-                password=self.server.password,
-                db=self.server.db,
-                socket_timeout=None,
-            )
+            client = redis.asyncio.Redis(**self.through(index))
             self.async_clients.append(client)
             self.async_locks[index] = AsyncDMutex(SERVICE, client)
         return self.async_locks[index]

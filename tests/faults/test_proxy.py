@@ -59,7 +59,6 @@ redis-py client hung on one without a socket timeout gets its
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import random
@@ -72,7 +71,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Literal, Protocol, TypeAlias
+from typing import Literal, Protocol
 
 import pymongo
 import pymongo.errors
@@ -84,26 +83,15 @@ import redis.exceptions
 import redis.retry
 from pymongo.collection import Collection
 
-from dmutex import (
-    AsyncDMutex,
-    AsyncDMutexLock,
-    AsyncDSemaphore,
-    AsyncDSemaphorePermit,
-    DMutex,
-    DMutexLock,
-    DSemaphore,
-    DSemaphorePermit,
-)
+from tests._support import faces
 from tests._support.fault_proxy import Fault, FaultProxy, Rates, upstream_address
 from tests._support.mongo_servers import Doc, Session
+from tests._support.proxied import redis_options
 from tests._support.redis_servers import Pool, Server
 from tests._support.sampling import sampling as sampling_thread
 
 Kind = Literal["mutex", "semaphore"]
-SyncLock: TypeAlias = DMutex | DSemaphore
-SyncHandle: TypeAlias = DMutexLock | DSemaphorePermit
-AsyncLock: TypeAlias = AsyncDMutex | AsyncDSemaphore
-AsyncHandle: TypeAlias = AsyncDMutexLock | AsyncDSemaphorePermit
+FaceName = Literal["sync", "async"]
 
 SEED = int(os.environ.get("DMUTEX_FAULT_SEED", "20240611"))
 REDIS_LABEL = "redis-7.0"  # one server version: the suite runs once, not per version
@@ -373,16 +361,21 @@ class Run:
 # --- the workers ----------------------------------------------------------------------------
 
 
-class SyncWorker:
-    """One thread's client, lock instance and key; runs cycles when asked."""
+class Worker:
+    """One thread's lock instance (either face) and key; runs cycles when asked.
 
-    def __init__(self, run: Run, index: int, lock: SyncLock, key: str) -> None:
+    On the async face the lock's calls run on the test's event loop thread,
+    where the workers' calls run as tasks side by side.
+    """
+
+    def __init__(self, run: Run, index: int, lock: faces.Face, key: str) -> None:
         self.run = run
         self.index = index
         self.lock = lock
         self.key = key
         self.solo = key != SHARED_KEY
-        self.rng = random.Random(f"{SEED}:{run.kind}:{index}")
+        face = "" if lock.loop is None else "async:"
+        self.rng = random.Random(f"{SEED}:{run.kind}:{face}{index}")
         self.tally = Tally()
 
     def cycles(self, count: int, hard_deadline: float) -> None:
@@ -394,7 +387,7 @@ class SyncWorker:
     def cycle(self) -> None:
         tally = self.tally
         tally.cycles += 1
-        handle: SyncHandle | None = None
+        handle: faces.Handle | None = None
         try:
             handle = self.lock.acquire(self.key, ttl=self.run.ttl)
             if handle is None and self.solo:
@@ -418,7 +411,7 @@ class SyncWorker:
         if self.solo:  # nobody else uses this key: whatever it holds now is an orphan
             self.run.record(self.run.inspector.holders(self.key))
 
-    def release(self, handle: SyncHandle) -> None:
+    def release(self, handle: faces.Handle) -> None:
         for _ in range(RELEASE_ATTEMPTS):
             try:
                 released = handle.release()
@@ -433,72 +426,11 @@ class SyncWorker:
         self.run.abandon(handle.token)
 
 
-class AsyncWorker:
-    """One task's asyncio client, lock instance and key."""
-
-    def __init__(self, run: Run, index: int, lock: AsyncLock, key: str) -> None:
-        self.run = run
-        self.index = index
-        self.lock = lock
-        self.key = key
-        self.solo = key != SHARED_KEY
-        self.rng = random.Random(f"{SEED}:{run.kind}:async:{index}")
-        self.tally = Tally()
-
-    async def cycles(self, count: int, hard_deadline: float) -> None:
-        for _ in range(count):
-            if time.monotonic() > hard_deadline:
-                return
-            await self.cycle()
-
-    async def cycle(self) -> None:
-        tally = self.tally
-        tally.cycles += 1
-        handle: AsyncHandle | None = None
-        try:
-            handle = await self.lock.acquire(self.key, ttl=self.run.ttl)
-            if handle is None and self.solo:
-                tally.wrong_none += 1
-            elif handle is None:
-                tally.refused += 1
-                handle = await self.lock.acquire_with_retry(
-                    self.key, ttl=self.run.ttl, timeout=RETRY_TIMEOUT, retry_delay=RETRY_DELAY
-                )
-                if handle is None:
-                    tally.retry_timeouts += 1
-        except self.run.failures as error:
-            tally.exceptions[f"acquire:{type(error).__name__}"] += 1
-        if handle is not None:
-            tally.acquired += 1
-            self.run.claimed(handle.token)
-            self.run.tracker.enter(self.key, self.index, handle.expired_at)
-            await asyncio.sleep(self.rng.uniform(0, self.run.work))
-            self.run.tracker.leave(self.key, self.index)
-            await self.release(handle)
-        if self.solo:
-            held = await asyncio.to_thread(self.run.inspector.holders, self.key)
-            await asyncio.to_thread(self.run.record, held)
-
-    async def release(self, handle: AsyncHandle) -> None:
-        for _ in range(RELEASE_ATTEMPTS):
-            try:
-                released = await handle.release()
-            except self.run.failures as error:
-                self.tally.exceptions[f"release:{type(error).__name__}"] += 1
-                continue
-            if not released:
-                self.tally.release_false += 1
-            await asyncio.to_thread(self.run.after_release, self.key, handle.token)
-            return
-        self.tally.release_gave_up += 1
-        self.run.abandon(handle.token)
-
-
 def rounds_needed(cycles: int, workers: int, per_round: int) -> int:
     return -(-cycles // (workers * per_round))
 
 
-def drive_sync(run: Run, workers: list[SyncWorker], cycles: int, per_round: int) -> None:
+def drive(run: Run, workers: list[Worker], cycles: int, per_round: int) -> None:
     """Rounds of ``per_round`` cycles per worker, all at once; an idle check after each."""
     with ThreadPoolExecutor(len(workers), thread_name_prefix="fault-worker") as pool:
         for _ in range(rounds_needed(cycles, len(workers), per_round)):
@@ -510,20 +442,6 @@ def drive_sync(run: Run, workers: list[SyncWorker], cycles: int, per_round: int)
                 future.result(timeout=ROUND_TIMEOUT + 30)  # an unexpected exception raises here
             run.rounds += 1
             run.idle_check()
-    for worker in workers:
-        run.tally.add(worker.tally)
-
-
-async def drive_async(run: Run, workers: list[AsyncWorker], cycles: int, per_round: int) -> None:
-    """:func:`drive_sync` for tasks on one event loop."""
-    for _ in range(rounds_needed(cycles, len(workers), per_round)):
-        if time.monotonic() > run.deadline:
-            break
-        hard = time.monotonic() + ROUND_TIMEOUT
-        round_ = asyncio.gather(*(w.cycles(per_round, hard) for w in workers))
-        await asyncio.wait_for(round_, ROUND_TIMEOUT + 30)
-        run.rounds += 1
-        await asyncio.to_thread(run.idle_check)
     for worker in workers:
         run.tally.add(worker.tally)
 
@@ -713,71 +631,75 @@ def clean_client(redis_target_server: Server) -> Iterator[redis.Redis]:
         yield client
 
 
-def test_a_blackhole_silences_an_open_connection_without_closing_it(
-    redis_target_server: Server, clean_client: redis.Redis
-) -> None:
-    """Blackholed: no reply, no EOF, the server never sees the request; stop() ends it."""
+@pytest.fixture
+def raw_proxy(redis_target_server: Server) -> Iterator[FaultProxy]:
+    """A proxy that injects nothing, before a server that raw inline commands can use.
+
+    Skips on a server with a password: an inline command cannot AUTH.
+    """
     server = redis_target_server
     if server.password:
         pytest.skip("raw inline commands need a server without a password")
     with FaultProxy((server.host, server.port), Rates(), seed=SEED) as proxy:
-        with contextlib.closing(raw_connection(proxy)) as sock:
-            assert ask(sock, b"INCR counter") == b":1\r\n"  # forwarded before
-            proxy.blackholed = True
-            assert proxy.blackholed
-            sock.sendall(b"INCR counter\r\n")
-            assert silent(sock)
-            assert counter(clean_client) == 1  # the request never reached the server
-            assert proxy.swallowed >= 1
-            # The server closes its side: the client still sees nothing.
-            clean_client.client_kill_filter(_type="normal", skipme=True)
-            sock.sendall(b"PING\r\n")  # the client can still send
-            assert silent(sock)
-            proxy.stop()
-            assert ended(sock), "the client's connection outlived the proxy"
-        assert proxy.errors == []
+        yield proxy
+
+
+def test_a_blackhole_silences_an_open_connection_without_closing_it(
+    raw_proxy: FaultProxy, clean_client: redis.Redis
+) -> None:
+    """Blackholed: no reply, no EOF, the server never sees the request; stop() ends it."""
+    proxy = raw_proxy
+    with contextlib.closing(raw_connection(proxy)) as sock:
+        assert ask(sock, b"INCR counter") == b":1\r\n"  # forwarded before
+        proxy.blackholed = True
+        assert proxy.blackholed
+        sock.sendall(b"INCR counter\r\n")
+        assert silent(sock)
+        assert counter(clean_client) == 1  # the request never reached the server
+        assert proxy.swallowed >= 1
+        # The server closes its side: the client still sees nothing.
+        clean_client.client_kill_filter(_type="normal", skipme=True)
+        sock.sendall(b"PING\r\n")  # the client can still send
+        assert silent(sock)
+        proxy.stop()
+        assert ended(sock), "the client's connection outlived the proxy"
+    assert proxy.errors == []
 
 
 def test_a_blackhole_accepts_new_connections_and_answers_nothing(
-    redis_target_server: Server, clean_client: redis.Redis
+    raw_proxy: FaultProxy, clean_client: redis.Redis
 ) -> None:
     """A connection made during the blackhole is accepted, and hangs; stop() ends it."""
-    server = redis_target_server
-    if server.password:
-        pytest.skip("raw inline commands need a server without a password")
-    with FaultProxy((server.host, server.port), Rates(), seed=SEED) as proxy:
-        proxy.blackholed = True
-        before = proxy.connections
-        with contextlib.closing(raw_connection(proxy)) as sock:
-            sock.sendall(b"INCR counter\r\n")
-            assert silent(sock)
-            assert proxy.connections == before + 1
-            assert counter(clean_client) == 0
-            proxy.stop()
-            assert ended(sock), "the client's connection outlived the proxy"
-        assert proxy.errors == []
+    proxy = raw_proxy
+    proxy.blackholed = True
+    before = proxy.connections
+    with contextlib.closing(raw_connection(proxy)) as sock:
+        sock.sendall(b"INCR counter\r\n")
+        assert silent(sock)
+        assert proxy.connections == before + 1
+        assert counter(clean_client) == 0
+        proxy.stop()
+        assert ended(sock), "the client's connection outlived the proxy"
+    assert proxy.errors == []
 
 
 def test_after_a_blackhole_new_connections_pass_and_the_old_ones_stay_dead(
-    redis_target_server: Server, clean_client: redis.Redis
+    raw_proxy: FaultProxy, clean_client: redis.Redis
 ) -> None:
     """The block form: inside it all is silent; after it, new connections are forwarded."""
-    server = redis_target_server
-    if server.password:
-        pytest.skip("raw inline commands need a server without a password")
-    with FaultProxy((server.host, server.port), Rates(), seed=SEED) as proxy:
-        with contextlib.closing(raw_connection(proxy)) as old:
-            assert ask(old, b"PING") == b"+PONG\r\n"
-            with proxy.blackhole():
-                old.sendall(b"INCR counter\r\n")
-                assert silent(old)
-            assert not proxy.blackholed
-            with contextlib.closing(raw_connection(proxy)) as new:
-                assert ask(new, b"INCR counter") == b":1\r\n"
-            old.sendall(b"PING\r\n")
-            assert silent(old)  # its stream lost bytes: it stays dead
-            assert counter(clean_client) == 1
-        assert proxy.errors == []
+    proxy = raw_proxy
+    with contextlib.closing(raw_connection(proxy)) as old:
+        assert ask(old, b"PING") == b"+PONG\r\n"
+        with proxy.blackhole():
+            old.sendall(b"INCR counter\r\n")
+            assert silent(old)
+        assert not proxy.blackholed
+        with contextlib.closing(raw_connection(proxy)) as new:
+            assert ask(new, b"INCR counter") == b":1\r\n"
+        old.sendall(b"PING\r\n")
+        assert silent(old)  # its stream lost bytes: it stays dead
+        assert counter(clean_client) == 1
+    assert proxy.errors == []
 
 
 def test_a_client_without_a_socket_timeout_hangs_until_the_proxy_stops(
@@ -820,95 +742,72 @@ def test_a_client_without_a_socket_timeout_hangs_until_the_proxy_stops(
         assert proxy.errors == []
 
 
-def make_sync_lock(
-    kind: Kind, client: redis.Redis | pymongo.MongoClient[Doc], ttl: float, db_name: str = "dmutex"
-) -> SyncLock:
-    if kind == "mutex":
-        return DMutex(SERVICE, client, default_ttl_seconds=ttl, db_name=db_name)
-    return DSemaphore(SERVICE, client, max_permits=3, default_ttl_seconds=ttl, db_name=db_name)
+def make_lock(
+    face: FaceName,
+    kind: Kind,
+    client: object,
+    ttl: float,
+    loop: faces.LoopThread | None = None,
+    db_name: str = "dmutex",
+) -> faces.Face:
+    return faces.Face(
+        face,
+        kind,
+        client,
+        service_name=SERVICE,
+        max_permits=PERMITS[kind],
+        loop=loop,
+        default_ttl_seconds=ttl,
+        db_name=db_name,
+    )
+
+
+def redis_through_faults(server: Server, kind: Kind, face: FaceName) -> None:
+    """Workers of ``face`` through a faulty proxy, their clients with default retries: checked."""
+    clean = redis.Redis(host=server.host, port=server.port, password=server.password)
+    run = Run(kind, RedisInspector(clean, redis_prefix(kind), PERMITS[kind]), *REDIS_RUN)
+    keys = worker_keys(kind, REDIS_WORKERS[kind])
+    loop = faces.LoopThread() if face == "async" else None
+    clients: list[redis.Redis | redis.asyncio.Redis] = []
+    try:
+        with FaultProxy((server.host, server.port), RATES, seed=SEED) as proxy:
+            workers = []
+            for index, key in enumerate(keys):
+                client_class = redis.Redis if face == "sync" else redis.asyncio.Redis
+                client = client_class(**redis_options(proxy, server, REDIS_TIMEOUT))
+                clients.append(client)
+                lock = make_lock(face, kind, client, REDIS_TTL, loop)
+                lock.wait(client.ping())  # connected before the faults start
+                workers.append(Worker(run, index, lock, key))
+            retry = clients[0].get_retry()
+            retries = retry.get_retries() if retry is not None else 0
+            with sampling(run, REDIS_SAMPLE_EVERY), proxy.faults():
+                drive(run, workers, REDIS_CYCLES, REDIS_ROUND)
+            run.idle_check()  # faults off: nothing may be left
+            print(run.summary(f"{server.label} {face}", [proxy], f" client_retries={retries}"))
+            run.check([proxy])
+    finally:
+        for client in clients:
+            if isinstance(client, redis.asyncio.Redis):
+                assert loop is not None
+                loop.run(client.aclose())
+            else:
+                client.close()
+        clean.close()
+        if loop is not None:
+            loop.close()
 
 
 @pytest.mark.parametrize("kind", ["mutex", "semaphore"])
 def test_redis_sync_through_faults(redis_target_server: Server, kind: Kind) -> None:
     """redis.Redis with its default retries: no overlap, orphan, wrong None or untimed key."""
-    server = redis_target_server
-    clean = redis.Redis(host=server.host, port=server.port, password=server.password)
-    run = Run(kind, RedisInspector(clean, redis_prefix(kind), PERMITS[kind]), *REDIS_RUN)
-    keys = worker_keys(kind, REDIS_WORKERS[kind])
-    clients: list[redis.Redis] = []
-    try:
-        with FaultProxy((server.host, server.port), RATES, seed=SEED) as proxy:
-            workers = []
-            for index, key in enumerate(keys):
-                client = redis.Redis(
-                    host=proxy.host,
-                    port=proxy.port,
-                    password=server.password,
-                    socket_timeout=REDIS_TIMEOUT,
-                    socket_connect_timeout=REDIS_TIMEOUT,
-                )
-                clients.append(client)
-                client.ping()  # connected before the faults start
-                workers.append(SyncWorker(run, index, make_sync_lock(kind, client, REDIS_TTL), key))
-            retry = clients[0].get_retry()
-            retries = retry.get_retries() if retry is not None else 0
-            with sampling(run, REDIS_SAMPLE_EVERY), proxy.faults():
-                drive_sync(run, workers, REDIS_CYCLES, REDIS_ROUND)
-            run.idle_check()  # faults off: nothing may be left
-            print(run.summary(f"{server.label} sync", [proxy], f" client_retries={retries}"))
-            run.check([proxy])
-    finally:
-        for client in clients:
-            client.close()
-        clean.close()
-
-
-def make_async_lock(kind: Kind, client: redis.asyncio.Redis) -> AsyncLock:
-    if kind == "mutex":
-        return AsyncDMutex(SERVICE, client, default_ttl_seconds=REDIS_TTL)
-    return AsyncDSemaphore(SERVICE, client, max_permits=3, default_ttl_seconds=REDIS_TTL)
+    redis_through_faults(redis_target_server, kind, "sync")
 
 
 @pytest.mark.parametrize("kind", ["mutex", "semaphore"])
 def test_redis_async_through_faults(redis_target_server: Server, kind: Kind) -> None:
-    """redis.asyncio.Redis with its default retries, one task per client: as the sync test."""
-    server = redis_target_server
-    clean = redis.Redis(host=server.host, port=server.port, password=server.password)
-    run = Run(kind, RedisInspector(clean, redis_prefix(kind), PERMITS[kind]), *REDIS_RUN)
-    keys = worker_keys(kind, REDIS_WORKERS[kind])
-
-    async def main(proxy: FaultProxy) -> int:
-        clients: list[redis.asyncio.Redis] = []
-        try:
-            workers = []
-            for index, key in enumerate(keys):
-                client = redis.asyncio.Redis(
-                    host=proxy.host,
-                    port=proxy.port,
-                    password=server.password,
-                    socket_timeout=REDIS_TIMEOUT,
-                    socket_connect_timeout=REDIS_TIMEOUT,
-                )
-                clients.append(client)
-                await client.ping()
-                workers.append(AsyncWorker(run, index, make_async_lock(kind, client), key))
-            retry = clients[0].get_retry()
-            with proxy.faults():
-                await drive_async(run, workers, REDIS_CYCLES, REDIS_ROUND)
-            return retry.get_retries() if retry is not None else 0
-        finally:
-            for client in clients:
-                await client.aclose()
-
-    try:
-        with FaultProxy((server.host, server.port), RATES, seed=SEED) as proxy:
-            with sampling(run, REDIS_SAMPLE_EVERY):
-                retries = asyncio.run(main(proxy))
-            run.idle_check()
-            print(run.summary(f"{server.label} async", [proxy], f" client_retries={retries}"))
-            run.check([proxy])
-    finally:
-        clean.close()
+    """redis.asyncio.Redis with its default retries, on one event loop: as the sync test."""
+    redis_through_faults(redis_target_server, kind, "async")
 
 
 # --- MongoDB ---------------------------------------------------------------------------------
@@ -986,13 +885,13 @@ def test_mongo_sync_through_faults(mongo_session: Session, kind: Kind) -> None:
                     socketTimeoutMS=MONGO_TIMEOUT_MS,
                 )
                 clients.append(client)
-                lock = make_sync_lock(kind, client, MONGO_TTL, db_name=server.db_name)
-                lock.ready()  # the TTL index, before the faults start
-                workers.append(SyncWorker(run, index, lock, key))
+                lock = make_lock("sync", kind, client, MONGO_TTL, db_name=server.db_name)
+                lock.wait(lock.target.ready())  # the TTL index, before the faults start
+                workers.append(Worker(run, index, lock, key))
             with sampling(run, MONGO_SAMPLE_EVERY), contextlib.ExitStack() as faults:
                 for proxy in proxies:
                     faults.enter_context(proxy.faults())
-                drive_sync(run, workers, MONGO_CYCLES, MONGO_ROUND)
+                drive(run, workers, MONGO_CYCLES, MONGO_ROUND)
             run.idle_check()
             print(run.summary(server.label, proxies))
             run.check(proxies)

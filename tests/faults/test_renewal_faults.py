@@ -83,7 +83,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 
 import pymongo
 import pymongo.common
@@ -111,6 +111,7 @@ from dmutex._backends.redis.scripts import EXTEND
 from tests._support import processes
 from tests._support.fault_proxy import Fault, FaultProxy, Rates, upstream_address
 from tests._support.mongo_servers import Session
+from tests._support.proxied import redis_options
 from tests._support.redis_servers import Pool, Server
 from tests._support.sampling import sampling as sampling_thread
 from tests._support.sampling import until
@@ -853,6 +854,47 @@ def assert_batched(checker: Checker, text: str) -> None:
         assert checker.renewals.batches > 0, f"no renewal request renewed two leases\n{text}"
 
 
+def run_phases(
+    checker: Checker,
+    steady: FaultProxy,
+    outage: FaultProxy,
+    phases: tuple[tuple[float, Rates, Rates], ...],
+) -> None:
+    """The phases of faults while the sampler watches; then wait until no lost lease is stored."""
+    with sampling(checker):
+        director = direct(steady, outage, phases, checker)
+        director.join(sum(p[0] for p in phases) + 10)
+        assert not director.is_alive()
+        wait_gone(checker)
+
+
+def release_all(checker: Checker) -> tuple[dict[str, Record], dict[str, bool]]:
+    """Every (sync) lease's record, read first; then what each release() answered."""
+    records = checker.truth.read([h.key for h in checker.leases])
+    released: dict[str, bool] = {}
+    for held in checker.leases:
+        assert isinstance(held.handle, DMutexLock)
+        held.release_ms = now_ms()
+        released[held.key] = held.handle.release()
+    return records, released
+
+
+def report(
+    label: str,
+    checker: Checker,
+    proxies: list[FaultProxy],
+    started: float,
+    records: dict[str, Record],
+    released: dict[str, bool],
+) -> str:
+    """The final checks and assertions, after the summary line is printed; that line."""
+    final_checks(checker, records, released)
+    text = summary(label, checker, proxies, started, released)
+    print(text)
+    common_asserts(checker, proxies, text)
+    return text
+
+
 # --- Redis -----------------------------------------------------------------------------------
 
 
@@ -873,15 +915,24 @@ def redis_target_server(redis_pool: Pool) -> Server:
     return server
 
 
-def sync_redis(proxy: FaultProxy, server: Server, renewals: Renewals) -> RecordingRedis:
-    client = RecordingRedis(
-        host=proxy.host,
-        port=proxy.port,
-        password=server.password,
-        socket_timeout=REDIS_TIMEOUT,
-        socket_connect_timeout=REDIS_TIMEOUT,
-        retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
-    )
+def redis_checker(server: Server) -> Checker:
+    return Checker(RedisTruth(server), Renewals(), REDIS_RETRY_SLACK_MS)
+
+
+Recording = TypeVar("Recording", RecordingRedis, RecordingAsyncRedis)
+
+
+def recording(
+    cls: type[Recording], proxy: FaultProxy, server: Server, renewals: Renewals
+) -> Recording:
+    """A client of ``cls`` to ``server`` through ``proxy``, retrying nothing; it notes
+    its renewals in ``renewals``."""
+    options = redis_options(proxy, server, REDIS_TIMEOUT)
+    if cls is RecordingRedis:
+        options["retry"] = redis.retry.Retry(redis.backoff.NoBackoff(), 0)
+    else:
+        options["retry"] = redis.asyncio.retry.Retry(redis.backoff.NoBackoff(), 0)
+    client = cls(**options)
     client.renewals = renewals
     return client
 
@@ -889,20 +940,17 @@ def sync_redis(proxy: FaultProxy, server: Server, renewals: Renewals) -> Recordi
 def test_redis_sync_renewal_through_faults(redis_target_server: Server) -> None:
     """Sync leases renewed by the renewal thread through the faulty proxies."""
     server = redis_target_server
-    renewals = Renewals()
-    truth = RedisTruth(server)
-    checker = Checker(truth, renewals, REDIS_RETRY_SLACK_MS)
+    checker = redis_checker(server)
     started = time.monotonic()
-    released: dict[str, bool] = {}
     with (
-        contextlib.closing(truth),
+        contextlib.closing(checker.truth),
         FaultProxy((server.host, server.port), RATES, seed=SEED) as steady,
         FaultProxy((server.host, server.port), RATES, seed=SEED + 1) as outage,
         contextlib.ExitStack() as stack,
     ):
         clients = {
-            "steady": stack.enter_context(sync_redis(steady, server, renewals)),
-            "outage": stack.enter_context(sync_redis(outage, server, renewals)),
+            name: stack.enter_context(recording(RecordingRedis, proxy, server, checker.renewals))
+            for name, proxy in (("steady", steady), ("outage", outage))
         }
         locks = {group: DMutex(SERVICE, client) for group, client in clients.items()}
         for index, ttl in enumerate(ttls(REDIS_TTLS, "redis-sync", REDIS_SHARING)):
@@ -911,50 +959,25 @@ def test_redis_sync_renewal_through_faults(redis_target_server: Server) -> None:
             assert handle is not None
             assert handle.fence is not None
             checker.track(Held(f"lease-{index}", group, round(ttl * 1000), handle))
-        with sampling(checker):
-            director = direct(steady, outage, PHASES, checker)
-            director.join(sum(p[0] for p in PHASES) + 10)
-            assert not director.is_alive()
-            wait_gone(checker)
-        records = checker.truth.read([h.key for h in checker.leases])
-        for held in checker.leases:
-            assert isinstance(held.handle, DMutexLock)
-            held.release_ms = now_ms()
-            released[held.key] = held.handle.release()
-        final_checks(checker, records, released)
-        text = summary(f"{server.label} sync", checker, [steady, outage], started, released)
-        print(text)
-        common_asserts(checker, [steady, outage], text)
+        run_phases(checker, steady, outage, PHASES)
+        records, released = release_all(checker)
+        label = f"{server.label} sync"
+        text = report(label, checker, [steady, outage], started, records, released)
         assert_batched(checker, text)
-
-
-def async_redis(proxy: FaultProxy, server: Server, renewals: Renewals) -> RecordingAsyncRedis:
-    client = RecordingAsyncRedis(
-        host=proxy.host,
-        port=proxy.port,
-        password=server.password,
-        socket_timeout=REDIS_TIMEOUT,
-        socket_connect_timeout=REDIS_TIMEOUT,
-        retry=redis.asyncio.retry.Retry(redis.backoff.NoBackoff(), 0),
-    )
-    client.renewals = renewals
-    return client
 
 
 def test_redis_async_renewal_through_faults(redis_target_server: Server) -> None:
     """Async leases renewed by the event loop's renewal task through the faulty proxies."""
     server = redis_target_server
-    renewals = Renewals()
-    truth = RedisTruth(server)
-    checker = Checker(truth, renewals, REDIS_RETRY_SLACK_MS)
+    checker = redis_checker(server)
     started = time.monotonic()
     released: dict[str, bool] = {}
     records: dict[str, Record] = {}
 
     async def main(steady: FaultProxy, outage: FaultProxy) -> None:
         clients = {
-            "steady": async_redis(steady, server, renewals),
-            "outage": async_redis(outage, server, renewals),
+            name: recording(RecordingAsyncRedis, proxy, server, checker.renewals)
+            for name, proxy in (("steady", steady), ("outage", outage))
         }
         try:
             locks = {group: AsyncDMutex(SERVICE, client) for group, client in clients.items()}
@@ -966,11 +989,7 @@ def test_redis_async_renewal_through_faults(redis_target_server: Server) -> None
                 assert handle is not None
                 assert handle.fence is not None
                 checker.track(Held(f"lease-{index}", group, round(ttl * 1000), handle))
-            with sampling(checker):
-                director = direct(steady, outage, PHASES, checker)
-                await asyncio.to_thread(director.join, sum(p[0] for p in PHASES) + 10)
-                assert not director.is_alive()
-                await asyncio.to_thread(wait_gone, checker)
+            await asyncio.to_thread(run_phases, checker, steady, outage, PHASES)
             records.update(checker.truth.read([h.key for h in checker.leases]))
             for held in checker.leases:
                 assert isinstance(held.handle, AsyncDMutexLock)
@@ -981,15 +1000,13 @@ def test_redis_async_renewal_through_faults(redis_target_server: Server) -> None
                 await client.aclose()
 
     with (
-        contextlib.closing(truth),
+        contextlib.closing(checker.truth),
         FaultProxy((server.host, server.port), RATES, seed=SEED + 2) as steady,
         FaultProxy((server.host, server.port), RATES, seed=SEED + 3) as outage,
     ):
         asyncio.run(main(steady, outage))
-        final_checks(checker, records, released)
-        text = summary(f"{server.label} async", checker, [steady, outage], started, released)
-        print(text)
-        common_asserts(checker, [steady, outage], text)
+        label = f"{server.label} async"
+        text = report(label, checker, [steady, outage], started, records, released)
         assert_batched(checker, text)
 
 
@@ -1021,7 +1038,6 @@ def test_mongo_sync_renewal_through_faults(
     truth = MongoTruth(admin_db.get_collection(f"_dmutex_{SERVICE}"))
     checker = Checker(truth, renewals, MONGO_RETRY_SLACK_MS)
     started = time.monotonic()
-    released: dict[str, bool] = {}
     upstream = upstream_address(server.url)
     with (
         FaultProxy(upstream, RATES, seed=SEED + 4, spare=is_handshake) as steady,
@@ -1048,20 +1064,9 @@ def test_mongo_sync_renewal_through_faults(
             handle = locks[proxy_of(group)].acquire(f"lease-{index}", ttl=ttl, auto_renew=True)
             assert handle is not None
             checker.track(Held(f"lease-{index}", group, round(ttl * 1000), handle))
-        with sampling(checker):
-            director = direct(steady, outage, MONGO_PHASES, checker)
-            director.join(sum(p[0] for p in MONGO_PHASES) + 10)
-            assert not director.is_alive()
-            wait_gone(checker)
-        records = checker.truth.read([h.key for h in checker.leases])
-        for held in checker.leases:
-            assert isinstance(held.handle, DMutexLock)
-            held.release_ms = now_ms()
-            released[held.key] = held.handle.release()
-        final_checks(checker, records, released)
-        text = summary(server.label, checker, [steady, outage], started, released)
-        print(text)
-        common_asserts(checker, [steady, outage], text)
+        run_phases(checker, steady, outage, MONGO_PHASES)
+        records, released = release_all(checker)
+        report(server.label, checker, [steady, outage], started, records, released)
 
 
 # --- a renewal answered after the estimate passed --------------------------------------------

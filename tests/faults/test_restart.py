@@ -11,9 +11,10 @@ after the restart. The servers keep every acknowledged write
 
 The workers: on Redis, two threads whose redis-py clients keep their default
 retries, two whose clients retry nothing (so that the outage reaches dmutex
-as exceptions), and the same two kinds as asyncio tasks on one event loop in
-a thread; on the MongoDB test server, two threads and one asyncio task.
-Each worker has its own client and instance.
+as exceptions), and the same two kinds on the asyncio face; on the MongoDB
+test server, two sync workers and one asyncio one. Each worker has its own
+client, instance and thread; the asyncio workers' calls run on one event
+loop in a thread of its own, as tasks side by side.
 
 What is checked:
 
@@ -52,7 +53,6 @@ What is checked:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import heapq
 import random
@@ -60,7 +60,7 @@ import re
 import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -76,17 +76,9 @@ import redis.backoff
 import redis.retry
 
 from dmutex import (
-    AsyncDMutex,
-    AsyncDMutexLock,
-    AsyncDSemaphore,
-    AsyncDSemaphorePermit,
-    DMutex,
-    DMutexLock,
-    DSemaphore,
-    DSemaphorePermit,
     __version__,
 )
-from tests._support import fault_servers, mongo_servers
+from tests._support import faces, fault_servers, mongo_servers
 
 Kind: TypeAlias = Literal["mutex", "semaphore"]
 FaceName: TypeAlias = Literal["sync", "async"]
@@ -305,18 +297,16 @@ class Run:
 
 # --- the workers ----------------------------------------------------------------------------
 
-SyncLock: TypeAlias = DMutex | DSemaphore
-AsyncLock: TypeAlias = AsyncDMutex | AsyncDSemaphore
-
-
 Unsent: TypeAlias = Callable[[BaseException], bool]
 
 
-def sync_worker(run: Run, worker: str, lock: SyncLock, unsent: Unsent) -> None:
-    """acquire_with_retry / work / release until the test says stop.
+def worker_loop(run: Run, worker: str, lock: faces.Face, unsent: Unsent) -> None:
+    """acquire_with_retry / work / release until the test says stop, on a thread of its own.
 
-    ``unsent(error)`` says whether a release that raised ``error`` cannot have
-    reached the server.
+    ``lock`` runs the async face's calls on the test's event loop thread, where
+    the async workers' calls run as tasks side by side; a task copies the
+    worker thread's context, so :data:`SENT` reaches its client. ``unsent(error)``
+    says whether a release that raised ``error`` cannot have reached the server.
     """
     try:
         run.tally(worker)
@@ -325,7 +315,7 @@ def sync_worker(run: Run, worker: str, lock: SyncLock, unsent: Unsent) -> None:
             sent: list[str] = []
             reset = SENT.set(sent)
             try:
-                lease: DMutexLock | DSemaphorePermit | None = lock.acquire_with_retry(
+                lease = lock.acquire_with_retry(
                     KEY, ttl=TTL, timeout=ACQUIRE_TIMEOUT, retry_delay=RETRY_DELAY
                 )
             except Exception as error:  # noqa: BLE001 - counted; the check judges its type
@@ -355,47 +345,6 @@ def sync_worker(run: Run, worker: str, lock: SyncLock, unsent: Unsent) -> None:
         run.crashed(worker)
 
 
-async def async_worker(run: Run, worker: str, lock: AsyncLock, unsent: Unsent) -> None:
-    """:func:`sync_worker` as an asyncio task."""
-    try:
-        run.tally(worker)
-        while run.running():
-            started = time.time()
-            sent: list[str] = []
-            reset = SENT.set(sent)
-            try:
-                lease: (
-                    AsyncDMutexLock | AsyncDSemaphorePermit | None
-                ) = await lock.acquire_with_retry(
-                    KEY, ttl=TTL, timeout=ACQUIRE_TIMEOUT, retry_delay=RETRY_DELAY
-                )
-            except Exception as error:  # noqa: BLE001 - counted; the check judges its type
-                run.call(worker, sent, "raised", None)
-                run.error(worker, "acquire", error)
-                await asyncio.sleep(PAUSE_AFTER_ERROR)
-                continue
-            finally:
-                SENT.reset(reset)
-            run.call(worker, sent, "lease" if lease else "none", lease.token if lease else None)
-            if lease is None:
-                run.tally(worker).timeouts += 1
-                continue
-            leased = run.acquired(worker, lease.token, lease.expired_at.timestamp())
-            await asyncio.sleep(WORK)
-            leased.called = time.time()
-            try:
-                released = await lease.release()
-            except Exception as error:  # noqa: BLE001 - counted; the check judges its type
-                leased.ending = "unsent" if unsent(error) else "maybe-done"
-                run.error(worker, "release", error)
-                await asyncio.sleep(PAUSE_AFTER_ERROR)
-                continue
-            leased.ending = "released"
-            run.completed(worker, started, lease.token, released)
-    except BaseException:  # noqa: BLE001 - the test fails with this traceback
-        run.crashed(worker)
-
-
 # --- the servers, as the test sees them ----------------------------------------------------
 
 
@@ -406,8 +355,17 @@ class Worker:
     retries: bool = True  # the client's default retries (Redis; pymongo has none here)
 
 
-Closer: TypeAlias = Callable[[], None]
-AsyncCloser: TypeAlias = Callable[[], Awaitable[None]]
+Closer: TypeAlias = Callable[[], object]
+
+
+def face_lock(
+    worker: Worker, kind: Kind, client: object, loop: faces.LoopThread, **options: Any
+) -> faces.Face:
+    """``worker``'s lock over ``client``, of its face (the async one's calls run on ``loop``)."""
+    on = loop if worker.face == "async" else None
+    return faces.Face(
+        worker.face, kind, client, service_name=SERVICE, max_permits=PERMITS, loop=on, **options
+    )
 
 
 class Rig(Protocol):
@@ -429,9 +387,9 @@ class Rig(Protocol):
     @property
     def workers(self) -> tuple[Worker, ...]: ...
 
-    def sync_lock(self, worker: Worker, kind: Kind) -> tuple[SyncLock, Closer]: ...
-
-    def async_lock(self, worker: Worker, kind: Kind) -> tuple[AsyncLock, AsyncCloser]: ...
+    def lock(self, worker: Worker, kind: Kind, loop: faces.LoopThread) -> tuple[faces.Face, Closer]:
+        """``worker``'s lock, of its face, on a client of its own; what closes the client."""
+        ...
 
     def unsent(self, worker: Worker) -> Unsent:
         """For ``worker``: whether a request that raised this cannot have reached the server."""
@@ -499,29 +457,17 @@ class RedisRig:
         no_retry = redis.retry.Retry(redis.backoff.NoBackoff(), 0)
         return redis.Redis(**self._options(), retry=no_retry)
 
-    def sync_lock(self, worker: Worker, kind: Kind) -> tuple[SyncLock, Closer]:
+    def lock(self, worker: Worker, kind: Kind, loop: faces.LoopThread) -> tuple[faces.Face, Closer]:
+        sync = worker.face == "sync"
         options = self._options()
         if not worker.retries:
-            options["retry"] = redis.retry.Retry(redis.backoff.NoBackoff(), 0)
-        client = SpiedRedis(**options)
-        lock: SyncLock = (
-            DMutex(SERVICE, client)
-            if kind == "mutex"
-            else DSemaphore(SERVICE, client, max_permits=PERMITS)
-        )
-        return lock, client.close
-
-    def async_lock(self, worker: Worker, kind: Kind) -> tuple[AsyncLock, AsyncCloser]:
-        options = self._options()
-        if not worker.retries:
-            options["retry"] = redis.asyncio.retry.Retry(redis.backoff.NoBackoff(), 0)
-        client = AsyncSpiedRedis(**options)
-        lock: AsyncLock = (
-            AsyncDMutex(SERVICE, client)
-            if kind == "mutex"
-            else AsyncDSemaphore(SERVICE, client, max_permits=PERMITS)
-        )
-        return lock, client.aclose
+            retry = redis.retry.Retry if sync else redis.asyncio.retry.Retry
+            options["retry"] = retry(redis.backoff.NoBackoff(), 0)
+        if sync:
+            client = SpiedRedis(**options)
+            return face_lock(worker, kind, client, loop), client.close
+        aclient = AsyncSpiedRedis(**options)
+        return face_lock(worker, kind, aclient, loop), lambda: loop.run(aclient.aclose())
 
     def unsent(self, worker: Worker) -> Unsent:
         # With retries an earlier try may have been done; without, only a refused
@@ -577,26 +523,16 @@ class MongoRig:
             "socketTimeoutMS": 10_000,  # a timeout only if the server hangs
         }
 
-    def sync_lock(self, worker: Worker, kind: Kind) -> tuple[SyncLock, Closer]:
-        client: pymongo.MongoClient[Doc] = pymongo.MongoClient(self.server.url, **self._options())
-        lock: SyncLock = (
-            DMutex(SERVICE, client, db_name=MONGO_DB)
-            if kind == "mutex"
-            else DSemaphore(SERVICE, client, max_permits=PERMITS, db_name=MONGO_DB)
+    def lock(self, worker: Worker, kind: Kind, loop: faces.LoopThread) -> tuple[faces.Face, Closer]:
+        client: pymongo.MongoClient[Doc] | pymongo.AsyncMongoClient[Doc] = (
+            pymongo.MongoClient(self.server.url, **self._options())
+            if worker.face == "sync"
+            else pymongo.AsyncMongoClient(self.server.url, **self._options())
         )
-        lock.ready()
-        return lock, client.close
-
-    def async_lock(self, worker: Worker, kind: Kind) -> tuple[AsyncLock, AsyncCloser]:
-        client: pymongo.AsyncMongoClient[Doc] = pymongo.AsyncMongoClient(
-            self.server.url, **self._options()
-        )
-        lock: AsyncLock = (
-            AsyncDMutex(SERVICE, client, db_name=MONGO_DB)
-            if kind == "mutex"
-            else AsyncDSemaphore(SERVICE, client, max_permits=PERMITS, db_name=MONGO_DB)
-        )
-        return lock, client.close
+        lock = face_lock(worker, kind, client, loop, db_name=MONGO_DB)
+        if worker.face == "sync":
+            lock.wait(lock.target.ready())
+        return lock, lambda: lock.wait(client.close())
 
     def unsent(self, worker: Worker) -> Unsent:
         # pymongo re-sends no write to a standalone server; it raises this one
@@ -650,31 +586,6 @@ def monitor(run: Run, rig: Rig) -> None:
         run.crashed("monitor")
 
 
-def _async_workers(run: Run, rig: Rig, kind: Kind, workers: list[Worker]) -> None:
-    async def main() -> None:
-        made = [rig.async_lock(worker, kind) for worker in workers]
-        try:
-            await asyncio.gather(
-                *(
-                    async_worker(run, w.name, lock, rig.unsent(w))
-                    for w, (lock, _) in zip(workers, made, strict=True)
-                )
-            )
-        finally:
-            for _, close in made:
-                with contextlib.suppress(Exception):
-                    await close()
-
-    try:
-        asyncio.run(main())
-    except BaseException:  # noqa: BLE001 - the test fails with this traceback
-        run.crashed("async workers")
-
-
-def _expiry(lease: DMutexLock | DSemaphorePermit) -> float:
-    return lease.expired_at.timestamp()
-
-
 def drive(rig: Rig, kind: Kind, rng: random.Random) -> Run:
     """Start the workers and the monitor, kill and restart the server ROUNDS times, stop.
 
@@ -685,23 +596,19 @@ def drive(rig: Rig, kind: Kind, rng: random.Random) -> Run:
     closers: list[Closer] = []
     threads: list[threading.Thread] = []
     watcher = threading.Thread(target=monitor, args=(run, rig), name="monitor")
-    straddler, close = rig.sync_lock(Worker("straddler", "sync"), kind)
+    loop = faces.LoopThread()  # the async workers' calls run on it, as tasks side by side
+    straddler, close = rig.lock(Worker("straddler", "sync"), kind, loop)
     closers.append(close)
     try:
         for worker in rig.workers:
-            if worker.face == "sync":
-                lock, close = rig.sync_lock(worker, kind)
-                closers.append(close)
-                thread = threading.Thread(
-                    target=sync_worker,
-                    args=(run, worker.name, lock, rig.unsent(worker)),
-                    name=worker.name,
-                )
-                threads.append(thread)
-        tasks = [w for w in rig.workers if w.face == "async"]
-        threads.append(
-            threading.Thread(target=_async_workers, args=(run, rig, kind, tasks), name="async")
-        )
+            lock, close = rig.lock(worker, kind, loop)
+            closers.append(close)
+            thread = threading.Thread(
+                target=worker_loop,
+                args=(run, worker.name, lock, rig.unsent(worker)),
+                name=worker.name,
+            )
+            threads.append(thread)
         watcher.start()
         for thread in threads:
             thread.start()
@@ -720,7 +627,10 @@ def drive(rig: Rig, kind: Kind, rng: random.Random) -> Run:
                     KEY, ttl=STRADDLE_TTL, timeout=STEP_TIMEOUT, retry_delay=RETRY_DELAY
                 )
                 assert lease is not None, "the straddler found no free permit"
-                straddle = (lease, run.acquired("straddler", lease.token, _expiry(lease)))
+                straddle = (
+                    lease,
+                    run.acquired("straddler", lease.token, lease.expired_at.timestamp()),
+                )
             with run.changed:
                 run.killed_at = time.time()
             rig.server.kill()
@@ -753,6 +663,7 @@ def drive(rig: Rig, kind: Kind, rng: random.Random) -> Run:
         for close in closers:
             with contextlib.suppress(Exception):
                 close()
+        loop.close()
     stuck = [t.name for t in (*threads, watcher) if t.is_alive()]
     assert not stuck, f"threads still running after stop: {stuck}"
     return run

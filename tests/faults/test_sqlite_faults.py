@@ -460,6 +460,18 @@ BUSY_TIMEOUT = 0.2  # the backend's: how long a call waits for the file
 BUSY_KEY = "report"
 
 
+def grants_the_next_fence(lock: DMutex | DSemaphore, last: int) -> None:
+    """``lock`` grants BUSY_KEY with the fence next after ``last`` (by the clock around
+    the call), and releases it."""
+    start_us = now_us()
+    handle = lock.acquire(BUSY_KEY, ttl=NEW_TTL)
+    end_us = now_us()
+    assert handle is not None
+    assert handle.fence is not None
+    assert next_fence(last, start_us) <= handle.fence <= next_fence(last, end_us)
+    assert handle.release()
+
+
 def test_a_busy_file_makes_calls_with_a_short_timeout_raise_and_change_nothing(
     tmp_path: Path,
 ) -> None:
@@ -523,24 +535,12 @@ def test_a_busy_file_makes_calls_with_a_short_timeout_raise_and_change_nothing(
 
         # The blocker is gone: everything works, each fence the next after the first
         # grant's (the rows above show that no failed call moved a counter).
-        start_us = now_us()
-        lock = mutex.acquire(BUSY_KEY, ttl=NEW_TTL)
-        end_us = now_us()
-        assert lock is not None
-        assert lock.fence is not None
-        assert next_fence(mutex_fence, start_us) <= lock.fence <= next_fence(mutex_fence, end_us)
-        assert lock.release()
+        grants_the_next_fence(mutex, mutex_fence)
         unfenced = plain.acquire(BUSY_KEY, ttl=NEW_TTL)
         assert unfenced is not None
         assert unfenced.fence is None
         assert unfenced.release()
-        start_us = now_us()
-        permit = sem.acquire(BUSY_KEY, ttl=NEW_TTL)
-        end_us = now_us()
-        assert permit is not None
-        assert permit.fence is not None
-        assert next_fence(sem_fence, start_us) <= permit.fence <= next_fence(sem_fence, end_us)
-        assert permit.release()
+        grants_the_next_fence(sem, sem_fence)
         assert held.extend(NEW_TTL)
         assert held.release()
     finally:

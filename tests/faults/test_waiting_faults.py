@@ -2,7 +2,8 @@
 
 Since issue 12 a retrying acquire on Redis waits between attempts in
 ``BLPOP`` on the lock's signal list, which a release pushes to. These tests
-start waiters (threads or asyncio tasks, each with a client of its own),
+start waiters (threads; on the async face their calls run as tasks of one
+event loop; each with a client of its own),
 check with the server's ``INFO clients`` (``blocked_clients``) that every one
 is blocked, and then hit them with a fault:
 
@@ -35,8 +36,10 @@ is blocked, and then hit them with a fault:
 5. **a contended run**: several workers loop acquire_with_retry /
    read-modify-write of a counter / release through the proxy, which tears
    connections at random and every so often cuts every open connection
-   (blocked waiters included). The counter equals the number of writes known
-   to have been applied, no two holders overlap (an in-process marker), and
+   (blocked waiters included). A holder sends each counter command only
+   while its lease has :data:`WRITE_BUDGET` left, on a client that retries
+   nothing, so it never outlives the lease. The counter equals the number of
+   writes known to have been applied, no two holders overlap (an in-process marker), and
    no record of the namespace but the fence counter lacks a TTL, throughout
    and afterwards.
 
@@ -48,7 +51,6 @@ own (the newest found, 7.0 where there is one), whose pid the tests signal.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import math
 import os
@@ -75,18 +77,9 @@ import redis.asyncio.retry
 import redis.backoff
 import redis.retry
 
-from dmutex import (
-    AsyncDMutex,
-    AsyncDMutexLock,
-    AsyncDSemaphore,
-    AsyncDSemaphorePermit,
-    DMutex,
-    DMutexLock,
-    DSemaphore,
-    DSemaphorePermit,
-)
+from dmutex import DMutex, DMutexLock, DSemaphore, DSemaphorePermit
 from dmutex._backends.redis.scripts import ACQUIRE, RELEASE
-from tests._support import fault_servers
+from tests._support import faces, fault_servers
 from tests._support.fault_proxy import FaultProxy, Rates
 from tests._support.sampling import process_state, sampling
 from tests._support.sampling import until as poll_until
@@ -94,9 +87,7 @@ from tests._support.sampling import until as poll_until
 Face: TypeAlias = Literal["sync", "async"]
 Kind: TypeAlias = Literal["mutex", "semaphore"]
 SyncLock: TypeAlias = DMutex | DSemaphore
-AsyncLock: TypeAlias = AsyncDMutex | AsyncDSemaphore
 SyncHandle: TypeAlias = DMutexLock | DSemaphorePermit
-AsyncHandle: TypeAlias = AsyncDMutexLock | AsyncDSemaphorePermit
 
 SEED = int(os.environ.get("DMUTEX_FAULT_SEED", "20240611"))
 KEY = "ledger"
@@ -131,6 +122,9 @@ RUN_CYCLES = 1000  # per worker, at most: the deadline ends the run first
 RUN_SECONDS = 3.0  # no cycle starts after this
 RUN_RETRY_DELAY = 0.05
 RUN_TTL = 1.5  # what an orphaned lease (its release failed) holds the run up for
+# A holder sends a counter command only with this much of its lease left: the
+# command (no retries) ends by the next cut, RUN_CUT_EVERY, well within it.
+WRITE_BUDGET = 0.5
 RUN_TIMEOUT = 2.0  # longer than RUN_TTL: a waiter outlasts an orphaned lease
 RUN_RATES = Rates(drop_request=0.02, drop_reply=0.02, cut=0.03)  # each tears the connection
 RUN_CUT_EVERY = (0.05, 0.25)  # seconds between two cuts of every connection
@@ -275,6 +269,9 @@ class AsyncSpyRedis(redis.asyncio.Redis):
         return reply
 
 
+Client: TypeAlias = SpyRedis | AsyncSpyRedis
+
+
 # --- the fault injectors --------------------------------------------------------------------
 
 
@@ -361,7 +358,7 @@ class Marker:
 class Plan:
     """What each waiter does: ``cycles`` times acquire_with_retry (up to ``calls``
     calls, after each raise), then hold (a read-modify-write of the counter
-    when ``rmw``), then release."""
+    when ``rmw``, on a client of its own that retries nothing), then release."""
 
     retry_delay: float = RETRY_DELAY
     ttl: float = WAITER_TTL
@@ -397,12 +394,18 @@ def _truth_applied(shared: Shared, expected: int) -> bool:
     return int(shared.truth.get(COUNTER) or 0) == expected
 
 
-def sync_waiter(name: str, lock: SyncLock, client: SpyRedis, plan: Plan, shared: Shared) -> None:
+def waiter(name: str, lock: faces.Face, data: Client | None, plan: Plan, shared: Shared) -> None:
+    """One waiter's cycles (see :class:`Plan`), on its own thread, for either face.
+
+    ``lock`` runs the async face's calls on the crew's event loop, where they
+    run as tasks side by side. ``data``: the client of the read-modify-write
+    (``plan.rmw``), else None.
+    """
     log = shared.log
     for _ in range(plan.cycles):
         if time.monotonic() > plan.deadline:
             return
-        handle: SyncHandle | None = None
+        handle: faces.Handle | None = None
         for _ in range(plan.calls):
             log.event(name, "call")
             try:
@@ -421,10 +424,10 @@ def sync_waiter(name: str, lock: SyncLock, client: SpyRedis, plan: Plan, shared:
         log.event(name, "granted")
         shared.marker.enter(name, handle.expired_at)
         try:
-            if plan.rmw:
-                sync_rmw(client, shared)
-            else:
+            if data is None:
                 time.sleep(HOLD)
+            elif not rmw(lock, handle, data, shared):
+                log.event(name, "gave-up")
         finally:
             shared.marker.leave(name)
         for _ in range(RELEASE_ATTEMPTS):
@@ -438,74 +441,29 @@ def sync_waiter(name: str, lock: SyncLock, client: SpyRedis, plan: Plan, shared:
             log.event(name, "abandoned")  # the lease runs out by its TTL
 
 
-def sync_rmw(client: SpyRedis, shared: Shared) -> None:
+def rmw(lock: faces.Face, handle: faces.Handle, data: Client, shared: Shared) -> bool:
+    """Add one to the counter, a command at a time while the lease has time for one.
+
+    False: gave up, the lease had less than :data:`WRITE_BUDGET` left before a
+    command (nothing written then). A command of ``data`` (no retries) ends by
+    the next cut of its connection, within :data:`RUN_CUT_EVERY`, so the
+    holder leaves before its lease's deadline.
+    """
+    if handle.time_left < WRITE_BUDGET:
+        return False
     try:
-        value = int(client.get(COUNTER) or 0)
+        value = int(lock.wait(data.get(COUNTER)) or 0)
     except ERRORS:
-        return  # nothing written
+        return True  # nothing written
+    if handle.time_left < WRITE_BUDGET:
+        return False
     try:
-        client.set(COUNTER, value + 1)
+        lock.wait(data.set(COUNTER, value + 1))
     except ERRORS:
         if not _truth_applied(shared, value + 1):
-            return
+            return True
     shared.count_applied()
-
-
-async def async_waiter(
-    name: str, lock: AsyncLock, client: AsyncSpyRedis, plan: Plan, shared: Shared
-) -> None:
-    log = shared.log
-    for _ in range(plan.cycles):
-        if time.monotonic() > plan.deadline:
-            return
-        handle: AsyncHandle | None = None
-        for _ in range(plan.calls):
-            log.event(name, "call")
-            try:
-                handle = await lock.acquire_with_retry(
-                    KEY, ttl=plan.ttl, timeout=plan.timeout, retry_delay=plan.retry_delay
-                )
-            except ERRORS:
-                log.event(name, "raised")
-                back = await asyncio.to_thread(shared.path_up.wait, STEP)
-                assert back, "the path never came back"
-                continue
-            if handle is None:
-                log.event(name, "none")  # timed out
-            break
-        if handle is None:
-            continue
-        log.event(name, "granted")
-        shared.marker.enter(name, handle.expired_at)
-        try:
-            if plan.rmw:
-                await async_rmw(client, shared)
-            else:
-                await asyncio.sleep(HOLD)
-        finally:
-            shared.marker.leave(name)
-        for _ in range(RELEASE_ATTEMPTS):
-            try:
-                released = await handle.release()
-            except ERRORS:
-                continue
-            log.event(name, "released" if released else "release-false")
-            break
-        else:
-            log.event(name, "abandoned")  # the lease runs out by its TTL
-
-
-async def async_rmw(client: AsyncSpyRedis, shared: Shared) -> None:
-    try:
-        value = int(await client.get(COUNTER) or 0)
-    except ERRORS:
-        return
-    try:
-        await client.set(COUNTER, value + 1)
-    except ERRORS:
-        if not await asyncio.to_thread(_truth_applied, shared, value + 1):
-            return
-    shared.count_applied()
+    return True
 
 
 @dataclass(frozen=True)
@@ -518,11 +476,14 @@ class Options:
     backoff: float = 0.0
     default_retries: bool = False  # redis-py's own policy instead
 
-    def sync_client(self, log: Log, who: str) -> SpyRedis:
+    def client(self, face: Face, log: Log, who: str) -> Client:
+        """A client of ``face`` that logs each command as ``who``'s."""
         kwargs: dict[str, Any] = {}
         if not self.default_retries:
-            kwargs["retry"] = redis.retry.Retry(self._backoff(), self.retries)
-        client = SpyRedis(
+            retry = redis.retry.Retry if face == "sync" else redis.asyncio.retry.Retry
+            kwargs["retry"] = retry(self._backoff(), self.retries)
+        cls = SpyRedis if face == "sync" else AsyncSpyRedis
+        client = cls(
             host=self.host,
             port=self.port,
             socket_timeout=SOCKET_TIMEOUT,
@@ -532,19 +493,9 @@ class Options:
         client.log, client.who = log, who
         return client
 
-    def async_client(self, log: Log, who: str) -> AsyncSpyRedis:
-        kwargs: dict[str, Any] = {}
-        if not self.default_retries:
-            kwargs["retry"] = redis.asyncio.retry.Retry(self._backoff(), self.retries)
-        client = AsyncSpyRedis(
-            host=self.host,
-            port=self.port,
-            socket_timeout=SOCKET_TIMEOUT,
-            socket_connect_timeout=CONNECT_TIMEOUT,
-            **kwargs,
-        )
-        client.log, client.who = log, who
-        return client
+    def bare(self) -> Options:
+        """The same place with no retries: each command's time is bounded by the path's."""
+        return Options(self.host, self.port)
 
     def _backoff(self) -> redis.backoff.AbstractBackoff:
         if self.backoff > 0:
@@ -558,18 +509,12 @@ def sync_lock(kind: Kind, service: str, client: redis.Redis) -> SyncLock:
     return DSemaphore(service, client, max_permits=PERMITS[kind])
 
 
-def async_lock(kind: Kind, service: str, client: redis.asyncio.Redis) -> AsyncLock:
-    if kind == "mutex":
-        return AsyncDMutex(service, client)
-    return AsyncDSemaphore(service, client, max_permits=PERMITS[kind])
-
-
 class Crew:
-    """Waiters on threads (sync) or as tasks of one event loop in a thread (async).
+    """Waiters on threads, each with a client of its own (``options``), named ``w0``, ``w1``, ...
 
-    Each has a client of its own (``options``), named ``w0``, ``w1``, ...
-    Whatever a waiter raises but the client errors it catches is kept and
-    fails the test at :meth:`join`.
+    On the async face every waiter's calls run on one event loop (in a
+    thread of its own), as tasks side by side. Whatever a waiter raises but
+    the client errors it catches is kept and fails the test at :meth:`join`.
     """
 
     def __init__(
@@ -587,50 +532,37 @@ class Crew:
         self.names = [f"w{i}" for i in range(count)]
         self.errors: list[str] = []
         self._threads: list[threading.Thread] = []
+        self._loop = faces.LoopThread() if face == "async" else None
         choose = options_of or (lambda _: options)
-        if face == "sync":
-            for i, name in enumerate(self.names):
-                client = choose(i).sync_client(shared.log, name)
-                lock = sync_lock(kind, service, client)
-                self._start(name, self._sync(name, lock, client, plan, shared))
-        else:
+        for i, name in enumerate(self.names):
+            clients = [choose(i).client(face, shared.log, name)]
+            if plan.rmw:
+                clients.append(choose(i).bare().client(face, shared.log, name))
+            lock = faces.Face(
+                face,
+                kind,
+                clients[0],
+                service_name=service,
+                max_permits=PERMITS[kind],
+                loop=self._loop,
+            )
+            data = clients[1] if plan.rmw else None
+            self._start(name, partial(waiter, name, lock, data, plan, shared), lock, clients)
 
-            async def main() -> None:
-                clients = [choose(i).async_client(shared.log, n) for i, n in enumerate(self.names)]
-                try:
-                    outcomes = await asyncio.gather(
-                        *(
-                            async_waiter(n, async_lock(kind, service, c), c, plan, shared)
-                            for n, c in zip(self.names, clients, strict=True)
-                        ),
-                        return_exceptions=True,
-                    )
-                finally:
-                    for client in clients:
-                        await client.aclose()
-                for outcome in outcomes:
-                    if isinstance(outcome, BaseException):
-                        self.errors.append("".join(traceback.format_exception(outcome)))
-
-            self._start("loop", lambda: asyncio.run(main()))
-
-    def _sync(
-        self, name: str, lock: SyncLock, client: SpyRedis, plan: Plan, shared: Shared
-    ) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                sync_waiter(name, lock, client, plan, shared)
-            finally:
-                client.close()
-
-        return run
-
-    def _start(self, name: str, target: Callable[[], None]) -> None:
+    def _start(
+        self, name: str, target: Callable[[], None], lock: faces.Face, clients: list[Client]
+    ) -> None:
         def run() -> None:
             try:
                 target()
             except BaseException:  # noqa: BLE001 - kept; join() fails the test with it
                 self.errors.append(traceback.format_exc())
+            finally:
+                for client in clients:
+                    if isinstance(client, AsyncSpyRedis):
+                        lock.wait(client.aclose())
+                    else:
+                        client.close()
 
         thread = threading.Thread(target=run, name=f"waiter-{name}", daemon=True)
         thread.start()
@@ -642,6 +574,8 @@ class Crew:
             thread.join(max(0.0, ends - time.monotonic()))
         alive = [t.name for t in self._threads if t.is_alive()]
         assert not alive, f"waiters still running after {timeout} s: {alive}"
+        if self._loop is not None:
+            self._loop.close()
         assert not self.errors, "a waiter raised:\n" + "\n".join(self.errors)
 
 
@@ -1125,11 +1059,12 @@ def test_a_contended_run_through_cuts_stays_exact(rig: Rig, face: Face) -> None:
     raised = sum(len(events(log.of(n), "raised")) for n in crew.names)
     timeouts = sum(len(events(log.of(n), "none")) for n in crew.names)
     abandoned = sum(len(events(log.of(n), "abandoned")) for n in crew.names)
+    gave_up = sum(len(events(log.of(n), "gave-up")) for n in crew.names)
     print(
         f"[waiting-faults run {face}] granted={granted} applied={shared.applied} "
         f"counter={counter} faults={injected} connections_cut={proxy.cuts} "
         f"blpop_failed={blpop_failed} raised={raised} timeouts={timeouts} abandoned={abandoned} "
-        f"overran={marker.overran} untimed={sorted(untimed_seen)}"
+        f"gave_up={gave_up} overran={marker.overran} untimed={sorted(untimed_seen)}"
     )
     assert counter == shared.applied, f"counter {counter}, writes applied {shared.applied}"
     assert not marker.overlaps, marker.overlaps

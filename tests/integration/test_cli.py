@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from dmutex import DMutex, SQLiteBackend
+from dmutex import DMutex, DMutexLock, SQLiteBackend
 from dmutex._cli.holders import read_holders
 from dmutex._cli.run import request_timeout
 from dmutex._cli.urls import mongodb_timeouts
@@ -91,16 +92,42 @@ def child_folder(tmp_path: Path, name: str = "child") -> Child:
     return Child(folder)
 
 
+def run_child(
+    tmp_path: Path, env: dict[str, str], url: str, mode: str, *options: str
+) -> tuple[Child, subprocess.Popen[str], float]:
+    """Start ``dmutex run --backend URL --ttl TTL OPTIONS KEY -- <the test child in mode>``.
+
+    The child, the ``dmutex`` process, and when it started (monotonic).
+    """
+    child = child_folder(tmp_path)
+    args = ["run", "--backend", url, "--ttl", TTL, *options, KEY, "--"]
+    process = cli.start([*args, *cli.child_command(child.folder, mode)], env)
+    return child, process, time.monotonic()
+
+
+def wait_behind_a_holder(
+    store: Store, env: dict[str, str], log: Path, *args: str
+) -> tuple[DMutexLock, subprocess.Popen[str], float]:
+    """Take KEY with the library, start ``dmutex run --backend URL -v ARGS`` (stderr to
+    ``log``) and wait until it says it waits.
+
+    The holder's handle, the ``dmutex`` process, and when it started (monotonic).
+    """
+    holder = DMutex(cli.SERVICE, store.client).acquire(KEY, 30)
+    assert holder is not None
+    process = cli.start(["run", "--backend", store.url, "-v", *args], env, stderr=log)
+    started = time.monotonic()
+    until(lambda: "waiting for" in log.read_text(), "dmutex says it waits", cli.RUN_TIMEOUT)
+    return holder, process, started
+
+
 # -- the child's environment, the lock while it runs, and after it ends -------
 
 
 def test_child_runs_holding_the_lock_and_it_is_released_when_the_child_is_killed(
     store: Store, env: dict[str, str], tmp_path: Path
 ) -> None:
-    child = child_folder(tmp_path)
-    args = ["run", "--backend", store.url, "--ttl", TTL, KEY, "--"]
-    process = cli.start([*args, *cli.child_command(child.folder, "plain")], env)
-    started = time.monotonic()
+    child, process, started = run_child(tmp_path, env, store.url, "plain")
     report = child.wait_ready()
 
     variables = report["env"]
@@ -172,13 +199,10 @@ def test_a_held_key_gives_the_conflict_status(
 def test_a_waiting_run_takes_the_lock_when_it_is_released(
     store: Store, env: dict[str, str], tmp_path: Path
 ) -> None:
-    holder = DMutex(cli.SERVICE, store.client).acquire(KEY, 30)
-    assert holder is not None
     log = tmp_path / "stderr.txt"
-    args = ["run", "--backend", store.url, "--ttl", TTL, "-v", KEY, "--", "true"]
-    process = cli.start(args, env, stderr=log)
-    started = time.monotonic()
-    until(lambda: "waiting for" in log.read_text(), "dmutex says it waits", cli.RUN_TIMEOUT)
+    holder, process, started = wait_behind_a_holder(
+        store, env, log, "--ttl", TTL, KEY, "--", "true"
+    )
     assert process.poll() is None
     text = log.read_text()
     assert holder.token[:8] in text  # who holds it, shortened ...
@@ -196,10 +220,7 @@ def test_a_waiting_run_takes_the_lock_when_it_is_released(
 def test_a_lost_lease_stops_the_child_with_sigterm_then_sigkill(
     store: Store, env: dict[str, str], tmp_path: Path
 ) -> None:
-    child = child_folder(tmp_path)
-    args = ["run", "--backend", store.url, "--ttl", TTL, "--kill-grace", GRACE, KEY, "--"]
-    process = cli.start([*args, *cli.child_command(child.folder, "stubborn")], env)
-    started = time.monotonic()
+    child, process, started = run_child(tmp_path, env, store.url, "stubborn", "--kill-grace", GRACE)
     pid = child.pid
     store.delete_lease(KEY)
     deleted = time.monotonic()
@@ -220,10 +241,7 @@ def test_a_lost_lease_stops_the_child_with_sigterm_then_sigkill(
 def test_sigint_sigterm_and_sighup_are_forwarded_to_the_child(
     sqlite: Store, env: dict[str, str], tmp_path: Path
 ) -> None:
-    child = child_folder(tmp_path)
-    args = ["run", "--backend", sqlite.url, "--ttl", TTL, KEY, "--"]
-    process = cli.start([*args, *cli.child_command(child.folder, "record")], env)
-    started = time.monotonic()
+    child, process, started = run_child(tmp_path, env, sqlite.url, "record")
     child.wait_ready()
     process.send_signal(signal.SIGINT)
     assert child.wait_signals(1) == [signal.SIGINT]
@@ -240,10 +258,7 @@ def test_sigint_sigterm_and_sighup_are_forwarded_to_the_child(
 def test_sigterm_to_dmutex_ends_the_child_and_releases(
     sqlite: Store, env: dict[str, str], tmp_path: Path
 ) -> None:
-    child = child_folder(tmp_path)
-    args = ["run", "--backend", sqlite.url, "--ttl", TTL, KEY, "--"]
-    process = cli.start([*args, *cli.child_command(child.folder, "plain")], env)
-    started = time.monotonic()
+    child, process, started = run_child(tmp_path, env, sqlite.url, "plain")
     pid = child.pid
     process.send_signal(signal.SIGTERM)
     done = cli.finish(process, started)
@@ -255,16 +270,10 @@ def test_sigterm_to_dmutex_ends_the_child_and_releases(
 def test_a_signal_while_waiting_stops_dmutex(
     sqlite: Store, env: dict[str, str], tmp_path: Path
 ) -> None:
-    holder = DMutex(cli.SERVICE, sqlite.client).acquire(KEY, 30)
-    assert holder is not None
     log = tmp_path / "stderr.txt"
     marker = tmp_path / "ran"
     command = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
-    process = cli.start(
-        ["run", "--backend", sqlite.url, "-v", KEY, "--", *command], env, stderr=log
-    )
-    started = time.monotonic()
-    until(lambda: "waiting for" in log.read_text(), "dmutex says it waits", cli.RUN_TIMEOUT)
+    holder, process, started = wait_behind_a_holder(sqlite, env, log, KEY, "--", *command)
     process.send_signal(signal.SIGINT)
     done = cli.finish(process, started)
     assert done.status == 128 + signal.SIGINT, log.read_text()

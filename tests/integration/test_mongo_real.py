@@ -33,7 +33,6 @@ import mongomock
 import pymongo
 import pymongo.monitoring
 import pytest
-from hypothesis.stateful import run_state_machine_as_test
 from pymongo.collection import Collection
 from pymongo.database import Database
 from pymongo.errors import OperationFailure
@@ -64,7 +63,7 @@ from tests._support.mongo_servers import (
     unique_db_name,
     with_one_second_ttl_monitor,
 )
-from tests.model.test_state_machine import CONFIGS, EXAMPLES, SETTINGS, machine_for
+from tests.model.test_state_machine import CONFIGS, check_machine
 
 INDEX_OPTIONS_CONFLICT = 85
 
@@ -82,6 +81,24 @@ def nothing_here(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     return monkeypatch
 
 
+def found_first(
+    nothing_here: pytest.MonkeyPatch,
+    *,
+    url: str | None = None,
+    docker: bool = False,
+    mongod: str | None = None,
+    secantus: str | None = None,
+) -> object:
+    """The source discover() picks when only these are there: a MONGODB_URL, a Docker
+    daemon that answers, a mongod at ``mongod``, SecantusDB ``secantus`` installed."""
+    if url is not None:
+        nothing_here.setenv("MONGODB_URL", url)
+    nothing_here.setattr(mongo_servers, "docker_answers", lambda: docker)
+    nothing_here.setattr(mongo_servers, "find_mongod", lambda: mongod)
+    nothing_here.setattr(mongo_servers, "secantus_version", lambda: secantus)
+    return discover().source
+
+
 def test_no_server_gives_one_line_saying_what_was_missing(
     nothing_here: pytest.MonkeyPatch,
 ) -> None:
@@ -95,10 +112,8 @@ def test_no_server_gives_one_line_saying_what_was_missing(
 
 
 def test_mongodb_url_comes_first(nothing_here: pytest.MonkeyPatch) -> None:
-    nothing_here.setenv("MONGODB_URL", "mongodb://127.0.0.1:1/")
-    nothing_here.setattr(mongo_servers, "docker_answers", lambda: True)
-    nothing_here.setattr(mongo_servers, "find_mongod", lambda: "/usr/bin/mongod")
-    source = discover().source
+    url = "mongodb://127.0.0.1:1/"
+    source = found_first(nothing_here, url=url, docker=True, mongod="/usr/bin/mongod")
     assert isinstance(source, FromUrl)
     assert source.url == "mongodb://127.0.0.1:1/"
 
@@ -109,24 +124,19 @@ def test_an_empty_mongodb_url_counts_as_unset(nothing_here: pytest.MonkeyPatch) 
 
 
 def test_docker_before_mongod(nothing_here: pytest.MonkeyPatch) -> None:
-    nothing_here.setattr(mongo_servers, "docker_answers", lambda: True)
-    nothing_here.setattr(mongo_servers, "find_mongod", lambda: "/usr/bin/mongod")
-    source = discover().source
+    source = found_first(nothing_here, docker=True, mongod="/usr/bin/mongod")
     assert isinstance(source, Container)
     assert source.image == "mongo:7"
 
 
 def test_mongod_before_secantusdb(nothing_here: pytest.MonkeyPatch) -> None:
-    nothing_here.setattr(mongo_servers, "find_mongod", lambda: "/opt/mongo/bin/mongod")
-    nothing_here.setattr(mongo_servers, "secantus_version", lambda: "0.7.0b3")
-    source = discover().source
+    source = found_first(nothing_here, mongod="/opt/mongo/bin/mongod", secantus="0.7.0b3")
     assert isinstance(source, Executable)
     assert source.path == Path("/opt/mongo/bin/mongod")
 
 
 def test_secantusdb_last(nothing_here: pytest.MonkeyPatch) -> None:
-    nothing_here.setattr(mongo_servers, "secantus_version", lambda: "0.7.0b3")
-    source = discover().source
+    source = found_first(nothing_here, secantus="0.7.0b3")
     assert isinstance(source, SecantusDB)
     assert source.label == "secantusdb-0.7.0b3"
 
@@ -813,6 +823,4 @@ def test_state_machine(
     mongo_session: Session, mongo: Server, face: FaceName, kind: Kind, max_permits: int
 ) -> None:
     """The model's state machine against the real server, each example on fresh collections."""
-    machine = machine_for(lambda: RealMongo(mongo_session), face, kind, max_permits)
-    run_state_machine_as_test(machine, settings=SETTINGS)
-    assert machine.created >= EXAMPLES
+    check_machine(lambda: RealMongo(mongo_session), face, kind, max_permits)

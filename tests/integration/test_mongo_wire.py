@@ -276,6 +276,16 @@ MATCHED = {"n": 1, "nModified": 1}
 MATCHED_NONE = {"n": 0, "nModified": 0}
 
 
+def granted(wire: Wire, face: Face, *args: Any) -> Handle:
+    """``face.acquire("k", *args)``, its upsert answered "inserted": the handle."""
+    future = go(face.acquire, "k", *args)
+    request = wire.receive("update")
+    request.ok(inserted(request))
+    handle = future()
+    assert handle is not None
+    return handle
+
+
 def duplicate(request: Request) -> dict[str, Any]:
     """A real server's reply when the upsert collides with an active document."""
     slot_id = request.doc["updates"][0]["q"]["_id"]
@@ -526,6 +536,17 @@ def first_try(wire: Wire, key: str, ttl_ms: int) -> tuple[Request, str, int]:
     return request, token, slot
 
 
+def first_slot_taken(wire: Wire, sem: Face) -> tuple[Future[Handle | None], str, int]:
+    """Start ``sem.acquire("k", 2.5)``; its first upsert (checked) finds the slot taken.
+
+    The acquire's future, its token, and the slot it tried first.
+    """
+    future = go(sem.acquire, "k", 2.5)
+    request, token, slot = first_try(wire, "k", 2500)
+    request.ok(duplicate(request))
+    return future, token, slot
+
+
 def cleanup_of(wire: Wire, collection: str, key: str, token: str, permits: int) -> None:
     """An acquire that raised releases by its token: one delete over every slot (answered n=0)."""
     request = wire.receive("delete")
@@ -571,9 +592,7 @@ def test_semaphore_first_slot_free_is_one_upsert(wire: Wire, permits: int) -> No
 @pytest.mark.parametrize("permits", PERMITS)
 def test_semaphore_all_active_is_two_commands(wire: Wire, permits: int) -> None:
     sem, mark = start_semaphore(wire, permits)
-    future = go(sem.acquire, "k", 2.5)
-    request, _, _ = first_try(wire, "k", 2500)
-    request.ok(duplicate(request))
+    future, _, _ = first_slot_taken(wire, sem)
     distinct_of(wire, "k", permits).ok(values=[permit_id(i, "k") for i in range(permits)])
     assert future() is None
     assert wire.commands.since(mark) == ["update", "distinct"]
@@ -582,9 +601,7 @@ def test_semaphore_all_active_is_two_commands(wire: Wire, permits: int) -> None:
 @pytest.mark.parametrize("permits", PERMITS)
 def test_semaphore_takes_the_free_slot_distinct_names_in_three(wire: Wire, permits: int) -> None:
     sem, mark = start_semaphore(wire, permits)
-    future = go(sem.acquire, "k", 2.5)
-    request, token, first = first_try(wire, "k", 2500)
-    request.ok(duplicate(request))
+    future, token, first = first_slot_taken(wire, sem)
     free = (first + permits // 2) % permits
     held = [permit_id(i, "k") for i in range(permits) if i != free]
     distinct_of(wire, "k", permits).ok(values=held)
@@ -663,11 +680,7 @@ def test_release_by_handle_is_one_delete(wire: Wire, kind: Kind, deleted: int) -
     collection = "_dmutex_svc" if kind == "mutex" else "_dsemaphore_svc"
     face = wire.make(kind, max_permits=3)
     ready_counted(wire, face, collection)
-    future = go(face.acquire, "k")
-    request = wire.receive("update")
-    request.ok(inserted(request))
-    handle = future()
-    assert handle is not None
+    handle = granted(wire, face)
     wire.clock.advance(10)
     mark = len(wire.commands.names)
 
@@ -735,11 +748,7 @@ def test_extend_by_handle_is_one_update_without_upsert(
     collection = "_dmutex_svc" if kind == "mutex" else "_dsemaphore_svc"
     face = wire.make(kind, max_permits=3)
     ready_counted(wire, face, collection)
-    future = go(face.acquire, "k", 20)
-    request = wire.receive("update")
-    request.ok(inserted(request))
-    handle = future()
-    assert handle is not None
+    handle = granted(wire, face, 20)
     wire.clock.advance(10)
     now_ms = START_MS + 10_000
     mark = len(wire.commands.names)
@@ -879,11 +888,7 @@ def test_write_concern_error_raises(wire: Wire, operation: str) -> None:
     ready_counted(wire, face, "_dmutex_svc")
     handle: Handle | None = None
     if operation != "acquire":
-        future = go(face.acquire, "k")
-        request = wire.receive("update")
-        request.ok(inserted(request))
-        handle = future()
-        assert handle is not None
+        handle = granted(wire, face)
     mark = len(wire.commands.names)
     target: Callable[[], object] = {
         "acquire": lambda: face.acquire("k"),
@@ -917,11 +922,7 @@ def test_a_hang_up_raises(wire: Wire, where: str) -> None:
         ready_counted(wire, sem, "_dsemaphore_svc")
     handle: Handle | None = None
     if where in ("release", "extend"):
-        future = go(sem.acquire, "k")
-        request = wire.receive("update")
-        request.ok(inserted(request))
-        handle = future()
-        assert handle is not None
+        handle = granted(wire, sem)
     mark = len(wire.commands.names)
     operations: dict[str, Callable[[], object]] = {
         "ready": lambda: ready(sem),

@@ -23,7 +23,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from dmutex import DMutexError, RedisArg
-from tests._support.faces import Face, FaceName, Handle, Kind, LoopThread
+from tests._support.face_rigs import FaceRig
+from tests._support.faces import Face, FaceName, Handle
 from tests._support.redis_servers import Executable, Server, executables, free_port
 
 # The socket's words for a connection that is refused or cut: sync redis-py
@@ -43,37 +44,14 @@ def held(handle: Handle | None) -> Handle:
     return handle
 
 
-class Rig:
+class Rig(FaceRig):
     """One face: makes non-retrying clients and instances, closes them all."""
 
-    def __init__(self, face: FaceName) -> None:
-        self.face = face
-        self.loop = LoopThread() if face == "async" else None
-        self._sync: list[redis.Redis] = []
-        self._async: list[redis.asyncio.Redis] = []
-
     def client(self, url: str) -> redis.Redis | redis.asyncio.Redis:
+        no_retry = Retry(NoBackoff(), 0)
         if self.face == "async":
-            aclient = redis.asyncio.Redis.from_url(
-                url, socket_timeout=5, retry=Retry(NoBackoff(), 0)
-            )
-            self._async.append(aclient)
-            return aclient
-        client = redis.Redis.from_url(url, socket_timeout=5, retry=Retry(NoBackoff(), 0))
-        self._sync.append(client)
-        return client
-
-    def make(self, kind: str, client: object, max_permits: int = 1) -> Face:
-        chosen: Kind = "mutex" if kind == "mutex" else "semaphore"
-        return Face(self.face, chosen, client, max_permits=max_permits, loop=self.loop)
-
-    def close(self) -> None:
-        for client in self._sync:
-            client.close()
-        if self.loop is not None:
-            for aclient in self._async:
-                self.loop.run(aclient.aclose())
-            self.loop.close()
+            return self.keep(redis.asyncio.Redis.from_url(url, socket_timeout=5, retry=no_retry))
+        return self.keep(redis.Redis.from_url(url, socket_timeout=5, retry=no_retry))
 
 
 @pytest.fixture(params=["sync", "async"])
@@ -141,6 +119,26 @@ def every_operation_raises(
             lambda: lock.release_token("k", handle.token),
             lambda: lock.extend("k", handle.token, 30),
         ]
+    return each_raises(actions, error, match)
+
+
+def every_token_call_raises(lock: Face, error: type[BaseException], match: str) -> None:
+    """Acquire, and release and extend by a token of no lease, all raise."""
+    each_raises(
+        [
+            lambda: lock.acquire("k"),
+            lambda: lock.release_token("k", str(uuid.uuid4())),
+            lambda: lock.extend("k", str(uuid.uuid4()), 30),
+        ],
+        error,
+        match,
+    )
+
+
+def each_raises(
+    actions: list[Callable[[], object]], error: type[BaseException], match: str
+) -> list[BaseException]:
+    """Each of ``actions`` raises ``error`` matching ``match``: what they raised."""
     raised = []
     for action in actions:
         with pytest.raises(error, match=match) as caught:
@@ -164,13 +162,7 @@ def test_dead_server_raises(rig: Rig, private: Private, kind: str, permits: int)
 @pytest.mark.parametrize(("kind", "permits"), SHAPES, ids=SHAPE_IDS)
 def test_refused_connection_raises(rig: Rig, kind: str, permits: int) -> None:
     lock = rig.make(kind, rig.client(f"redis://127.0.0.1:{free_port()}/0"), permits)
-    for action in (
-        lambda: lock.acquire("k"),
-        lambda: lock.release_token("k", str(uuid.uuid4())),
-        lambda: lock.extend("k", str(uuid.uuid4()), 30),
-    ):
-        with pytest.raises(redis.ConnectionError, match=CONNECTION):
-            action()
+    every_token_call_raises(lock, redis.ConnectionError, CONNECTION)
 
 
 # --- authentication -------------------------------------------------------------------
@@ -180,13 +172,7 @@ def test_refused_connection_raises(rig: Rig, kind: str, permits: int) -> None:
 def test_wrong_password_raises(rig: Rig, private: Private, kind: str, permits: int) -> None:
     server, _ = private.start(password="secret")
     lock = rig.make(kind, rig.client(f"redis://:wrong@{server.host}:{server.port}/0"), permits)
-    for action in (
-        lambda: lock.acquire("k"),
-        lambda: lock.release_token("k", str(uuid.uuid4())),
-        lambda: lock.extend("k", str(uuid.uuid4()), 30),
-    ):
-        with pytest.raises(redis.AuthenticationError, match=WRONG_PASSWORD):
-            action()
+    every_token_call_raises(lock, redis.AuthenticationError, WRONG_PASSWORD)
 
 
 @pytest.mark.parametrize(("kind", "permits"), SHAPES, ids=SHAPE_IDS)

@@ -29,7 +29,8 @@ import redis
 import redis.asyncio
 
 from dmutex import DSemaphore, RedisArg, RedisReply
-from tests._support.faces import Face, FaceName, Handle, Kind, LoopThread
+from tests._support.face_rigs import FaceRig
+from tests._support.faces import FaceName, Handle
 
 T = TypeVar("T")
 
@@ -150,36 +151,26 @@ class Seen:
         return scripts if scripts else sum(self.server.values())
 
 
-class Rig:
+class Rig(FaceRig):
     """One face over one server: counting clients, instances, and a meter."""
 
     def __init__(self, face: FaceName, url: str) -> None:
-        self.face = face
+        super().__init__(face)
         self.url = url
-        self.loop = LoopThread() if face == "async" else None
         self.admin = redis.Redis.from_url(url)
-        self._sync: list[redis.Redis] = []
-        self._async: list[redis.asyncio.Redis] = []
 
     def close(self) -> None:
-        for client in self._sync:
-            client.close()
-        if self.loop is not None:
-            for aclient in self._async:
-                self.loop.run(aclient.aclose())
-            self.loop.close()
+        super().close()
         self.admin.close()
 
     def _sync_inner(self) -> redis.Redis:
-        inner = redis.Redis.from_url(self.url)
-        self._sync.append(inner)
+        inner = self.keep(redis.Redis.from_url(self.url))
         inner.ping()  # connect now: the handshake is not an operation's request
         return inner
 
     def _async_inner(self) -> redis.asyncio.Redis:
         assert self.loop is not None
-        inner = redis.asyncio.Redis.from_url(self.url)
-        self._async.append(inner)
+        inner = self.keep(redis.asyncio.Redis.from_url(self.url))
 
         async def connect() -> None:
             await inner.ping()  # the handshake is not an operation's request
@@ -196,10 +187,6 @@ class Rig:
         if self.face == "async":
             return AsyncCountingSetEval(self._async_inner())
         return CountingSetEval(self._sync_inner())
-
-    def make(self, kind: str, client: object, max_permits: int = 1) -> Face:
-        chosen: Kind = "mutex" if kind == "mutex" else "semaphore"
-        return Face(self.face, chosen, client, max_permits=max_permits, loop=self.loop)
 
     def measure(self, client: Recorder, action: Callable[[], T]) -> tuple[T, Seen]:
         client.calls.clear()

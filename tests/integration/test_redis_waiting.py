@@ -113,7 +113,21 @@ class InFlight:
             self.now -= 1
 
 
-class Recorded:
+class Showing:
+    """Shows dmutex the wrapped client's ``connection_pool`` and ``connection``."""
+
+    inner: redis.Redis | redis.asyncio.Redis
+
+    @property
+    def connection_pool(self) -> object:
+        return self.inner.connection_pool
+
+    @property
+    def connection(self) -> object:
+        return self.inner.connection
+
+
+class Recorded(Showing):
     """A redis-py client that records every command, with its reply.
 
     It shows dmutex its inner client's ``connection_pool`` and ``connection``,
@@ -128,14 +142,6 @@ class Recorded:
         self._send: Callable[..., RedisReply] = inner.execute_command
         self.sent: list[Sent] = []
         self.in_flight = in_flight or InFlight()
-
-    @property
-    def connection_pool(self) -> object:
-        return self.inner.connection_pool
-
-    @property
-    def connection(self) -> object:
-        return self.inner.connection
 
     def execute_command(self, *args: RedisArg) -> RedisReply:
         record = Sent(args)
@@ -155,7 +161,7 @@ class Recorded:
         return [s.kind for s in self.sent]
 
 
-class AsyncRecorded:
+class AsyncRecorded(Showing):
     """The asyncio twin of :class:`Recorded`, over ``redis.asyncio``."""
 
     def __init__(self, inner: redis.asyncio.Redis) -> None:
@@ -163,14 +169,6 @@ class AsyncRecorded:
         # Unannotated in redis-py too; this is its asyncio signature.
         self._send: Callable[..., Awaitable[RedisReply]] = inner.execute_command
         self.sent: list[Sent] = []
-
-    @property
-    def connection_pool(self) -> object:
-        return self.inner.connection_pool
-
-    @property
-    def connection(self) -> object:
-        return self.inner.connection
 
     async def execute_command(self, *args: RedisArg) -> RedisReply:
         record = Sent(args)

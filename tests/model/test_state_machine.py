@@ -300,6 +300,19 @@ def machine_for(
     return type(name, (LeaseMachine,), attributes)
 
 
+def check_machine(
+    make_backend: Callable[[], Backend], face: FaceName, kind: Kind, max_permits: int
+) -> None:
+    """Run the :class:`LeaseMachine` on ``make_backend``'s backends (Hypothesis, SETTINGS).
+
+    Fails on the first rule or invariant broken, and unless at least EXAMPLES
+    examples ran.
+    """
+    machine = machine_for(make_backend, face, kind, max_permits)
+    run_state_machine_as_test(machine, settings=SETTINGS)
+    assert machine.created >= EXAMPLES
+
+
 CONFIGS = [
     (face, kind, permits)
     for face in ("sync", "async")
@@ -309,30 +322,22 @@ CONFIGS = [
 
 @pytest.mark.parametrize(("face", "kind", "max_permits"), CONFIGS)
 def test_in_memory_backend(face: FaceName, kind: Kind, max_permits: int) -> None:
-    machine = machine_for(Memory, face, kind, max_permits)
-    run_state_machine_as_test(machine, settings=SETTINGS)
-    assert machine.created >= EXAMPLES
+    check_machine(Memory, face, kind, max_permits)
 
 
 @pytest.mark.parametrize(("face", "kind", "max_permits"), CONFIGS)
 def test_redis(redis_url: str, face: FaceName, kind: Kind, max_permits: int) -> None:
     """The same machine against a real Redis server (each version found), via redis-py."""
-    machine = machine_for(lambda: RealRedis(redis_url), face, kind, max_permits)
-    run_state_machine_as_test(machine, settings=SETTINGS)
-    assert machine.created >= EXAMPLES
+    check_machine(lambda: RealRedis(redis_url), face, kind, max_permits)
 
 
 @pytest.mark.parametrize(("face", "kind", "max_permits"), CONFIGS)
 def test_mongomock(face: FaceName, kind: Kind, max_permits: int) -> None:
     """The same machine on the MongoDB store, over mongomock (not a server)."""
-    machine = machine_for(Mongomock, face, kind, max_permits)
-    run_state_machine_as_test(machine, settings=SETTINGS)
-    assert machine.created >= EXAMPLES
+    check_machine(Mongomock, face, kind, max_permits)
 
 
 @pytest.mark.parametrize(("face", "kind", "max_permits"), CONFIGS)
 def test_sqlite(face: FaceName, kind: Kind, max_permits: int) -> None:
     """The same machine on the SQLite store, over a temporary file."""
-    machine = machine_for(SQLite, face, kind, max_permits)
-    run_state_machine_as_test(machine, settings=SETTINGS)
-    assert machine.created >= EXAMPLES
+    check_machine(SQLite, face, kind, max_permits)
