@@ -49,7 +49,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Generic, Protocol, TypeAlias, TypeVar
 
 import pymongo
 import pymongo.errors
@@ -560,7 +560,29 @@ def _redirect(name: str, db_name: str) -> str:
     return db_name
 
 
-class RedirectedClient:
+D_co = TypeVar("D_co", covariant=True)
+
+
+class _Databases(Protocol[D_co]):
+    """A client, sync or asyncio: it gives databases by name."""
+
+    def get_database(self, name: str, /) -> D_co: ...
+
+
+class _Redirected(Generic[D_co]):
+    """A client whose ``get_database("dmutex")`` is the test database; any other name fails."""
+
+    def __init__(self, inner: _Databases[D_co], db_name: str) -> None:
+        self.db_name = db_name
+        self.asked: list[str] = []
+        self._databases = inner
+
+    def get_database(self, name: str, /) -> D_co:
+        self.asked.append(name)
+        return self._databases.get_database(_redirect(name, self.db_name))
+
+
+class RedirectedClient(_Redirected[Database[Doc]]):
     """A sync client whose ``get_database("dmutex")`` is the test database.
 
     Any other name is an error, so a test cannot reach a database that is not
@@ -568,23 +590,13 @@ class RedirectedClient:
     """
 
     def __init__(self, inner: pymongo.MongoClient[Doc], db_name: str) -> None:
+        super().__init__(inner, db_name)
         self.inner = inner
-        self.db_name = db_name
-        self.asked: list[str] = []
-
-    def get_database(self, name: str, /) -> Database[Doc]:
-        self.asked.append(name)
-        return self.inner.get_database(_redirect(name, self.db_name))
 
 
-class AsyncRedirectedClient:
+class AsyncRedirectedClient(_Redirected[AsyncDatabase[Doc]]):
     """:class:`RedirectedClient` over a ``pymongo.AsyncMongoClient``."""
 
     def __init__(self, inner: pymongo.AsyncMongoClient[Doc], db_name: str) -> None:
+        super().__init__(inner, db_name)
         self.inner = inner
-        self.db_name = db_name
-        self.asked: list[str] = []
-
-    def get_database(self, name: str, /) -> AsyncDatabase[Doc]:
-        self.asked.append(name)
-        return self.inner.get_database(_redirect(name, self.db_name))
