@@ -409,8 +409,10 @@ def allowed_sources() -> tuple[str, ...]:
 class Discovery(servers.Discovery[Source]):
     """What the tests will run against (one source, the first found), or why they cannot."""
 
-    def __init__(self, source: Source | None, reason: str = "") -> None:
-        super().__init__([] if source is None else [source], reason)
+    def __init__(
+        self, source: Source | None, reason: str = "", passed_over: list[str] | None = None
+    ) -> None:
+        super().__init__([] if source is None else [source], reason, passed_over or [])
 
     @property
     def source(self) -> Source | None:
@@ -452,7 +454,7 @@ def discover() -> Discovery:
     }
     steps = [servers.Step(name, _MISSING[name], looks[name]) for name in SOURCE_NAMES]
     found = servers.discover_in_order(steps, NO_SERVER, allowed, KNOB)
-    return Discovery(found.sources[0] if found.sources else None, found.reason)
+    return Discovery(found.sources[0] if found.sources else None, found.reason, found.passed_over)
 
 
 def required() -> bool:

@@ -320,9 +320,13 @@ def required_versions() -> list[str]:
 
 
 @functools.cache
+def _discovered_once() -> Discovery:
+    return discover()
+
+
 def discovered() -> Discovery:
     """:func:`discover`, once per test session; fails if a required version is missing."""
-    found = discover()
+    found = _discovered_once()
     labels = set(found.labels)
     missing = [v for v in required_versions() if f"redis-{v}" not in labels]
     if missing:

@@ -327,10 +327,21 @@ class Discovery(Generic[Src]):
 
     sources: list[Src]
     reason: str = ""
+    # What each step tried before the one that gave the sources lacked
+    # ("no Docker daemon answers"): said in the run's header.
+    passed_over: list[str] = field(default_factory=list)
 
     @property
     def labels(self) -> list[str]:
         return [source.label for source in self.sources]
+
+    def header(self, what: str) -> str:
+        """One line for the run's header: the labels found and what was passed over, or why
+        there are none."""
+        if not self.sources:
+            return f"{what}: none ({self.reason})"
+        line = f"{what}: {', '.join(self.labels)}"
+        return line + (f" ({'; '.join(self.passed_over)})" if self.passed_over else "")
 
 
 @dataclass(frozen=True)
@@ -367,11 +378,13 @@ def discover_in_order(
 ) -> Discovery[Src]:
     """The sources of the first allowed step that gives any, else none and the skip line."""
     names = [step.name for step in steps] if allowed is None else list(allowed)
+    passed_over: list[str] = []
     for step in steps:
         if step.name in names:
             found = list(step.look())
             if found:
-                return Discovery(found)
+                return Discovery(found, passed_over=passed_over)
+            passed_over.append(step.missing)
     reason = no_server_reason(what, [(s.name, s.missing) for s in steps], names, knob)
     return Discovery([], reason)
 

@@ -17,6 +17,12 @@ import pytest
 from tests._support import mongo_servers
 
 
+def pytest_report_header() -> str:
+    """Which server the MongoDB tests use, and what discovery passed over ("no mongod ...")."""
+    # Unchecked: DMUTEX_REQUIRE_MONGODB fails the tests that need the server, not the header.
+    return mongo_servers._discovered_once().header("MongoDB test server")
+
+
 @pytest.fixture(scope="session")
 def mongo_session() -> Iterator[mongo_servers.Session]:
     """A real MongoDB for the session, started on first use (or a skip saying why)."""

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests._support import redis_servers
 from tests._support.redis_servers import (
     Pool,
     Server,
@@ -21,6 +22,12 @@ from tests._support.redis_servers import (
     labels_or_skip,
     server_or_skip,
 )
+
+
+def pytest_report_header() -> str:
+    """Which Redis servers the run uses, and what discovery passed over ("no Docker ...")."""
+    # Unchecked: a version DMUTEX_REQUIRE_REDIS misses fails the tests, not the header.
+    return redis_servers._discovered_once().header("redis servers")
 
 
 @pytest.fixture(scope="session")
