@@ -47,6 +47,7 @@ class _Restartable:
     """A server process on a fixed port and folder that can be killed and started again."""
 
     name = "server"
+    start_timeout = servers.START_TIMEOUT
 
     def __init__(self) -> None:
         self._process = servers.ServerProcess(f"fault-{self.name}", keep=True)
@@ -83,7 +84,7 @@ class _Restartable:
             self.retry,
             env=lambda folder: self.env(),
             what=self.name,
-            timeout=mongo_servers.START_TIMEOUT,
+            timeout=self.start_timeout,
         )
 
     def kill(self) -> None:
@@ -154,6 +155,7 @@ class DurableSecantusDB(_Restartable):
 
     name = "secantusdb"
     retry = mongo_servers.PING_ERRORS
+    start_timeout = mongo_servers.START_TIMEOUT
 
     def __init__(self, *, in_memory: bool = False) -> None:
         self.in_memory = in_memory  # nothing kept across a restart, as a test server often is

@@ -23,7 +23,7 @@ starts), ``mongodb-7`` for the container before it starts, and
 ``secantusdb-0.7.0b3`` (from the package, or from ``buildInfo``'s
 ``secantusVersion``: SecantusDB's ``version`` field imitates a mongod's).
 :data:`DEVIATIONS` lists, per label, the tests that fail because the
-server differs from mongod, each with the reason; ``tests/conftest.py`` marks
+server differs from mongod, each with the reason; ``plugins/mongodb.py`` marks
 them strict xfail.
 
 The order, the session and the processes are ``servers.py``'s; this module
@@ -491,7 +491,7 @@ def mongo_label() -> str:
 # --- what the label decides -----------------------------------------------------------
 
 # Per server label, the tests that fail only because that server differs
-# from mongod, and how. tests/conftest.py marks each strict xfail on that
+# from mongod, and how. plugins/mongodb.py marks each strict xfail on that
 # label: the test still runs, and starts failing the suite once it passes.
 DEVIATIONS: dict[str, dict[str, str]] = {
     "secantusdb-0.7.0b3": {

@@ -36,9 +36,9 @@ import pytest
 import redis
 
 from tests._support import servers
-from tests._support.servers import LOOPBACK, START_TIMEOUT, docker_answers, free_port
-
-__all__ = ["docker_answers", "free_port"]  # where the tests have always found them
+from tests._support.servers import LOOPBACK, START_TIMEOUT
+from tests._support.servers import docker_answers as docker_answers  # the tests' old place
+from tests._support.servers import free_port as free_port
 
 PING_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 

@@ -17,10 +17,10 @@ Rules:
   is signalled, by that same id, so that no server outlives its ``runuser``.
 - Discovery tries the sources in a fixed order, a :class:`Step` each: a URL
   from the environment, Docker via testcontainers (only where a Docker daemon
-  answers: there is none on this machine, so that step gives nothing and the
-  skip line says "no Docker daemon answers"), executables, a fallback. The
-  first step that gives sources wins; when none does, the tests skip with one
-  line naming what each step lacked.
+  answers), executables, a fallback. The first step that gives sources wins.
+  The steps passed over are named with what they lacked ("no Docker daemon
+  answers") in the run's header; when no step gives any, the tests skip with
+  one line naming what each lacked.
 - A :class:`Pool` starts each source on its first use and stops them all at
   the end. A failed start is remembered: later tests report it at once
   instead of waiting for the server again.
@@ -202,8 +202,10 @@ class ServerProcess:
         self._proc = None
 
     def stop(self) -> None:
-        """Stop it by its pid if it runs (SIGTERM, SIGKILL after the bound); unless kept, remove
-        the folder."""
+        """Stop it by its pid if it runs: SIGTERM, then SIGKILL after the bound.
+
+        Unless it is kept, its folder is removed and the next start takes a new port.
+        """
         if self._proc is not None:
             self._signal(signal.SIGTERM)
             try:
@@ -336,8 +338,7 @@ class Discovery(Generic[Src]):
         return [source.label for source in self.sources]
 
     def header(self, what: str) -> str:
-        """One line for the run's header: the labels found and what was passed over, or why
-        there are none."""
+        """One line for the run's header: the labels found and what was passed over, or why none."""
         if not self.sources:
             return f"{what}: none ({self.reason})"
         line = f"{what}: {', '.join(self.labels)}"
@@ -360,8 +361,10 @@ def _and(parts: list[str]) -> str:
 def no_server_reason(
     what: str, steps: Sequence[tuple[str, str]], allowed: Iterable[str], knob: str = ""
 ) -> str:
-    """The one line a skip shows: ``what``, then what each allowed step lacked, then
-    which steps ``knob`` leaves out."""
+    """The one line a skip shows: ``what``, what each allowed step lacked, what ``knob`` left out.
+
+    ``steps`` are ``(name, missing)`` pairs, in order.
+    """
     allowed = set(allowed)
     tried = [missing for name, missing in steps if name in allowed]
     left_out = [name for name, _ in steps if name not in allowed]
