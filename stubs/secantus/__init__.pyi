@@ -13,6 +13,7 @@ class SecantusDBServer:
         replica_set_name: str | None = "secantus",
         enable_test_commands: bool = True,
         ttl_sweep_seconds: float = 60.0,
+        sync_on_commit: bool = False,
     ) -> None: ...
     @property
     def uri(self) -> str: ...

@@ -23,8 +23,11 @@ starts), ``mongodb-7`` for the container before it starts, and
 ``secantusdb-0.7.0b3`` (from the package, or from ``buildInfo``'s
 ``secantusVersion``: SecantusDB's ``version`` field imitates a mongod's).
 :data:`DEVIATIONS` lists, per label, the tests that fail because the
-server differs from mongod, each with the reason; ``tests/conftest.py`` marks
+server differs from mongod, each with the reason; ``plugins/mongodb.py`` marks
 them strict xfail.
+
+The order, the session and the processes are ``servers.py``'s; this module
+says what is MongoDB (and SecantusDB) about them.
 
 Whatever the source, every test uses the same unique database. Instances that
 take the default ``db_name`` ("dmutex") are pointed at it through
@@ -35,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import importlib.metadata
 import os
 import re
@@ -43,12 +45,11 @@ import secrets
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Generic, Protocol, TypeAlias, TypeVar
 
 import pymongo
 import pymongo.errors
@@ -56,8 +57,8 @@ import pytest
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.database import Database
 
-from tests._support.processes import stop_process
-from tests._support.redis_servers import docker_answers, free_port
+from tests._support import servers
+from tests._support.servers import docker_answers
 
 START_TIMEOUT = 30.0
 SELECTION_TIMEOUT_MS = 10_000  # tests fail within seconds, not pymongo's default 30 s
@@ -66,6 +67,7 @@ TEST_DB_PREFIX = "dmutex_test_"
 CONTAINER_IMAGE = "mongo:7"
 SECANTUS_DISTRIBUTION = "SecantusDB"
 SECANTUS_LAUNCHER = Path(__file__).with_name("secantus_daemon.py")
+PING_ERRORS = (pymongo.errors.ConnectionFailure,)
 NO_SERVER_LABEL = "no-server"  # what test ids show where discovery found nothing
 
 Doc: TypeAlias = dict[str, Any]
@@ -147,34 +149,31 @@ class Source(Protocol):
     def stop(self) -> None: ...
 
 
-def _not_running(process: subprocess.Popen[bytes] | None, label: str) -> None:
-    """Refuse to start a source twice: the first process would be lost, never stopped."""
-    if process is not None:
-        raise RuntimeError(
-            f"{label} is already running (pid {process.pid}): one Session per source"
-        )
+def loopback_url(port: int) -> str:
+    """The URL of a server the tests started on 127.0.0.1:``port``."""
+    return f"mongodb://{servers.LOOPBACK}:{port}/?directConnection=true"
 
 
-def _wait_for_process(process: subprocess.Popen[bytes], url: str, log_path: str, name: str) -> str:
-    """The label of the server ``process`` runs, once it answers at ``url``.
+def start_server(
+    process: servers.ServerProcess,
+    command: Callable[[Path, int], list[str]],
+    what: str,
+    env: Callable[[Path], Mapping[str, str]] | None = None,
+) -> tuple[str, str]:
+    """Run ``command(folder, port)`` in ``process``; its URL and label once it answers.
 
-    A clear error, with the last lines of its log, if it exits first.
+    ``what`` names the server in errors ("SecantusDB exited with code 1 before
+    answering: <the log's last lines>").
     """
-    deadline = time.monotonic() + START_TIMEOUT
-    while True:
-        code = process.poll()
-        if code is not None:
-            tail = Path(log_path).read_text(errors="replace").strip().splitlines()[-5:]
-            raise RuntimeError(
-                f"{name} exited with code {code} before answering: "
-                + (" | ".join(tail) or "(no output)")
-            )
-        try:
-            return wait_until_up(url, timeout=0)
-        except pymongo.errors.ConnectionFailure:
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.1)
+    label = process.start(
+        command,
+        lambda port: wait_until_up(loopback_url(port), timeout=0),
+        PING_ERRORS,
+        env=env,
+        what=what,
+        timeout=START_TIMEOUT,
+    )
+    return loopback_url(process.port), label
 
 
 # --- the sources, in order --------------------------------------------------------
@@ -184,7 +183,7 @@ PROBE_TIMEOUT_MS = 2_000
 
 
 @dataclass
-class FromUrl:
+class FromUrl(servers.External):
     """The server ``MONGODB_URL`` names; never started or stopped here."""
 
     url: str
@@ -205,26 +204,12 @@ class FromUrl:
     def start(self, db_name: str) -> Server:
         return Server(wait_until_up(self.url), self.url, "MONGODB_URL", db_name)
 
-    def stop(self) -> None:
-        pass
-
-
-def _container_class() -> Callable[[str], Any]:
-    """testcontainers' ``MongoDbContainer`` (moved under ``community`` in 4.14)."""
-    try:
-        module = importlib.import_module("testcontainers.community.mongodb")
-    except ImportError:  # older testcontainers: the module still lives at the top
-        module = importlib.import_module("testcontainers.mongodb")
-    made: Callable[[str], Any] = module.MongoDbContainer
-    return made
-
 
 @dataclass
-class Container:
+class Container(servers.Containerized):
     """A ``mongo:7`` container started by testcontainers."""
 
     image: str = CONTAINER_IMAGE
-    _container: Any = None
 
     @property
     def label(self) -> str:
@@ -232,16 +217,9 @@ class Container:
         return f"mongodb-{self.image.rpartition(':')[2] or 'latest'}"
 
     def start(self, db_name: str) -> Server:
-        container = _container_class()(self.image)
-        container.start()
-        self._container = container
+        container = self.run_container("mongodb", "MongoDbContainer", self.image)
         url = str(container.get_connection_url())
         return Server(wait_until_up(url), url, "testcontainers", db_name)
-
-    def stop(self) -> None:
-        if self._container is not None:
-            self._container.stop()
-            self._container = None
 
 
 def mongod_version(path: Path) -> str | None:
@@ -256,61 +234,15 @@ def mongod_version(path: Path) -> str | None:
     return match.group(1) if done.returncode == 0 and match else None
 
 
-class _Process:
-    """One server process the tests start: its own folder, a log, stopped by pid."""
-
-    def __init__(self) -> None:
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._dir: tempfile.TemporaryDirectory[str] | None = None
-
-    def start(
-        self,
-        label: str,
-        name: str,
-        command: Callable[[str, int], list[str]],
-        what: str,
-        env: Callable[[str], Mapping[str, str]] | None = None,
-    ) -> tuple[str, str]:
-        """Run ``command(folder, port)`` on a free loopback port; return its URL and label.
-
-        ``name`` names the folder and the log; ``what`` the server in errors.
-        A process that does not answer is stopped and its folder removed.
-        """
-        _not_running(self._proc, label)
-        self._dir = tempfile.TemporaryDirectory(prefix=f"dmutex-{name}-")
-        folder, port = self._dir.name, free_port()
-        log_path = os.path.join(folder, f"{name}.log")
-        with open(log_path, "wb") as log:
-            self._proc = subprocess.Popen(
-                command(folder, port),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=None if env is None else env(folder),
-            )
-        url = f"mongodb://127.0.0.1:{port}/?directConnection=true"
-        try:
-            return url, _wait_for_process(self._proc, url, log_path, what)
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        """Stop the process by its pid and remove its folder."""
-        if self._proc is not None:
-            stop_process(self._proc, timeout=20)
-            self._proc = None
-        if self._dir is not None:
-            self._dir.cleanup()
-            self._dir = None
-
-
 @dataclass
 class Executable:
     """A ``mongod`` binary, started on a free loopback port when first needed."""
 
     path: Path
     extra_args: tuple[str, ...] = ()
-    _process: _Process = field(default_factory=lambda: _Process(), repr=False)
+    _process: servers.ServerProcess = field(
+        default_factory=lambda: servers.ServerProcess("mongod"), repr=False, compare=False
+    )
 
     @functools.cached_property
     def label(self) -> str:
@@ -332,12 +264,12 @@ class Executable:
         ]  # fmt: skip
 
     def start(self, db_name: str) -> Server:
-        def command(folder: str, port: int) -> list[str]:
-            dbpath = os.path.join(folder, "db")
-            os.mkdir(dbpath)
-            return self.command(port, dbpath)
+        def command(folder: Path, port: int) -> list[str]:
+            dbpath = folder / "db"
+            dbpath.mkdir()
+            return self.command(port, str(dbpath))
 
-        url, label = self._process.start(self.label, "mongod", command, str(self.path))
+        url, label = start_server(self._process, command, str(self.path))
         return Server(label, url, str(self.path), db_name)
 
     def stop(self) -> None:
@@ -351,6 +283,28 @@ def secantus_version() -> str | None:
         return importlib.metadata.version(SECANTUS_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def secantus_command(
+    python: str,
+    port: int,
+    *,
+    ttl_sweep_seconds: float = 60.0,
+    storage_path: str = ":memory:",
+    sync_on_commit: bool = False,
+) -> list[str]:
+    """The command that runs SecantusDB on 127.0.0.1:``port`` (``secantus_daemon.py``).
+
+    The launcher runs in isolated mode (``-I``): no script folder and no
+    ``PYTHON*`` variables on its path.
+    """
+    return [
+        python, "-I", str(SECANTUS_LAUNCHER),
+        "--port", str(port),
+        "--ttl-sweep-seconds", str(ttl_sweep_seconds),
+        "--storage-path", storage_path,
+        *(["--sync-on-commit"] if sync_on_commit else []),
+    ]  # fmt: skip
 
 
 @dataclass
@@ -368,7 +322,9 @@ class SecantusDB:
     version: str
     ttl_sweep_seconds: float = 60.0  # SecantusDB's default, and mongod's
     python: str = sys.executable  # the interpreter that has the package
-    _process: _Process = field(default_factory=lambda: _Process(), repr=False)
+    _process: servers.ServerProcess = field(
+        default_factory=lambda: servers.ServerProcess("secantusdb"), repr=False, compare=False
+    )
 
     @property
     def label(self) -> str:
@@ -376,21 +332,16 @@ class SecantusDB:
 
     def command(self, port: int) -> list[str]:
         """The command line: the launcher in isolated mode, 127.0.0.1:``port``."""
-        return [
-            self.python, "-I", str(SECANTUS_LAUNCHER),
-            "--port", str(port),
-            "--ttl-sweep-seconds", str(self.ttl_sweep_seconds),
-        ]  # fmt: skip
+        return secantus_command(self.python, port, ttl_sweep_seconds=self.ttl_sweep_seconds)
 
     def start(self, db_name: str) -> Server:
         # WiredTiger runs in memory; the directory SecantusDB still makes
         # goes under TMPDIR, which is the process's own folder, removed at stop.
-        url, label = self._process.start(
-            self.label,
-            "secantusdb",
+        url, label = start_server(
+            self._process,
             lambda folder, port: self.command(port),
             SECANTUS_DISTRIBUTION,
-            env=lambda folder: {**os.environ, "TMPDIR": folder},
+            env=lambda folder: {**os.environ, "TMPDIR": str(folder)},
         )
         return Server(label, url, f"{SECANTUS_DISTRIBUTION} {self.version}", db_name)
 
@@ -425,20 +376,14 @@ _MISSING = {
 }
 
 
-def _and(parts: list[str]) -> str:
-    return ", ".join(parts[:-1]) + (", and " if len(parts) > 1 else "") + parts[-1]
+NO_SERVER = "no server for the MongoDB tests"
+KNOB = "DMUTEX_MONGODB_SERVERS"
 
 
 def no_server_reason(allowed: tuple[str, ...]) -> str:
     """The one line a skip shows when none of the ``allowed`` sources gave a server."""
-    tried = [_MISSING[name] for name in SOURCE_NAMES if name in allowed]
-    left_out = [name for name in SOURCE_NAMES if name not in allowed]
-    reason = "no server for the MongoDB tests"
-    if tried:
-        reason += ": " + _and(tried)
-    if left_out:
-        reason += f"{';' if tried else ':'} DMUTEX_MONGODB_SERVERS leaves out {', '.join(left_out)}"
-    return reason
+    steps = [(name, _MISSING[name]) for name in SOURCE_NAMES]
+    return servers.no_server_reason(NO_SERVER, steps, allowed, KNOB)
 
 
 NO_MONGODB = no_server_reason(SOURCE_NAMES)
@@ -461,12 +406,18 @@ def allowed_sources() -> tuple[str, ...]:
     return tuple(name for name in SOURCE_NAMES if name in names)
 
 
-@dataclass
-class Discovery:
-    """What the tests will run against, or why they cannot."""
+class Discovery(servers.Discovery[Source]):
+    """What the tests will run against (one source, the first found), or why they cannot."""
 
-    source: Source | None
-    reason: str = ""
+    def __init__(
+        self, source: Source | None, reason: str = "", passed_over: list[str] | None = None
+    ) -> None:
+        super().__init__([] if source is None else [source], reason, passed_over or [])
+
+    @property
+    def source(self) -> Source | None:
+        """The source found, or None."""
+        return self.sources[0] if self.sources else None
 
     @property
     def label(self) -> str:
@@ -482,18 +433,28 @@ def find_mongod() -> str | None:
 def discover() -> Discovery:
     """Find a server in the documented order (nothing is started yet)."""
     allowed = allowed_sources()
-    url = os.environ.get("MONGODB_URL")
-    if "url" in allowed and url:
-        return Discovery(FromUrl(url))
-    if "docker" in allowed and docker_answers():
-        return Discovery(Container())
-    mongod = find_mongod() if "mongod" in allowed else None
-    if mongod:
-        return Discovery(Executable(Path(mongod)))
-    secantus = secantus_version() if "secantusdb" in allowed else None
-    if secantus:
-        return Discovery(SecantusDB(secantus))
-    return Discovery(None, no_server_reason(allowed))
+
+    def url() -> list[Source]:
+        found = os.environ.get("MONGODB_URL")
+        return [FromUrl(found)] if found else []
+
+    def mongod() -> list[Source]:
+        found = find_mongod()
+        return [Executable(Path(found))] if found else []
+
+    def secantus() -> list[Source]:
+        version = secantus_version()
+        return [SecantusDB(version)] if version else []
+
+    looks: dict[str, Callable[[], list[Source]]] = {
+        "url": url,
+        "docker": lambda: [Container()] if docker_answers() else [],
+        "mongod": mongod,
+        "secantusdb": secantus,
+    }
+    steps = [servers.Step(name, _MISSING[name], looks[name]) for name in SOURCE_NAMES]
+    found = servers.discover_in_order(steps, NO_SERVER, allowed, KNOB)
+    return Discovery(found.sources[0] if found.sources else None, found.reason, found.passed_over)
 
 
 def required() -> bool:
@@ -530,7 +491,7 @@ def mongo_label() -> str:
 # --- what the label decides -----------------------------------------------------------
 
 # Per server label, the tests that fail only because that server differs
-# from mongod, and how. tests/conftest.py marks each strict xfail on that
+# from mongod, and how. plugins/mongodb.py marks each strict xfail on that
 # label: the test still runs, and starts failing the suite once it passes.
 DEVIATIONS: dict[str, dict[str, str]] = {
     "secantusdb-0.7.0b3": {
@@ -548,31 +509,26 @@ def deviation(label: str, test_name: str) -> str | None:
     return DEVIATIONS.get(label, {}).get(test_name)
 
 
-class Session:
+class Session(servers.Pool[Source, Server]):
     """Starts the source on first use; at the end drops the test database and stops it."""
 
+    discovery: Discovery
+
     def __init__(self, discovery: Discovery, db_name: str | None = None) -> None:
-        self.discovery = discovery
+        super().__init__(discovery)
         self.db_name = db_name or unique_db_name()
-        self._server: Server | None = None
         self._admin: pymongo.MongoClient[Doc] | None = None
-        self._failure: Exception | None = None
+
+    def start_source(self, source: Source) -> Server:
+        server = source.start(self.db_name)
+        self._admin = server.client(tz_aware=True)
+        return server
 
     def server(self) -> Server:
         """The running server, or ``pytest.skip`` with discovery's one-line reason."""
         if self.discovery.source is None:
             pytest.skip(self.discovery.reason)
-        if self._failure is not None:
-            raise RuntimeError(f"{self.discovery.source.label} did not start") from self._failure
-        if self._server is None:
-            try:
-                self._server = self.discovery.source.start(self.db_name)
-            except Exception as error:
-                # Once: every later test reports this instead of waiting again.
-                self._failure = error
-                raise
-            self._admin = self._server.client(tz_aware=True)
-        return self._server
+        return self.started(self.discovery.label)
 
     @property
     def admin(self) -> pymongo.MongoClient[Doc]:
@@ -588,14 +544,13 @@ class Session:
         return server
 
     def close(self) -> None:
+        """Drop the test database, close the admin client, stop the source."""
         if self._admin is not None:
             with contextlib.suppress(pymongo.errors.PyMongoError):
                 drop_test_database(self._admin, self.db_name)
             self._admin.close()
             self._admin = None
-        if self.discovery.source is not None:
-            self.discovery.source.stop()
-        self._server = None
+        super().close()
 
 
 # --- pointing dmutex's default database at the test database ---------------------------
@@ -607,7 +562,29 @@ def _redirect(name: str, db_name: str) -> str:
     return db_name
 
 
-class RedirectedClient:
+D_co = TypeVar("D_co", covariant=True)
+
+
+class _Databases(Protocol[D_co]):
+    """A client, sync or asyncio: it gives databases by name."""
+
+    def get_database(self, name: str, /) -> D_co: ...
+
+
+class _Redirected(Generic[D_co]):
+    """A client whose ``get_database("dmutex")`` is the test database; any other name fails."""
+
+    def __init__(self, inner: _Databases[D_co], db_name: str) -> None:
+        self.db_name = db_name
+        self.asked: list[str] = []
+        self._databases = inner
+
+    def get_database(self, name: str, /) -> D_co:
+        self.asked.append(name)
+        return self._databases.get_database(_redirect(name, self.db_name))
+
+
+class RedirectedClient(_Redirected[Database[Doc]]):
     """A sync client whose ``get_database("dmutex")`` is the test database.
 
     Any other name is an error, so a test cannot reach a database that is not
@@ -615,23 +592,13 @@ class RedirectedClient:
     """
 
     def __init__(self, inner: pymongo.MongoClient[Doc], db_name: str) -> None:
+        super().__init__(inner, db_name)
         self.inner = inner
-        self.db_name = db_name
-        self.asked: list[str] = []
-
-    def get_database(self, name: str, /) -> Database[Doc]:
-        self.asked.append(name)
-        return self.inner.get_database(_redirect(name, self.db_name))
 
 
-class AsyncRedirectedClient:
+class AsyncRedirectedClient(_Redirected[AsyncDatabase[Doc]]):
     """:class:`RedirectedClient` over a ``pymongo.AsyncMongoClient``."""
 
     def __init__(self, inner: pymongo.AsyncMongoClient[Doc], db_name: str) -> None:
+        super().__init__(inner, db_name)
         self.inner = inner
-        self.db_name = db_name
-        self.asked: list[str] = []
-
-    def get_database(self, name: str, /) -> AsyncDatabase[Doc]:
-        self.asked.append(name)
-        return self.inner.get_database(_redirect(name, self.db_name))

@@ -1,16 +1,36 @@
-"""What the paused-holder tests share: the leases' TTLs, the stale calls, a lease's slot.
+"""What the paused-holder tests share: the child, its client, the leases' TTLs, the stale calls.
 
 A holder (a child of :func:`tests._support.processes.spawned`) acquires with
 :data:`TTL`, is stopped by SIGSTOP past it, its key is taken over with
 :data:`NEW_TTL`, and on SIGCONT it makes the :data:`CALLS` on its stale lease,
 its extends asking for :data:`STALE_TTL`: longer than the new holder's, so
 that a wrong extend would show as a later expiry.
+
+The child is :func:`paused_holder`, given the test's sync and asyncio holder
+functions (module level, so that the spawned child imports them by name): it
+runs the one of the case's face and sends its results, or its traceback.
+:func:`holder_client` and :func:`close_async` make and close its client.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import multiprocessing.synchronize
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
+
+import pymongo
+import redis
+import redis.asyncio
+
 from dmutex import AsyncDSemaphorePermit, DSemaphorePermit
+from tests._support import processes
 from tests._support.faces import RawHandle
+
+SELECTION_TIMEOUT_MS = 10_000  # the holder's MongoDB client fails within seconds
 
 TTL = 0.5  # the paused holder's lease
 NEW_TTL = 20.0  # the new holder's
@@ -22,3 +42,76 @@ CALLS = ("extend by handle", "extend by token", "release by handle", "release by
 def slot_of(lease: RawHandle) -> int:
     """A permit's slot; a mutex's lock is in slot 0."""
     return lease.slot if isinstance(lease, (DSemaphorePermit, AsyncDSemaphorePermit)) else 0
+
+
+@dataclass(frozen=True)
+class Record:
+    """A slot's record as the server holds it: the token, and its expiry."""
+
+    token: str | None
+    expiry: int | float | datetime | None  # Redis: PTTL in ms; MongoDB: expiredAt
+
+
+class HolderCase(Protocol):
+    """What the child needs of a test's case: the backend it holds on, and the face."""
+
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def face(self) -> str: ...
+
+
+def paused_holder(
+    sync_holder: Callable[..., object],
+    async_holder: Callable[..., Coroutine[Any, Any, object]],
+    case: HolderCase,
+    url: str,
+    db_name: str | None,
+    service: str,
+    reports: processes.ChildReports,
+    go: multiprocessing.synchronize.Event,
+) -> None:
+    """The paused-holder child: the holder of ``case.face`` on the rest, its results sent.
+
+    Each holder takes ``(case, url, db_name, service, reports, go)``.
+    """
+    args = (case, url, db_name, service, reports, go)
+    sync = case.face == "sync"
+    processes.send_results(
+        reports, lambda: sync_holder(*args) if sync else asyncio.run(async_holder(*args))
+    )
+
+
+def spawned_holder(
+    sync_holder: Callable[..., object],
+    async_holder: Callable[..., Coroutine[Any, Any, object]],
+    case: HolderCase,
+    *args: object,
+) -> contextlib.AbstractContextManager[processes.Child]:
+    """:func:`paused_holder` started in a spawned child (:func:`processes.spawned`).
+
+    ``args`` are the url, the database name and the service, as the holders take them.
+    """
+    return processes.spawned(paused_holder, sync_holder, async_holder, case, *args)
+
+
+def holder_client(case: HolderCase, url: str, *, asynchronous: bool, **redis_options: Any) -> Any:
+    """A new client of ``case.backend`` for a holder (asyncio if ``asynchronous``).
+
+    ``redis_options`` go to a Redis client only. The caller closes it
+    (:func:`close_async` for an asyncio one).
+    """
+    if case.backend == "redis":
+        redis_class = redis.asyncio.Redis if asynchronous else redis.Redis
+        return redis_class.from_url(url, **redis_options)
+    mongo_class = pymongo.AsyncMongoClient if asynchronous else pymongo.MongoClient
+    return mongo_class(url, serverSelectionTimeoutMS=SELECTION_TIMEOUT_MS)
+
+
+async def close_async(case: HolderCase, client: Any) -> None:
+    """Close an asyncio client of :func:`holder_client` (redis-py's is ``aclose``)."""
+    if case.backend == "redis":
+        await client.aclose()
+    else:
+        await client.close()

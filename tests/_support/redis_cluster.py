@@ -1,29 +1,38 @@
 """A local three-master Redis Cluster (no replicas) started from a ``redis-server``.
 
-Three processes on free 127.0.0.1 ports, persistence off, in one temporary
-directory. The 16384 hash slots are split in three ranges with ``CLUSTER
-ADDSLOTS`` (``ADDSLOTSRANGE`` is Redis 7.0+ only), the nodes are introduced
-with ``CLUSTER MEET``, and :meth:`LocalCluster.start` returns once every node
+Three processes on free 127.0.0.1 ports, persistence off, each a
+:class:`~tests._support.servers.ServerProcess` with a folder of its own. The
+16384 hash slots are split in three ranges with ``CLUSTER ADDSLOTS``
+(``ADDSLOTSRANGE`` is Redis 7.0+ only), the nodes are introduced with
+``CLUSTER MEET``, and :meth:`LocalCluster.start` returns once every node
 reports ``cluster_state:ok`` and knows three masters. :meth:`LocalCluster.stop`
-stops every process by its pid and removes the directory.
+stops every process by its pid and removes the folders.
 """
 
 from __future__ import annotations
 
-import contextlib
 import socket
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import redis
 
-from tests._support.redis_servers import _library_env
+from tests._support import redis_servers
+from tests._support.servers import ServerProcess
 
 START_TIMEOUT = 30.0
 HASH_SLOTS = 16384
 BUS_PORT_OFFSET = 10000  # Redis 6.2 has no cluster-port option: the bus is port + 10000.
+# Persistence off; the node's own cluster file follows, named by its port.
+CLUSTER_ARGS = (
+    "--save",
+    "",
+    "--appendonly",
+    "no",
+    "--cluster-enabled",
+    "yes",
+    "--cluster-config-file",
+)
 
 
 def _bindable(port: int) -> bool:
@@ -73,8 +82,7 @@ class LocalCluster:
         self.nodes = nodes
         self.ports: list[int] = []
         self.version = ""
-        self._procs: list[subprocess.Popen[bytes]] = []
-        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self._nodes: list[ServerProcess] = []
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -91,25 +99,15 @@ class LocalCluster:
         return [(self.host, port) for port in self.ports]
 
     def stop(self) -> None:
-        """Stop every process by its pid and remove the directory."""
-        for proc in self._procs:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-        self._procs = []
+        """Stop every process by its pid and remove the folders."""
+        for node in self._nodes:
+            node.stop()
+        self._nodes = []
         self.ports = []
-        if self._dir is not None:
-            self._dir.cleanup()
-            self._dir = None
 
     @property
     def pids(self) -> list[int]:
-        return [proc.pid for proc in self._procs]
+        return [node.pid for node in self._nodes]
 
     # --- steps --------------------------------------------------------------------
 
@@ -117,46 +115,20 @@ class LocalCluster:
         return redis.Redis(host=self.host, port=port, socket_timeout=5, decode_responses=True)
 
     def _spawn(self) -> None:
-        self._dir = tempfile.TemporaryDirectory(prefix="dmutex-redis-cluster-")
         taken: set[int] = set()
         for _ in range(self.nodes):
             port = free_cluster_port(taken)
             taken.add(port)
             self.ports.append(port)
-            args = [
-                str(self.path),
-                "--port", str(port),
-                "--bind", self.host,
-                "--cluster-enabled", "yes",
-                "--cluster-config-file", f"nodes-{port}.conf",
-                "--save", "",
-                "--appendonly", "no",
-                "--daemonize", "no",
-                "--dir", self._dir.name,
-            ]  # fmt: skip
-            self._procs.append(
-                subprocess.Popen(
-                    args,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    env=_library_env(),
-                )
+            node = ServerProcess("redis-cluster", port=port, stop_timeout=10)
+            self._nodes.append(node)
+            self.version = redis_servers.start_redis(
+                node,
+                lambda folder, port: redis_servers.command(
+                    self.path, port, folder, *CLUSTER_ARGS, f"nodes-{port}.conf"
+                ),
+                what=f"{self.path} on port {port}",
             )
-        for proc, port in zip(self._procs, self.ports, strict=True):
-            self.version = self._wait_until_up(proc, port)
-
-    def _wait_until_up(self, proc: subprocess.Popen[bytes], port: int) -> str:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{self.path} on port {port} exited with {proc.returncode}")
-            try:
-                with self._client(port) as r:
-                    return str(r.info("server")["redis_version"])
-            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
 
     def _assign_slots(self) -> None:
         for port, slots in zip(self.ports, slot_ranges(self.nodes), strict=True):
@@ -194,9 +166,11 @@ class LocalCluster:
     def _wait_until_ok(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT
         while True:
-            for proc, port in zip(self._procs, self.ports, strict=True):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"cluster node on port {port} exited with {proc.returncode}")
+            for node in self._nodes:
+                if not node.running:
+                    raise RuntimeError(
+                        f"cluster node on port {node.port} exited: {node.log_tail()}"
+                    )
             if all(self._node_ok(port) for port in self.ports):
                 return
             if time.monotonic() > deadline:

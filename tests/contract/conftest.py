@@ -30,8 +30,7 @@ from tests._support.faces import FaceName
 from tests._support.mongo_servers import Session as MongoSession
 from tests._support.mongo_servers import mongo_label
 from tests._support.redis_clients import SERVER_VARIANTS
-from tests._support.redis_servers import Pool, discovered
-from tests.conftest import server_or_skip
+from tests._support.redis_servers import Pool, discovered, server_or_skip
 
 
 @dataclass

@@ -24,7 +24,6 @@ DSemaphore(max_permits=2), each from a sync and an asyncio holder.
 
 from __future__ import annotations
 
-import asyncio
 import multiprocessing
 import multiprocessing.queues
 import multiprocessing.synchronize
@@ -41,9 +40,9 @@ import redis
 import redis.asyncio
 
 from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore
-from tests._support import processes
+from tests._support import pausing, processes
 from tests._support.mongo_servers import Session
-from tests._support.pausing import CALLS, FILL_TTL, NEW_TTL, STALE_TTL, TTL, slot_of
+from tests._support.pausing import CALLS, FILL_TTL, NEW_TTL, STALE_TTL, TTL, Record, slot_of
 from tests._support.redis_servers import Pool
 from tests._support.sampling import until
 
@@ -113,11 +112,7 @@ def _sync_holder(
     reports: Reports,
     go: multiprocessing.synchronize.Event,
 ) -> dict[str, bool]:
-    client: Any = (
-        redis.Redis.from_url(url)
-        if case.backend == "redis"
-        else pymongo.MongoClient(url, serverSelectionTimeoutMS=10_000)
-    )
+    client = pausing.holder_client(case, url, asynchronous=False)
     try:
         instance = _sync_instance(case.kind, client, service, db_name)
         lease = instance.acquire(KEY, ttl=TTL)
@@ -149,11 +144,7 @@ async def _async_holder(
     reports: Reports,
     go: multiprocessing.synchronize.Event,
 ) -> dict[str, bool]:
-    client: Any = (
-        redis.asyncio.Redis.from_url(url)
-        if case.backend == "redis"
-        else pymongo.AsyncMongoClient(url, serverSelectionTimeoutMS=10_000)
-    )
+    client = pausing.holder_client(case, url, asynchronous=True)
     try:
         instance = _async_instance(case.kind, client, service, db_name)
         lease = await instance.acquire(KEY, ttl=TTL)
@@ -174,37 +165,10 @@ async def _async_holder(
                 results["release by token"] = await instance.unlock(KEY, lease.token)
         return results
     finally:
-        if case.backend == "redis":
-            await client.aclose()
-        else:
-            await client.close()
-
-
-def paused_holder(
-    case: Case,
-    url: str,
-    db_name: str | None,
-    service: str,
-    reports: Reports,
-    go: multiprocessing.synchronize.Event,
-) -> None:
-    """The child (module level: spawn imports this module to find it)."""
-    args = (case, url, db_name, service, reports, go)
-    sync = case.face == "sync"
-    processes.send_results(
-        reports, lambda: _sync_holder(*args) if sync else asyncio.run(_async_holder(*args))
-    )
+        await pausing.close_async(case, client)
 
 
 # --- the parent side: what the server holds ----------------------------------------------
-
-
-@dataclass(frozen=True)
-class Record:
-    """A slot's record as the server holds it: the token, and its expiry."""
-
-    token: str | None
-    expiry: float | datetime | None  # Redis: PTTL in ms; MongoDB: expiredAt
 
 
 class RedisSide:
@@ -320,7 +284,9 @@ def test_a_holder_paused_past_its_ttl_cannot_touch_its_successor(side: Side) -> 
         filler = instance.acquire(KEY, ttl=FILL_TTL)
         assert filler is not None
 
-    with processes.spawned(paused_holder, case, side.url, side.db_name, side.service) as child:
+    with pausing.spawned_holder(
+        _sync_holder, _async_holder, case, side.url, side.db_name, side.service
+    ) as child:
         acquired = child.report("acquired", START_TIMEOUT)
         assert isinstance(acquired, tuple)
         token, slot = acquired

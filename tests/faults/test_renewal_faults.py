@@ -108,7 +108,7 @@ from dmutex import (
 )
 from dmutex._backends.redis import scripts as redis_scripts
 from dmutex._backends.redis.scripts import EXTEND
-from tests._support import processes
+from tests._support import pausing, processes
 from tests._support.fault_proxy import Fault, FaultProxy, Rates, upstream_address
 from tests._support.mongo_servers import Session
 from tests._support.proxied import redis_options
@@ -1263,11 +1263,7 @@ def _sync_paused(
     reports: Reports,
     go: multiprocessing.synchronize.Event,
 ) -> dict[str, object]:
-    client: Any = (
-        redis.Redis.from_url(url, socket_timeout=5)
-        if case.backend == "redis"
-        else pymongo.MongoClient(url, serverSelectionTimeoutMS=10_000)
-    )
+    client = pausing.holder_client(case, url, asynchronous=False, socket_timeout=5)
     calls: list[str] = []
     called = threading.Event()
 
@@ -1308,11 +1304,7 @@ async def _async_paused(
     reports: Reports,
     go: multiprocessing.synchronize.Event,
 ) -> dict[str, object]:
-    client: Any = (
-        redis.asyncio.Redis.from_url(url, socket_timeout=5)
-        if case.backend == "redis"
-        else pymongo.AsyncMongoClient(url, serverSelectionTimeoutMS=10_000)
-    )
+    client = pausing.holder_client(case, url, asynchronous=True, socket_timeout=5)
     calls: list[str] = []
 
     def on_lost(handle: AsyncDMutexLock) -> None:
@@ -1340,34 +1332,7 @@ async def _async_paused(
         )
         return results
     finally:
-        if case.backend == "redis":
-            await client.aclose()
-        else:
-            await client.close()
-
-
-def paused_holder(
-    case: PauseCase,
-    url: str,
-    db_name: str,
-    service: str,
-    reports: Reports,
-    go: multiprocessing.synchronize.Event,
-) -> None:
-    """The child (module level: spawn imports this module to find it)."""
-    args = (case, url, db_name, service, reports, go)
-    sync = case.face == "sync"
-    processes.send_results(
-        reports, lambda: _sync_paused(*args) if sync else asyncio.run(_async_paused(*args))
-    )
-
-
-@dataclass(frozen=True)
-class Slot:
-    """The paused key's record: token, and expiry (Redis: PTTL ms; MongoDB: expiredAt)."""
-
-    token: str | None
-    expiry: int | datetime | None
+        await pausing.close_async(case, client)
 
 
 class PauseSide:
@@ -1387,20 +1352,22 @@ class PauseSide:
         assert client is not None
         return DMutex(self.service, client, db_name=self.db_name, fencing=self.case.fencing)
 
-    def record(self) -> Slot:
+    def record(self) -> pausing.Record:
         if self.redis is not None:
             name = f"_dmutex_{self.service}:permit:0:{PAUSE_KEY}"
             with self.redis.pipeline(transaction=True) as pipe:
                 pipe.get(name)
                 pipe.pttl(name)
                 value, pttl = pipe.execute()
-            return Slot(value.decode(), int(pttl)) if isinstance(value, bytes) else Slot(None, None)
+            if not isinstance(value, bytes):
+                return pausing.Record(None, None)
+            return pausing.Record(value.decode(), int(pttl))
         assert self.mongo is not None
         collection = self.mongo.get_database(self.db_name)[f"_dmutex_{self.service}"]
         doc = collection.find_one({"_id": f"permit:0:{PAUSE_KEY}"})
         if doc is None:
-            return Slot(None, None)
-        return Slot(doc.get("value"), doc.get("expiredAt"))
+            return pausing.Record(None, None)
+        return pausing.Record(doc.get("value"), doc.get("expiredAt"))
 
     def expired(self, token: str) -> bool:
         found = self.record()
@@ -1437,7 +1404,9 @@ def test_a_renewed_holder_paused_past_its_ttl_learns_it_lost(pause_side: PauseSi
     """SIGSTOP past the TTL: the lease is taken over; on SIGCONT the handle reports the loss,
     its release returns False, the new holder's record is untouched and its fence higher."""
     side = pause_side
-    with processes.spawned(paused_holder, side.case, side.url, side.db_name, side.service) as child:
+    with pausing.spawned_holder(
+        _sync_paused, _async_paused, side.case, side.url, side.db_name, side.service
+    ) as child:
         holding = child.report("holding", START_TIMEOUT)
         assert isinstance(holding, tuple)
         token, old_fence, renewed = holding

@@ -55,8 +55,8 @@ from dmutex._backends.redis.scripts import RENEW
 from tests._support import processes
 from tests._support.mongo_servers import SELECTION_TIMEOUT_MS, mongo_label
 from tests._support.mongo_servers import Session as MongoSession
-from tests._support.redis_servers import Pool
-from tests.conftest import redis_labels, server_or_skip
+from tests._support.redis_servers import Pool, server_or_skip
+from tests._support.redis_servers import labels_or_skip as redis_labels
 
 Kind: TypeAlias = Literal["redis", "mongo"]
 Reports: TypeAlias = processes.Reports

@@ -322,7 +322,7 @@ def test_a_mongod_that_exits_is_reported_and_cleaned_up() -> None:
 # --- a real server --------------------------------------------------------------------
 
 
-# mongo_session is tests/conftest.py's, the one the contract suite uses too:
+# mongo_session is the harness plugin's (_support/plugins/mongodb.py), the contract suite's too:
 # a second session fixture here would start the same source a second time
 # and lose the first process.
 
