@@ -110,8 +110,8 @@ def shown(url: str) -> str:
 
 # --- options and the run --------------------------------------------------------------
 
-Option = tuple[Any, Any, str]
-"""An option's default, its default under ``--quick``, and its help."""
+Option = tuple[Any, Any]
+"""An option's default and its default under ``--quick``; the docstring says what it is."""
 
 
 def parse(
@@ -123,10 +123,13 @@ def parse(
 ) -> argparse.Namespace:
     """The common options (``--url``, ``--redis``, ``--quick``, ``--json``) and ``options``.
 
+    ``--help`` shows the script's docstring, which says what each option is.
     An option's type is its default's (a list: one or more values); every
     number must be positive, a ``warmup`` one may be 0.
     """
-    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     if redis:
         parser.add_argument("--url", help="measure this Redis server instead (its own keys only)")
         parser.add_argument(
@@ -134,24 +137,24 @@ def parse(
         )
     parser.add_argument("--quick", action="store_true", help="a smoke run: small counts")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
-    for name, (full, quick, text) in options.items():
+    for name, (full, quick) in options.items():
         many = isinstance(full, list)
-        kind = type(full[0] if many else full)
         parser.add_argument(
             "--" + name.replace("_", "-"),
-            type=kind,
+            type=type(full[0] if many else full),
             nargs="+" if many else None,
-            help=f"{text} (default {full}, --quick {quick})",
+            help=f"default {full}; --quick {quick}",
         )
     args = parser.parse_args(argv)
-    for name, (full, quick, _) in options.items():
+    for name, (full, quick) in options.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
         value = getattr(args, name)
-        if isinstance(value, str):
-            continue
         least = 0 if name.startswith("warmup") else 1e-9
-        if min(value if isinstance(value, list) else [value]) < least:
+        if (
+            not isinstance(value, str)
+            and min(value if isinstance(value, list) else [value]) < least
+        ):
             parser.error(f"--{name.replace('_', '-')} must be positive")
     return args
 
@@ -231,6 +234,7 @@ STATISTICS: dict[str, Callable[[Sequence[int]], float]] = {
     "p50": lambda ns: quantile(ns, 0.5),
     "p99": lambda ns: quantile(ns, 0.99),
     "mean": lambda ns: sum(ns) / len(ns),
+    "max": lambda ns: max(ns),
     "ops/s": lambda ns: len(ns) * 1e9 / sum(ns),
 }
 
@@ -248,11 +252,7 @@ class Figures:
     def us(self, statistic: str) -> float:
         """``statistic`` ("p50", "p99", "mean", "max") of all samples, in µs."""
         samples = self.samples
-        return (
-            (max(samples) if statistic == "max" else STATISTICS[statistic](samples)) / 1000
-            if samples
-            else math.nan
-        )
+        return STATISTICS[statistic](samples) / 1000 if samples else math.nan
 
     @property
     def ops_per_s(self) -> float:
@@ -355,17 +355,9 @@ def figures_table(figures: Mapping[str, Figures], title: str = "") -> None:
         ops = fig.round_ops
         return f"{min(ops):.0f} .. {max(ops):.0f}" if ops else "-"
 
+    times = ("p50", "p99", "mean")
     rows = [
-        [
-            name,
-            len(fig.samples),
-            fig.ops_per_s,
-            fig.us("p50"),
-            fig.us("p99"),
-            fig.us("mean"),
-            spread(fig),
-        ]
-        for name, fig in figures.items()
+        [n, len(f.samples), f.ops_per_s, *map(f.us, times), spread(f)] for n, f in figures.items()
     ]
     head = ["contender", "samples", "ops/s", "p50 µs", "p99 µs", "mean µs", "rounds' ops/s"]
     table(head, rows, title)
@@ -403,18 +395,13 @@ def ratio_table(
 ) -> dict[str, Ratio]:
     """Print and return each pair's ratios, keyed ``"contender / baseline, statistic"``."""
     found = {f"{a} / {b}, {s}": ratio(figures, a, b, s) for a, b in pairs for s in statistics_}
-    rows = [
-        [
-            r.contender,
-            r.baseline,
-            r.statistic,
-            r.median,
-            min(r.per_round, default=math.nan),
-            max(r.per_round, default=math.nan),
-            r.pooled,
-            len(r.per_round),
-        ]
+    spreads = [
+        (min(r.per_round, default=math.nan), max(r.per_round, default=math.nan))
         for r in found.values()
+    ]
+    rows = [
+        [r.contender, r.baseline, r.statistic, r.median, *spread, r.pooled, len(r.per_round)]
+        for r, spread in zip(found.values(), spreads, strict=True)
     ]
     head = [
         "contender",
@@ -445,14 +432,10 @@ class Target:
 
 
 def targets_table(targets: Sequence[Target]) -> None:
+    verdicts = [("PASS" if t.passed else "MISS", ">=" if t.at_least else "<=") for t in targets]
     rows = [
-        [
-            t.name,
-            t.value,
-            f"{'>=' if t.at_least else '<='} {t.bound}",
-            "PASS" if t.passed else "MISS",
-        ]
-        for t in targets
+        [t.name, t.value, f"{sign} {t.bound}", v]
+        for t, (v, sign) in zip(targets, verdicts, strict=True)
     ]
     table(["target", "value", "bound", "verdict"], rows, "Targets:")
 

@@ -20,7 +20,14 @@ round runs every contender ``--cycles`` times, interleaved in turns of
   ``client.execute_command``: the two requests any token lock needs;
 - ``sem-64`` / ``sem-1``: only the ``acquire()`` of a ``DSemaphore`` with
   ``max_permits=64`` and 63 permits already held / with ``max_permits=1``;
-  the release is not timed.
+  the release is not timed;
+- ``dmutex-async`` / ``raw-async``: ``AsyncDMutex`` acquire + release, and the
+  raw cycle's two requests, on one ``redis.asyncio`` connection; each turn
+  runs by ``run_until_complete`` on one event loop, outside the timed region.
+
+Options: ``--cycles`` per contender per round, ``--rounds``, ``--chunk``
+(cycles per turn), ``--warmup`` (cycles per contender), ``--ttl`` (s); with
+the harness's ``--url``, ``--redis VERSION...``, ``--quick``, ``--json FILE``.
 
 Targets (issue 10): dmutex >= 0.95x raw ops/s and >= 1.0x redis-py Lock ops/s
 (medians of the per-round ratios), sem-64 <= 1.3x sem-1 acquire time (p50 and
@@ -30,13 +37,15 @@ mean of all samples).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import redis
+import redis.asyncio
 from harness import (
     Batch,
     BenchmarkError,
@@ -49,7 +58,7 @@ from harness import (
     targets_table,
 )
 
-from dmutex import DMutex, DSemaphore, DSemaphorePermit
+from dmutex import AsyncDMutex, DMutex, DSemaphore, DSemaphorePermit
 
 # Compare-and-delete, as every token lock releases: one atomic script.
 RAW_RELEASE = """\
@@ -59,13 +68,10 @@ end
 return 0
 """
 HOLDER_TTL_S = 3600.0  # the 63 permits held during the whole run
-OPTIONS = {
-    "cycles": (2000, 500, "cycles per contender per round"),
-    "rounds": (5, 2, "interleaved rounds"),
-    "chunk": (100, 100, "cycles per turn"),
-    "warmup": (500, 100, "warm-up cycles per contender"),
-    "ttl": (30.0, 30.0, "lease TTL, s"),
-}
+OPTIONS = {  # name: (default, under --quick)
+    "cycles": (2000, 500), "rounds": (5, 2), "chunk": (100, 100), "warmup": (500, 100),
+    "ttl": (30.0, 30.0),
+}  # fmt: skip
 
 
 def timed(operation: Callable[[], object]) -> Batch:
@@ -83,8 +89,31 @@ def timed(operation: Callable[[], object]) -> Batch:
     return run
 
 
-def cycles(client: redis.Redis, run_id: str, ttl_s: float) -> dict[str, Batch]:
-    """The contenders on ``client``; the 63 held permits stay until the process ends."""
+def timed_async(
+    loop: asyncio.AbstractEventLoop, operation: Callable[[], Awaitable[object]]
+) -> Batch:
+    """:func:`timed` for a coroutine function, each batch run to completion on ``loop``."""
+
+    async def run(n: int) -> list[int]:
+        samples = [0] * n
+        clock = time.perf_counter_ns
+        for i in range(n):
+            start = clock()
+            await operation()
+            samples[i] = clock() - start
+        return samples
+
+    return lambda n: loop.run_until_complete(run(n))
+
+
+def cycles(
+    client: redis.Redis,
+    aclient: redis.asyncio.Redis,
+    loop: asyncio.AbstractEventLoop,
+    run_id: str,
+    ttl_s: float,
+) -> dict[str, Batch]:
+    """The contenders on ``client`` and ``aclient``; the 63 held permits stay until the end."""
     mutex = DMutex(f"bench-{run_id}", client, default_ttl_seconds=ttl_s)
     sem64 = DSemaphore(f"bench64-{run_id}", client, max_permits=64, default_ttl_seconds=ttl_s)
     sem1 = DSemaphore(f"bench1-{run_id}", client, max_permits=1, default_ttl_seconds=ttl_s)
@@ -114,6 +143,20 @@ def cycles(client: redis.Redis, run_id: str, ttl_s: float) -> dict[str, Batch]:
         if not taken or execute("EVALSHA", sha, 1, raw_key, token) != 1:
             raise BenchmarkError("raw: uncontended SET NX / compare-and-delete failed")
 
+    amutex = AsyncDMutex(f"bench-async-{run_id}", aclient, default_ttl_seconds=ttl_s)
+    aexecute: Callable[..., Awaitable[object]] = aclient.execute_command
+
+    async def dmutex_async() -> None:
+        lock = await amutex.acquire("k")
+        if lock is None or not await lock.release():
+            raise BenchmarkError("AsyncDMutex: uncontended acquire/release failed")
+
+    async def raw_async() -> None:
+        token = str(uuid.uuid4())
+        taken = await aexecute("SET", raw_key, token, "PX", ttl_ms, "NX")
+        if not taken or await aexecute("EVALSHA", sha, 1, raw_key, token) != 1:
+            raise BenchmarkError("raw-async: uncontended SET NX / compare-and-delete failed")
+
     def acquire(sem: DSemaphore, slot: int) -> Batch:
         def run(n: int) -> list[int]:
             samples, clock = [0] * n, time.perf_counter_ns
@@ -133,6 +176,8 @@ def cycles(client: redis.Redis, run_id: str, ttl_s: float) -> dict[str, Batch]:
         "raw": timed(raw),
         "sem-64": acquire(sem64, 63),
         "sem-1": acquire(sem1, 0),
+        "dmutex-async": timed_async(loop, dmutex_async),
+        "raw-async": timed_async(loop, raw_async),
     }
 
 
@@ -143,16 +188,24 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
         f"{args.warmup} warm-up cycles, one connection",
         flush=True,
     )
-    with redis.Redis.from_url(url, single_connection_client=True) as client:
-        figures = interleave(
-            cycles(client, uuid.uuid4().hex[:8], args.ttl),
-            rounds=args.rounds,
-            per_round=args.cycles,
-            turn=args.chunk,
-            warmup=args.warmup,
-        )
-    figures_table(figures, "dmutex, redis-py, raw: acquire + release; sem-64, sem-1: acquire only")
+    loop = asyncio.new_event_loop()
+    aclient = redis.asyncio.Redis.from_url(url, single_connection_client=True)
+    try:
+        with redis.Redis.from_url(url, single_connection_client=True) as client:
+            contenders = cycles(client, aclient, loop, uuid.uuid4().hex[:8], args.ttl)
+            figures = interleave(
+                contenders,
+                rounds=args.rounds,
+                per_round=args.cycles,
+                turn=args.chunk,
+                warmup=args.warmup,
+            )
+    finally:
+        loop.run_until_complete(aclient.aclose())
+        loop.close()
+    figures_table(figures, "sem-64, sem-1: acquire alone; the others: acquire + release")
     pairs = [("dmutex", "raw"), ("redis-py", "raw"), ("dmutex", "redis-py"), ("sem-64", "sem-1")]
+    pairs.append(("dmutex-async", "raw-async"))
     ratios = ratio_table(figures, pairs, ("ops/s", "p50", "mean"))
     targets = [
         Target("DMutex / raw (ops/s)", ratios["dmutex / raw, ops/s"].median, 0.95, True),

@@ -30,6 +30,11 @@ at the end; the server's command counts then include other clients' commands.
    (the counter incremented in the acquire's script) against ``fencing=False``
    (no counter), interleaved in rounds (``harness.interleave``): client time
    and the server's ``EVALSHA`` time per cycle.
+
+Options: ``--leases``, ``--ttl`` (s), ``--hold`` (renewal intervals),
+``--counters``, ``--cycles`` (per fencing variant) and ``--rounds`` (of the
+cycles); and the harness's ``--url``, ``--redis VERSION...``, ``--quick``,
+``--json FILE``.
 """
 
 from __future__ import annotations
@@ -68,14 +73,10 @@ from dmutex import AsyncDMutex, AsyncDMutexLock, DMutex, DMutexLock, InMemoryBac
 RENEWER = "dmutex-renewer"
 SAMPLE_EVERY_S = 0.25  # how often the holding phase counts threads and tasks
 FENCE_KEY_LENGTHS = (1, 8, 32, 128)
-OPTIONS = {
-    "leases": (10_000, 1000, "leases held at once"),
-    "ttl": (3.0, 1.5, "lease TTL, s"),
-    "hold": (4.0, 2.0, "holding window, in renewal intervals"),
-    "counters": (10_000, 1000, "fence counters to make"),
-    "cycles": (2000, 400, "cycles per fencing variant"),
-    "rounds": (5, 2, "interleaved rounds of the cycles"),
-}
+OPTIONS = {  # name: (default, under --quick)
+    "leases": (10_000, 1000), "ttl": (3.0, 1.5), "hold": (4.0, 2.0), "counters": (10_000, 1000),
+    "cycles": (2000, 400), "rounds": (5, 2),
+}  # fmt: skip
 Counters = tuple[dict[str, tuple[int, int]], float]  # INFO commandstats, server CPU s
 
 
@@ -172,6 +173,12 @@ async def hold(
     is_async = isinstance(face, AsyncDMutex)
     result = Hold("async" if is_async else "sync", backend, args.leases, args.ttl)
     stamps = count_renewals(face)
+    deadline = time.monotonic() + 30  # the last run's renewer and renewal worker, ending
+    while (
+        any(t.name.startswith("dmutex-") for t in threading.enumerate())
+        and time.monotonic() < deadline
+    ):
+        await asyncio.sleep(0.05)
     before = (threading.active_count(), len(asyncio.all_tasks()))
     if any(renewers()):
         raise BenchmarkError("a renewer is already running")
@@ -230,12 +237,12 @@ async def hold(
         result.gaps.append(at - last[key])
         last[key] = at
     del handles
-    gc.collect()
     released = time.monotonic()
     while any(renewers()) and time.monotonic() < released + max(args.ttl, 30):
         await asyncio.sleep(0.02)
     if not any(renewers()):
         result.renewer_gone_s = time.monotonic() - released
+    gc.collect()  # the next run starts without this one's handles
     return result
 
 

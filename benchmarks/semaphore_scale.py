@@ -33,6 +33,10 @@ one call's, packed by the connection's ``pack_command``; a wrapper on
 call. Cases run after a warm-up, interleaved in rounds of ``--turn`` samples.
 The same cases (no raw holders, no floor) then run on ``InMemoryBackend``.
 
+Options: ``--permits N...``, ``--samples`` per case, ``--warmup`` samples per
+case, ``--turn`` (samples per turn, a round of the ratio table); and the
+harness's ``--url``, ``--redis VERSION...``, ``--quick``, ``--json FILE``.
+
 Targets (issue 14): full acquire and release by token p50 at N=64 <= 1.3x N=1,
 at N=1024 <= 2x.
 """
@@ -75,12 +79,10 @@ TTL_S = 300.0  # the measured permits' ttl
 SLOWLOG_LEN = 1024  # far more entries than one sample leaves
 TARGETS = {64: 1.3, 1024: 2.0}  # N: the bound on its p50 over N=1's
 NOOP = "return 0"
-OPTIONS = {
-    "permits": (sorted({1, 64, 1024, dmutex.MAX_PERMITS}), [1, 64], "the max_permits to measure"),
-    "samples": (200, 40, "measured samples per case"),
-    "warmup": (10, 5, "warm-up samples per case"),
-    "turn": (20, 20, "samples per turn (a round)"),
-}
+OPTIONS = {  # name: (default, under --quick)
+    "permits": (sorted({1, 64, 1024, dmutex.MAX_PERMITS}), [1, 64]), "samples": (200, 40),
+    "warmup": (10, 5), "turn": (20, 20),
+}  # fmt: skip
 
 FULL, RAW_FULL, LAST = "full acquire", "full acquire, raw holders", "last free slot"
 BY_HANDLE, BY_TOKEN, EXTEND = "release by handle", "release by token", "extend by token"
@@ -141,8 +143,8 @@ class Case:
             sha, keys = hashlib.sha1(NOOP.encode()).hexdigest(), self.floor_keys
             # redis-py leaves execute_command unannotated; the reply is any RESP value.
             send: Callable[..., object] = self.conn.execute_command
-            args = ("EVALSHA", sha, len(keys), *keys, str(uuid.uuid4()), round(TTL_S * 1000))
-            return lambda: send(*args, "fence+holders")
+            args, ttl_ms = ("EVALSHA", sha, len(keys), *keys), round(TTL_S * 1000)
+            return lambda: send(*args, str(uuid.uuid4()), ttl_ms, "fence+holders")  # as acquire
         permit = self.take(sem)
         if self.name == BY_HANDLE:
             return permit.release

@@ -14,6 +14,10 @@ Run from the repository root (a report, not a test; about 30 seconds)::
   ``acquire_with_retry`` (``retry_delay=0.005``), started together on a barrier;
   cycles per second from the barrier to the last finish, and with start-up.
 
+Options: ``--cycles`` (per contender, and per contending process),
+``--rounds`` (the one-process cycles split among them), ``--procs``,
+``--dir``; and the harness's ``--quick`` and ``--json FILE``.
+
 The database files live in a new temporary directory in ``--dir`` (default:
 the system's) and are removed afterwards.
 """
@@ -45,12 +49,7 @@ from harness import (
 
 from dmutex import AsyncDMutex, DMutex, DSemaphore, SQLiteBackend
 
-OPTIONS = {
-    "cycles": (1000, 200, "cycles per contender, and per contending process"),
-    "rounds": (5, 2, "interleaved rounds (the cycles split among them)"),
-    "procs": (8, 2, "contending processes"),
-    "dir": ("", "", "the directory for the database files (default: the system's temporary one)"),
-}
+OPTIONS = {"cycles": (1000, 200), "rounds": (5, 2), "procs": (8, 2), "dir": ("", "")}
 FENCED, PLAIN = "DMutex, fencing on", "DMutex, fencing=False"
 SEMAPHORE, ASYNC = "DSemaphore(64), 63 held", "AsyncDMutex"
 
