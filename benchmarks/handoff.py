@@ -82,29 +82,12 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
+import harness
 import redis
 import redis.asyncio
 import redis_cycle
 import redis_lock
-from harness import (
-    SCRIPT_SHAS,
-    WORKER_TIMEOUT_S,
-    BenchmarkError,
-    Figures,
-    Request,
-    Target,
-    answer,
-    main,
-    parse,
-    progress,
-    ratio_table,
-    server_counters,
-    slowlog_everything,
-    table,
-    targets_table,
-    trace_requests,
-    workers,
-)
+from harness import BenchmarkError, Figures, Request, Target
 
 from dmutex import AsyncDMutex, DMutex
 
@@ -174,7 +157,7 @@ class Locker:
         self.client = redis.Redis.from_url(spec.url, **options)
         self.aclient = redis.asyncio.Redis.from_url(spec.url)
         traced = self.aclient if spec.kind == DMUTEX_ASYNC else self.client
-        self.log = trace_requests(traced) if spec.trace else []  # before dmutex binds it
+        self.log = harness.trace_requests(traced) if spec.trace else []  # before dmutex binds it
         if spec.kind == DMUTEX_ASYNC:
             self.amutex = AsyncDMutex(spec.service, self.aclient, default_ttl_seconds=LOCK_TTL_S)
         else:
@@ -238,7 +221,7 @@ async def checked(kind: str, released: object) -> None:
 
 
 def receive(peer: Connection) -> object:
-    if not peer.poll(WORKER_TIMEOUT_S):
+    if not peer.poll(harness.WORKER_TIMEOUT_S):
         raise BenchmarkError("the peer process stopped answering")
     return peer.recv()
 
@@ -353,7 +336,9 @@ def pingpong_worker(
     schedule: Schedule, first: int, total: int, peer: Connection | None, results: Any
 ) -> None:
     step = 1 if peer is None else 2
-    answer(results, lambda: asyncio.run(pingpong(schedule, range(first, total, step), peer)))
+    harness.answer(
+        results, lambda: asyncio.run(pingpong(schedule, range(first, total, step), peer))
+    )
 
 
 @dataclass
@@ -409,12 +394,12 @@ def run_turns(
     ``slowlog``: log every command meanwhile (``SLOWLOG``, threshold 0), for
     the server's time per request; the server's settings are put back after.
     """
-    logging = slowlog_everything if slowlog else lambda _, __: nullcontext(False)
+    logging = harness.slowlog_everything if slowlog else lambda _, __: nullcontext(False)
     with redis.Redis.from_url(url) as client, logging(client, SLOWLOG_LEN) as logs:
-        before = server_counters(client)[0]
-        with workers(pingpong_worker, arglists) as collect:
+        before = harness.server_counters(client)[0]
+        with harness.workers(pingpong_worker, arglists) as collect:
             parts = collect()
-        after = server_counters(client)[0]
+        after = harness.server_counters(client)[0]
         logged = client.slowlog_get(SLOWLOG_LEN) if logs else []
     server_us = {}
     for name, (calls, usec) in after.items():
@@ -504,9 +489,9 @@ def request_times(logged: Sequence[Mapping[str, Any]], service: str) -> dict[str
         name, kind = words[0].upper(), None
         if name == b"EVALSHA" and len(words) > 1:
             sha = words[1].decode()
-            if sha == SCRIPT_SHAS["acquire"] and words[-1] in (b"0", b"1"):
+            if sha == harness.SCRIPT_SHAS["acquire"] and words[-1] in (b"0", b"1"):
                 kind = ACQUIRE_TRIES[words[-1].decode()]
-            elif sha in (SCRIPT_SHAS["release"], PRL_RELEASE):
+            elif sha in (harness.SCRIPT_SHAS["release"], PRL_RELEASE):
                 kind = "release"
         elif name == b"SET" and b"NX" in (w.upper() for w in words) and len(words) > 2:
             kind = "SET NX, second (takes)" if words[2] in tokens else "SET NX, first (fails)"
@@ -545,7 +530,7 @@ async def contend(
     acquired, waited = [0.0] * cycles, [0.0] * cycles
     try:
         await held.connect()
-        barrier.wait(WORKER_TIMEOUT_S)
+        barrier.wait(harness.WORKER_TIMEOUT_S)
         start = clock()
         for i in range(cycles):
             called = clock()
@@ -560,7 +545,7 @@ async def contend(
 
 
 def contended_worker(spec: Spec, cycles: int, barrier: Any, results: Any) -> None:
-    answer(results, lambda: asyncio.run(contend(spec, cycles, barrier)))
+    harness.answer(results, lambda: asyncio.run(contend(spec, cycles, barrier)))
 
 
 @dataclass(frozen=True)
@@ -592,14 +577,14 @@ class Contended:
 
 def calls(client: redis.Redis) -> dict[str, int]:
     """``INFO commandstats`` calls per command (a script's commands included)."""
-    return {name: count for name, (count, _) in server_counters(client)[0].items()}
+    return {name: count for name, (count, _) in harness.server_counters(client)[0].items()}
 
 
 def contended(spec: Spec, processes: int, cycles: int) -> Contended:
     barrier = multiprocessing.get_context("spawn").Barrier(processes)
     with redis.Redis.from_url(spec.url) as client:
         before = calls(client)
-        with workers(contended_worker, [(spec, cycles, barrier)] * processes) as collect:
+        with harness.workers(contended_worker, [(spec, cycles, barrier)] * processes) as collect:
             spans = collect()
         after = calls(client)
         counter = int(client.get(spec.counter) or 0)
@@ -629,7 +614,7 @@ async def wait_once(spec: Spec, ready: Any) -> float:
 
 
 def waiting_worker(spec: Spec, ready: Any, results: Any) -> None:
-    answer(results, lambda: asyncio.run(wait_once(spec, ready)))
+    harness.answer(results, lambda: asyncio.run(wait_once(spec, ready)))
 
 
 class RequestCounter:
@@ -671,7 +656,7 @@ class RequestCounter:
 
     def __enter__(self) -> RequestCounter:
         self._thread.start()
-        if not self._listening.wait(WORKER_TIMEOUT_S):
+        if not self._listening.wait(harness.WORKER_TIMEOUT_S):
             raise BenchmarkError("MONITOR did not start")
         return self
 
@@ -680,7 +665,7 @@ class RequestCounter:
         client.echo(self.marker)
 
     def __exit__(self, *exc: object) -> None:
-        self._thread.join(timeout=WORKER_TIMEOUT_S)
+        self._thread.join(timeout=harness.WORKER_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -712,14 +697,14 @@ async def hold(spec: Spec, label: str, waiters: int, seconds: float) -> Waiting:
     try:
         await holder.connect()
         release = await holder.acquire()
-        with workers(waiting_worker, [(spec, ready)] * waiters) as collect:
+        with harness.workers(waiting_worker, [(spec, ready)] * waiters) as collect:
             try:
                 for _ in range(waiters):
-                    ready.get(timeout=WORKER_TIMEOUT_S)
+                    ready.get(timeout=harness.WORKER_TIMEOUT_S)
                 time.sleep(SETTLE_S)
-                (before, cpu), start = server_counters(holder.probe), time.perf_counter()
+                (before, cpu), start = harness.server_counters(holder.probe), time.perf_counter()
                 time.sleep(seconds)
-                after, cpu_after = server_counters(holder.probe)
+                after, cpu_after = harness.server_counters(holder.probe)
                 cpu = cpu_after - cpu
                 counted = time.perf_counter() - start
                 # Then as long again under MONITOR, which costs the server CPU itself.
@@ -761,7 +746,7 @@ def print_handoffs(results: list[HandOffs], solo: Figures) -> dict[str, object]:
     head = ["variant", "waits by", "median ms", "p99 ms", "mean ms", "max ms", "release p50 µs"]
     head += ["unseen", "overlaps", "head start ms"]
     title = "1. Hand-off (holder's release call -> waiter holding); release: the holder's "
-    table(head, rows, title + "release() with the waiter blocked")
+    harness.table(head, rows, title + "release() with the waiter blocked")
     dm = next(r for r in results if r.kind == DMUTEX)
     print(
         f"\ndmutex release() p50: {solo.us('p50'):.1f} µs with nobody waiting, "
@@ -769,7 +754,7 @@ def print_handoffs(results: list[HandOffs], solo: Figures) -> dict[str, object]:
         f"{dm.release.us('p99'):.1f})"
     )
     latency = {r.kind: r.latency for r in results if r.kind in WOKEN}
-    ratios = ratio_table(latency, [(DMUTEX, PRL), (DMUTEX_ASYNC, PRL)], ("p50", "p99"))
+    ratios = harness.ratio_table(latency, [(DMUTEX, PRL), (DMUTEX_ASYNC, PRL)], ("p50", "p99"))
     return {
         "handoffs": {
             r.kind: {
@@ -803,7 +788,7 @@ def print_steps(traced: list[HandOffs], alone: Figures | None) -> dict[str, obje
         for kind in kinds
     ]
     title = "1b. Where a hand-off's time goes, median µs (every request timestamped)"
-    table(["step", *found], rows, title)
+    harness.table(["step", *found], rows, title)
     skipped = {kind: n for kind, (_, n) in found.items() if n}
     if skipped:
         print(f"hand-offs without a BLPOP (left out): {skipped}")
@@ -839,7 +824,7 @@ def print_contended(
     title = (
         f"2. Contended: {args.processes} processes x {args.cycles} cycles (acquire/GET/SET/release)"
     )
-    table(
+    harness.table(
         head,
         rows,
         f"{title} in {args.contended_rounds} round(s); INFO commandstats calls per cycle",
@@ -849,7 +834,7 @@ def print_contended(
         for kind, rounds in contention.items()
     }
     pairs = [(kind, REDIS_PY) for kind in CONTENDED_KINDS if kind != REDIS_PY]
-    ratios = ratio_table(walls, pairs, ("mean",), "Contended wall time / redis-py Lock's:")
+    ratios = harness.ratio_table(walls, pairs, ("mean",), "Contended wall time / redis-py Lock's:")
     return {"runs": runs, "walls": walls, "ratios": ratios}
 
 
@@ -861,14 +846,14 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
     def spec(kind: str, part: str, retry_delay: float = 0.1) -> Spec:
         return Spec(kind, url, f"handoff-{part}-{kind}-{run_id}", retry_delay=retry_delay)
 
-    progress(f"hand-off: {', '.join(WOKEN)}, interleaved")
+    harness.progress(f"hand-off: {', '.join(WOKEN)}, interleaved")
     results = handoffs([spec(kind, "pp") for kind in WOKEN], count, warm)
     for kind in (REDIS_PY, POLLING):
-        progress(f"hand-off: {kind}")
+        harness.progress(f"hand-off: {kind}")
         results += handoffs([spec(kind, "pp")], count, warm)
     solo, _ = solo_releases(spec(DMUTEX, "solo"), count, warm)
     found: dict[str, object] = {"handoff": print_handoffs(results, solo)}
-    progress("traced hand-offs")
+    harness.progress("traced hand-offs")
     traced_specs = [replace(spec(kind, "tr"), trace=True) for kind in WOKEN]
     traced = handoffs(traced_specs, count, warm, slowlog=not args.url)
     alone = solo_releases(spec(DMUTEX, "trs"), count, warm, slowlog=not args.url)[1]
@@ -878,7 +863,7 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
     per_round = max(1, args.cycles // args.contended_rounds)
     for r in range(args.contended_rounds):
         for kind in CONTENDED_KINDS:
-            progress(f"contended: {kind}, round {r + 1}")
+            harness.progress(f"contended: {kind}, round {r + 1}")
             contention[kind].append(contended(spec(kind, f"ct{r}"), args.processes, per_round))
     found["contended"] = print_contended(contention, args)
 
@@ -891,12 +876,12 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
     ]
     waiting = []
     for wspec, label in waiting_runs:
-        progress(f"waiting: {label}")
+        harness.progress(f"waiting: {label}")
         waiting.append(asyncio.run(hold(wspec, label, args.waiters, args.window)))
     rows = [[w.label, *w.per_waiter_s(), w.breakdown()] for w in waiting]
     head = ["variant", "requests", "commands", "server CPU ms", "requests in the window (MONITOR)"]
     title = f"3. Waiting: {args.waiters} waiters on a key held {args.window:g} s; per waiter per s"
-    table(head, rows, title)
+    harness.table(head, rows, title)
     found["waiting"] = waiting
 
     print("\n4. Uncontended cycle: redis_cycle.py")
@@ -917,7 +902,7 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
             ),
             Target(f"{kind} / redis-py Lock wall time", walls[kind] / walls[REDIS_PY], 0.9, False),
         ]
-    targets_table(targets)
+    harness.targets_table(targets)
     wrong = [c.kind for rounds in contention.values() for c in rounds if c.counter != c.expected]
     if wrong:
         print(f"WRONG counter (a lost update: mutual exclusion failed): {', '.join(wrong)}")
@@ -925,7 +910,7 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    return main(bench, parse(__doc__, argv, OPTIONS))
+    return harness.main(bench, harness.parse(__doc__, argv, OPTIONS))
 
 
 if __name__ == "__main__":

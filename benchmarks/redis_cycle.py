@@ -44,19 +44,10 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
+import harness
 import redis
 import redis.asyncio
-from harness import (
-    Batch,
-    BenchmarkError,
-    Target,
-    figures_table,
-    interleave,
-    main,
-    parse,
-    ratio_table,
-    targets_table,
-)
+from harness import Batch, BenchmarkError, Target
 
 from dmutex import AsyncDMutex, DMutex, DSemaphore, DSemaphorePermit
 
@@ -193,7 +184,7 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
     try:
         with redis.Redis.from_url(url, single_connection_client=True) as client:
             contenders = cycles(client, aclient, loop, uuid.uuid4().hex[:8], args.ttl)
-            figures = interleave(
+            figures = harness.interleave(
                 contenders,
                 rounds=args.rounds,
                 per_round=args.cycles,
@@ -203,10 +194,10 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
     finally:
         loop.run_until_complete(aclient.aclose())
         loop.close()
-    figures_table(figures, "sem-64, sem-1: acquire alone; the others: acquire + release")
+    harness.figures_table(figures, "sem-64, sem-1: acquire alone; the others: acquire + release")
     pairs = [("dmutex", "raw"), ("redis-py", "raw"), ("dmutex", "redis-py"), ("sem-64", "sem-1")]
     pairs.append(("dmutex-async", "raw-async"))
-    ratios = ratio_table(figures, pairs, ("ops/s", "p50", "mean"))
+    ratios = harness.ratio_table(figures, pairs, ("ops/s", "p50", "mean"))
     targets = [
         Target("DMutex / raw (ops/s)", ratios["dmutex / raw, ops/s"].median, 0.95, True),
         Target(
@@ -215,12 +206,12 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
         Target("N=64 / N=1 acquire (p50)", ratios["sem-64 / sem-1, p50"].pooled, 1.3, False),
         Target("N=64 / N=1 acquire (mean)", ratios["sem-64 / sem-1, mean"].pooled, 1.3, False),
     ]
-    targets_table(targets)
+    harness.targets_table(targets)
     return {"figures": figures, "ratios": ratios, "targets": targets}
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    return main(bench, parse(__doc__, argv, OPTIONS))
+    return harness.main(bench, harness.parse(__doc__, argv, OPTIONS))
 
 
 if __name__ == "__main__":

@@ -51,22 +51,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import harness
 import redis
 import redis.asyncio
-from harness import (
-    Batch,
-    BenchmarkError,
-    commandstats,
-    cpu_seconds,
-    interleave,
-    main,
-    parse,
-    progress,
-    quantile,
-    ratio_table,
-    server_counters,
-    table,
-)
+from harness import Batch, BenchmarkError
 
 from dmutex import AsyncDMutex, AsyncDMutexLock, DMutex, DMutexLock, InMemoryBackend
 
@@ -251,11 +239,11 @@ async def holds(url: str, base: str, args: argparse.Namespace) -> list[Hold]:
     async_client = redis.asyncio.Redis.from_url(url, socket_timeout=10)
 
     async def sync_counters() -> Counters:
-        return server_counters(sync_client)
+        return harness.server_counters(sync_client)
 
     async def async_counters() -> Counters:
         stats, cpu = await async_client.info("commandstats"), await async_client.info("cpu")
-        return commandstats(stats), cpu_seconds(cpu)
+        return harness.commandstats(stats), harness.cpu_seconds(cpu)
 
     ttl = args.ttl
     runs: list[tuple[str, DMutex | AsyncDMutex, Callable[[], Awaitable[Counters]] | None]] = [
@@ -279,7 +267,7 @@ async def holds(url: str, base: str, args: argparse.Namespace) -> list[Hold]:
     found = []
     try:
         for backend, face, server in runs:
-            progress(f"{type(face).__name__}, {backend}: {args.leases} leases")
+            harness.progress(f"{type(face).__name__}, {backend}: {args.leases} leases")
             found.append(await hold(face, backend, server, args))
     finally:
         sync_client.close()
@@ -305,7 +293,7 @@ def fence_memory(client: redis.Redis, base: str, args: argparse.Namespace) -> di
         if lock is None or not lock.release():
             raise BenchmarkError("uncontended acquire/release failed")
     delta = int(client.info("memory")["used_memory"]) - used
-    table(
+    harness.table(
         ["key length", "counter, bytes", "held permit key, bytes"],
         by_length,
         f"Fence counters (`{prefix}fence:<key>`, no TTL):",
@@ -325,7 +313,7 @@ def cycles(url: str, base: str, args: argparse.Namespace) -> dict[str, object]:
     def cycle(name: str, mutex: DMutex, fenced: bool) -> Batch:
         def run(n: int) -> list[int]:
             samples, clock = [0] * n, time.perf_counter_ns
-            before = server_counters(client)[0].get("evalsha", (0, 0))[1]
+            before = harness.server_counters(client)[0].get("evalsha", (0, 0))[1]
             for i in range(n):
                 start = clock()
                 lock = mutex.acquire("k")
@@ -334,7 +322,7 @@ def cycles(url: str, base: str, args: argparse.Namespace) -> dict[str, object]:
                 samples[i] = clock() - start
                 if (lock.fence is not None) != fenced:
                     raise BenchmarkError(f"fence {lock.fence!r} with fencing={fenced or None}")
-            usec[name] += server_counters(client)[0].get("evalsha", (0, 0))[1] - before
+            usec[name] += harness.server_counters(client)[0].get("evalsha", (0, 0))[1] - before
             return samples
 
         return run
@@ -346,7 +334,7 @@ def cycles(url: str, base: str, args: argparse.Namespace) -> dict[str, object]:
             plain: cycle(plain, DMutex(f"{base}-cycle", client, fencing=False), False),
         }
         per_round = max(1, args.cycles // args.rounds)
-        figures = interleave(
+        figures = harness.interleave(
             contenders, rounds=args.rounds, per_round=per_round, turn=100, warmup=200
         )
     finally:
@@ -355,8 +343,10 @@ def cycles(url: str, base: str, args: argparse.Namespace) -> dict[str, object]:
     rows = [
         [name, fig.us("p50"), fig.us("mean"), usec[name] / n[name]] for name, fig in figures.items()
     ]
-    table(["acquire + release, one connection", "p50 µs", "mean µs", "server µs (EVALSHA)"], rows)
-    ratios = ratio_table(figures, [(fenced, plain)])
+    harness.table(
+        ["acquire + release, one connection", "p50 µs", "mean µs", "server µs (EVALSHA)"], rows
+    )
+    ratios = harness.ratio_table(figures, [(fenced, plain)])
     return {"figures": figures, "ratios": ratios, "server_usec": usec}
 
 
@@ -389,13 +379,13 @@ def report(args: argparse.Namespace, runs: list[Hold]) -> None:
         ("server µs per request (EVALSHA)", rate),
         (
             "gap between renewals p50 / p99 / max, s",
-            lambda r: " / ".join(f"{quantile(r.gaps, q):.2f}" for q in (0.5, 0.99, 1.0)),
+            lambda r: " / ".join(f"{harness.quantile(r.gaps, q):.2f}" for q in (0.5, 0.99, 1.0)),
         ),
         ("leases lost / released", lambda r: f"{r.lost} / {r.released}"),
         ("renewer gone after last release, s", lambda r: r.renewer_gone_s),
     ]
     head = ["", *(f"{r.face}, {r.backend}" for r in runs)]
-    table(head, [[name, *(cell(r) for r in runs)] for name, cell in rows], title)
+    harness.table(head, [[name, *(cell(r) for r in runs)] for name, cell in rows], title)
 
 
 def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
@@ -404,10 +394,10 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
     try:
         runs = asyncio.run(holds(url, base, args))
         report(args, runs)
-        progress("fence counters")
+        harness.progress("fence counters")
         with redis.Redis.from_url(url, single_connection_client=True) as client:
             fence = fence_memory(client, base, args)
-        progress(f"cycles: {args.cycles} each")
+        harness.progress(f"cycles: {args.cycles} each")
         cycle = cycles(url, base, args)
     finally:
         if args.url is not None:
@@ -420,7 +410,7 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    return main(bench, parse(__doc__, argv, OPTIONS))
+    return harness.main(bench, harness.parse(__doc__, argv, OPTIONS))
 
 
 if __name__ == "__main__":

@@ -52,24 +52,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import harness
 import redis
-from harness import (
-    Batch,
-    BenchmarkError,
-    Figures,
-    Request,
-    Target,
-    commandstats,
-    interleave,
-    main,
-    parse,
-    progress,
-    ratio_table,
-    slowlog_everything,
-    table,
-    targets_table,
-    trace_requests,
-)
+from harness import Batch, BenchmarkError, Figures, Request, Target
 
 import dmutex
 from dmutex import DSemaphore, DSemaphorePermit, InMemoryBackend
@@ -175,7 +160,7 @@ class Server:
         pipe.info("commandstats")
         pipe.slowlog_get(1)
         stats, newest = pipe.execute()
-        return commandstats(stats), (int(newest[0]["id"]) if newest else -1)
+        return harness.commandstats(stats), (int(newest[0]["id"]) if newest else -1)
 
     def sample(self, case: Case, call: Callable[[], object]) -> tuple[int, object]:
         """Time ``call``; its requests, server time and SLOWLOG entries go to ``case``."""
@@ -235,7 +220,7 @@ def measure(
         turns(case, keep=False)(args.warmup)
     contenders = {label(case): turns(case) for case in cases}
     rounds = max(1, args.samples // args.turn)
-    return interleave(contenders, rounds=rounds, per_round=args.turn, turn=args.turn)
+    return harness.interleave(contenders, rounds=rounds, per_round=args.turn, turn=args.turn)
 
 
 def label(case: Case) -> str:
@@ -244,7 +229,7 @@ def label(case: Case) -> str:
 
 def fill(holder: DSemaphore, key: str, count: int) -> None:
     """``count`` permits of ``key`` taken by ``holder``, one acquire each."""
-    progress(f"N={count + 1}: taking {count} permits of {key}")
+    harness.progress(f"N={count + 1}: taking {count} permits of {key}")
     for i in range(count):
         if holder.acquire(key, ttl=HOLDER_TTL_S) is None:
             raise BenchmarkError(f"{key}: holder {i} found no free slot")
@@ -258,7 +243,7 @@ def redis_cases(url: str, args: argparse.Namespace, probe: redis.Redis, slowlog:
     run_id = uuid.uuid4().hex[:8]
     name, prefix = f"semscale-{run_id}", f"_semscale_{run_id}:"
     conn = redis.Redis.from_url(url, single_connection_client=True, client_name=name)
-    log = trace_requests(conn)  # before dmutex binds execute_command
+    log = harness.trace_requests(conn)  # before dmutex binds execute_command
     holders = redis.Redis.from_url(url)
     cases: list[Case] = []
     try:
@@ -336,9 +321,9 @@ def report(where: str, measured: Measured) -> tuple[dict[str, object], list[Targ
         head += ["server µs/call", "server x N=1", "longest request µs", "median request µs"]
         head += ["request bytes", "requests"]
     about = "; server: INFO commandstats; requests: SLOWLOG" if where == "Redis" else ""
-    table(head, rows, f"{where}: client µs{about}")
+    harness.table(head, rows, f"{where}: client µs{about}")
     pairs = [(label(c), label(base[c.name])) for c in cases if c.permits != 1 and c.name in base]
-    ratios = ratio_table(figures, pairs, ("p50",), f"{where}: p50 over N=1's, per round:")
+    ratios = harness.ratio_table(figures, pairs, ("p50",), f"{where}: p50 over N=1's, per round:")
     targets = [
         Target(f"{where} {c.name}, N={c.permits} / N=1 (p50)", r.pooled, TARGETS[c.permits], False)
         for c in cases
@@ -361,21 +346,24 @@ def report(where: str, measured: Measured) -> tuple[dict[str, object], list[Targ
 
 def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
     print(f"max_permits {args.permits}; {args.samples} samples per case in turns of {args.turn}")
-    with redis.Redis.from_url(url) as probe, slowlog_everything(probe, SLOWLOG_LEN) as slowlog:
+    with (
+        redis.Redis.from_url(url) as probe,
+        harness.slowlog_everything(probe, SLOWLOG_LEN) as slowlog,
+    ):
         on_redis = redis_cases(url, args, probe, slowlog)
-    progress("InMemoryBackend")
+    harness.progress("InMemoryBackend")
     found, targets = report("Redis", on_redis)
     in_memory, memory_targets = report("InMemoryBackend", memory_cases(args))
-    targets_table(targets + memory_targets)
+    harness.targets_table(targets + memory_targets)
     return {"redis": found, "memory": in_memory, "targets": targets + memory_targets}
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    args = parse(__doc__, argv, OPTIONS)
+    args = harness.parse(__doc__, argv, OPTIONS)
     args.permits = sorted(set(args.permits))
     if args.permits[-1] > dmutex.MAX_PERMITS:
         sys.exit(f"--permits must be from 1 to {dmutex.MAX_PERMITS}")
-    return main(bench, args)
+    return harness.main(bench, args)
 
 
 if __name__ == "__main__":

@@ -35,17 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness import (
-    Batch,
-    BenchmarkError,
-    answer,
-    figures_table,
-    interleave,
-    main,
-    parse,
-    ratio_table,
-    workers,
-)
+import harness
+from harness import Batch, BenchmarkError
 
 from dmutex import AsyncDMutex, DMutex, DSemaphore, SQLiteBackend
 
@@ -107,7 +98,7 @@ def contend(path: str, cycles: int, barrier: Any, results: Any) -> None:
                 raise BenchmarkError("a contended acquire timed out, or its lease was lost")
         return start, time.perf_counter()
 
-    answer(results, work)
+    harness.answer(results, work)
 
 
 def bench(_: str, args: argparse.Namespace) -> dict[str, object]:
@@ -118,16 +109,18 @@ def bench(_: str, args: argparse.Namespace) -> dict[str, object]:
         for synchronous in ("FULL", "NORMAL"):
             found |= contenders(folder / f"one-{synchronous}.sqlite3", synchronous, loop)
         per_round = max(1, args.cycles // args.rounds)
-        figures = interleave(found, rounds=args.rounds, per_round=per_round, turn=100, warmup=20)
-        figures_table(figures, "One process, acquire + release of one key:")
+        figures = harness.interleave(
+            found, rounds=args.rounds, per_round=per_round, turn=100, warmup=20
+        )
+        harness.figures_table(figures, "One process, acquire + release of one key:")
         pairs = [(f"{name}, NORMAL", f"{name}, FULL") for name in (FENCED, PLAIN, SEMAPHORE, ASYNC)]
         pairs += [(f"{name}, FULL", f"{FENCED}, FULL") for name in (PLAIN, SEMAPHORE, ASYNC)]
-        ratios = ratio_table(figures, pairs)
+        ratios = harness.ratio_table(figures, pairs)
 
         path = str(folder / "many.sqlite3")
         started = time.perf_counter()
         barrier = multiprocessing.get_context("spawn").Barrier(args.procs)
-        with workers(contend, [(path, args.cycles, barrier)] * args.procs) as collect:
+        with harness.workers(contend, [(path, args.cycles, barrier)] * args.procs) as collect:
             spans = collect()
         total = args.procs * args.cycles
         wall, with_start = (
@@ -152,7 +145,7 @@ def bench(_: str, args: argparse.Namespace) -> dict[str, object]:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    return main(bench, parse(__doc__, argv, OPTIONS, redis=False))
+    return harness.main(bench, harness.parse(__doc__, argv, OPTIONS, redis=False))
 
 
 if __name__ == "__main__":
