@@ -7,8 +7,9 @@ on 2 cores, ``--quick``: about 50 seconds)::
     .venv/bin/python benchmarks/handoff.py --quick
     .venv/bin/python benchmarks/handoff.py --redis 7.0 --json out.json
 
-With ``--url`` it works under its own random names, leaves ``SLOWLOG`` alone,
-and the server's command counts then include other clients' commands.
+With ``--url`` it works under its own random names (its keys deleted at the
+end), leaves ``SLOWLOG`` alone, and the server's command counts then include
+other clients' commands.
 
 Every lock has a TTL of 30 s, so no lease expires during a run. The variants:
 ``dmutex`` (``DMutex.acquire_with_retry(key, timeout=30)``, default
@@ -903,6 +904,7 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
             Target(f"{kind} / redis-py Lock wall time", walls[kind] / walls[REDIS_PY], 0.9, False),
         ]
     harness.targets_table(targets)
+    harness.delete_keys(url, f"*{run_id}*")  # the fence counters and the counters
     wrong = [c.kind for rounds in contention.values() for c in rounds if c.counter != c.expected]
     if wrong:
         print(f"WRONG counter (a lost update: mutual exclusion failed): {', '.join(wrong)}")

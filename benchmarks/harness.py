@@ -462,6 +462,14 @@ def server_counters(client: redis.Redis) -> tuple[dict[str, tuple[int, int]], fl
     return commandstats(client.info("commandstats")), cpu_seconds(client.info("cpu"))
 
 
+def delete_keys(url: str, pattern: str) -> None:
+    """Delete every key matching ``pattern`` (``SCAN``, then ``UNLINK`` by the thousand)."""
+    with redis.Redis.from_url(url) as client:
+        names = list(client.scan_iter(match=pattern, count=1000))
+        for i in range(0, len(names), 1000):
+            client.unlink(*names[i : i + 1000])
+
+
 @contextmanager
 def slowlog_everything(client: redis.Redis, length: int) -> Iterator[bool]:
     """Log every command (``SLOWLOG``, threshold 0, ``length`` kept); settings restored after.

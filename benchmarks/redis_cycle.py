@@ -7,7 +7,8 @@ Run from the repository root (a report, not a test; about 20 seconds a server)::
     .venv/bin/python benchmarks/redis_cycle.py --redis 7.0 --quick
     .venv/bin/python benchmarks/redis_cycle.py --url redis://127.0.0.1:6379/0
 
-Everything runs on ONE connection (``single_connection_client=True``), so each
+With ``--url`` it works under its own random names and deletes its keys at the
+end. Everything runs on ONE connection (``single_connection_client=True``), so each
 figure is request latency plus client-side Python work. After a warm-up, each
 round runs every contender ``--cycles`` times, interleaved in turns of
 ``--chunk`` cycles (``harness.interleave``), timed with ``time.perf_counter_ns``:
@@ -104,7 +105,7 @@ def cycles(
     run_id: str,
     ttl_s: float,
 ) -> dict[str, Batch]:
-    """The contenders on ``client`` and ``aclient``; the 63 held permits stay until the end."""
+    """The contenders on ``client`` and ``aclient``; the 63 held permits are left to the caller."""
     mutex = DMutex(f"bench-{run_id}", client, default_ttl_seconds=ttl_s)
     sem64 = DSemaphore(f"bench64-{run_id}", client, max_permits=64, default_ttl_seconds=ttl_s)
     sem1 = DSemaphore(f"bench1-{run_id}", client, max_permits=1, default_ttl_seconds=ttl_s)
@@ -179,11 +180,11 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
         f"{args.warmup} warm-up cycles, one connection",
         flush=True,
     )
-    loop = asyncio.new_event_loop()
+    loop, run_id = asyncio.new_event_loop(), uuid.uuid4().hex[:8]
     aclient = redis.asyncio.Redis.from_url(url, single_connection_client=True)
     try:
         with redis.Redis.from_url(url, single_connection_client=True) as client:
-            contenders = cycles(client, aclient, loop, uuid.uuid4().hex[:8], args.ttl)
+            contenders = cycles(client, aclient, loop, run_id, args.ttl)
             figures = harness.interleave(
                 contenders,
                 rounds=args.rounds,
@@ -194,6 +195,7 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
     finally:
         loop.run_until_complete(aclient.aclose())
         loop.close()
+        harness.delete_keys(url, f"*{run_id}*")  # the held permits, the fence counters
     harness.figures_table(figures, "sem-64, sem-1: acquire alone; the others: acquire + release")
     pairs = [("dmutex", "raw"), ("redis-py", "raw"), ("dmutex", "redis-py"), ("sem-64", "sem-1")]
     pairs.append(("dmutex-async", "raw-async"))

@@ -401,10 +401,7 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
         cycle = cycles(url, base, args)
     finally:
         if args.url is not None:
-            with redis.Redis.from_url(url) as client:
-                names = list(client.scan_iter(match=f"_dmutex_{base}*", count=1000))
-                for i in range(0, len(names), 1000):
-                    client.unlink(*names[i : i + 1000])
+            harness.delete_keys(url, f"_dmutex_{base}*")
     print(f"\n(run took {time.monotonic() - started:.0f} s)")
     return {"renewal": runs, "fence_memory": fence, "cycle": cycle}
 

@@ -268,8 +268,7 @@ def redis_cases(url: str, args: argparse.Namespace, probe: redis.Redis, slowlog:
                 cases.append(Case(case, n, sem, on, holder, conn, floor))
         figures = measure(cases, Server(probe, name, log, slowlog), args)
     finally:
-        for found in probe.scan_iter(match=f"{prefix}*", count=1000):
-            probe.delete(found)
+        harness.delete_keys(url, f"{prefix}*")
         conn.close()
         holders.close()
     return cases, figures
