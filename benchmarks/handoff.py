@@ -618,55 +618,31 @@ def waiting_worker(spec: Spec, ready: Any, results: Any) -> None:
     harness.answer(results, lambda: asyncio.run(wait_once(spec, ready)))
 
 
-class RequestCounter:
-    """The requests clients send between two markers, read from ``MONITOR`` by a thread.
+def monitored(url: str, probe: redis.Redis, seconds: float) -> tuple[float, dict[str, int]]:
+    """The requests clients send in the next ``seconds``, read from ``MONITOR``; its length.
 
-    ``MONITOR`` shows each request once when the server runs it (a ``BLPOP``
-    when it is sent, not when it returns), and marks what a script ran with
-    ``lua``: those are counted apart, as they are not requests.
+    The window runs between two ``ECHO`` markers of ``probe`` (the second sent
+    by a timer thread), timed by the server. ``MONITOR`` shows a request when
+    the server runs it (a ``BLPOP`` when it is sent, not when it returns);
+    what a script ran is marked ``lua`` and left out, as it is no request.
     """
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.marker = f"handoff-window-{uuid.uuid4().hex}"
-        self.requests: dict[str, int] = {}
-        self.in_scripts: dict[str, int] = {}
-        self.seconds = 0.0
-        self._listening = threading.Event()
-        self._thread = threading.Thread(target=self._read, name="handoff-monitor", daemon=True)
-
-    def _read(self) -> None:
-        with (
-            redis.Redis.from_url(self.url, socket_timeout=None) as client,
-            client.monitor() as monitor,
-        ):
-            self._listening.set()
-            opened: float | None = None
-            while True:
-                seen: dict[str, Any] = monitor.next_command()
-                words = str(seen["command"]).split(" ")
-                name = words[0].lower()
-                if name == "echo" and words[-1] == self.marker:
-                    if opened is not None:
-                        self.seconds = float(seen["time"]) - opened
-                        return
-                    opened = float(seen["time"])
-                elif opened is not None and name not in ("info", "echo"):
-                    counts = self.in_scripts if seen["client_type"] == "lua" else self.requests
-                    counts[name] = counts.get(name, 0) + 1
-
-    def __enter__(self) -> RequestCounter:
-        self._thread.start()
-        if not self._listening.wait(harness.WORKER_TIMEOUT_S):
-            raise BenchmarkError("MONITOR did not start")
-        return self
-
-    def mark(self, client: redis.Redis) -> None:
-        """Open the window, or close it (the second time)."""
-        client.echo(self.marker)
-
-    def __exit__(self, *exc: object) -> None:
-        self._thread.join(timeout=harness.WORKER_TIMEOUT_S)
+    marker, opened = f"handoff-window-{uuid.uuid4().hex}", None
+    requests: dict[str, int] = {}
+    with redis.Redis.from_url(url, socket_timeout=None) as client, client.monitor() as monitor:
+        probe.echo(marker)  # MONITOR is on: its __enter__ waited for the server's OK
+        threading.Timer(seconds, probe.echo, (marker,)).start()
+        while True:
+            seen: dict[str, Any] = monitor.next_command()
+            words = str(seen["command"]).split(" ")
+            name = words[0].lower()
+            if name == "echo" and words[-1] == marker:
+                if opened is not None:
+                    return float(seen["time"]) - opened, requests
+                opened = float(seen["time"])
+            elif (
+                opened is not None and name not in ("info", "echo") and seen["client_type"] != "lua"
+            ):
+                requests[name] = requests.get(name, 0) + 1
 
 
 @dataclass(frozen=True)
@@ -709,10 +685,7 @@ async def hold(spec: Spec, label: str, waiters: int, seconds: float) -> Waiting:
                 cpu = cpu_after - cpu
                 counted = time.perf_counter() - start
                 # Then as long again under MONITOR, which costs the server CPU itself.
-                with RequestCounter(spec.url) as counter:
-                    counter.mark(holder.probe)
-                    time.sleep(seconds)
-                    counter.mark(holder.probe)
+                monitored_s, requests = monitored(spec.url, holder.probe, seconds)
             finally:
                 await release()
             acquired = collect()
@@ -724,7 +697,7 @@ async def hold(spec: Spec, label: str, waiters: int, seconds: float) -> Waiting:
     for own in ("info", "echo", "monitor"):  # the holder's probes: all it sent
         delta.pop(own, None)
     commands = {name: calls for name, calls in delta.items() if calls}
-    return Waiting(label, waiters, counted, commands, cpu, counter.seconds, counter.requests)
+    return Waiting(label, waiters, counted, commands, cpu, monitored_s, requests)
 
 
 # --- the run --------------------------------------------------------------------------
