@@ -36,8 +36,8 @@ import queue
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,38 +65,29 @@ class BenchmarkError(RuntimeError):
 # --- servers --------------------------------------------------------------------------
 
 
-@contextmanager
-def redis_servers(versions: Sequence[str]) -> Iterator[Iterator[tuple[str, str]]]:
-    """The test harness's Redis servers: yields an iterator of ``(label, url)``.
+def redis_servers(versions: Sequence[str]) -> Generator[tuple[str, str], None, None]:
+    """``(label, url)`` of each Redis server the test harness finds, or of ``versions``.
 
-    Each server starts when the iterator reaches it and stops when it moves
-    on or the block ends. ``versions`` ("7.0", ...) keeps those; empty: all.
-    The one place that imports ``tests._support``.
+    Each server starts when it is reached and stops (by pid) when the loop
+    moves on or the generator is closed. The one place that imports
+    ``tests._support``.
     """
     if str(ROOT) not in sys.path:  # run as a script: sys.path[0] is benchmarks/
         sys.path.insert(0, str(ROOT))
     from tests._support.redis_servers import discovered
 
     found = discovered()
-    sources = [s for s in found.sources if not versions or s.label[6:] in versions]
+    sources = [
+        s for s in found.sources if not versions or s.label.removeprefix("redis-") in versions
+    ]
     if not sources:
         raise BenchmarkError(found.reason or f"no Redis {versions} among {found.labels}")
-    started: list[Callable[[], None]] = []
-
-    def each() -> Iterator[tuple[str, str]]:
-        for source in sources:
-            server = source.start()
-            started.append(source.stop)
-            try:
-                yield source.label, server.url
-            finally:
-                started.pop()()
-
-    try:
-        yield each()
-    finally:
-        for stop in started:
-            stop()
+    for source in sources:
+        server = source.start()
+        try:
+            yield source.label, server.url
+        finally:
+            source.stop()
 
 
 def shown(url: str) -> str:
@@ -172,7 +163,7 @@ def main(bench: Bench, args: argparse.Namespace) -> int:
         elif args.url:
             runs["url"] = run_on("url", args.url, bench, args)
         else:
-            with redis_servers(args.redis) as servers:
+            with closing(redis_servers(args.redis)) as servers:
                 for label, url in servers:
                     runs[label] = run_on(label, url, bench, args)
     except (BenchmarkError, redis.RedisError, OSError) as error:
