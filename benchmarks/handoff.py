@@ -1,16 +1,15 @@
 """How fast a released Redis lock reaches a waiter, and what waiting costs the server.
 
-Run from the repository root (a report, not a test; about 3 minutes on 2 cores,
-``--quick``: about 50 seconds)::
+Run from the repository root (a report, not a test; about 3 minutes a server
+on 2 cores, ``--quick``: about 50 seconds)::
 
     .venv/bin/python benchmarks/handoff.py
     .venv/bin/python benchmarks/handoff.py --quick
-    .venv/bin/python benchmarks/handoff.py --server /path/to/redis-server --json out.json
+    .venv/bin/python benchmarks/handoff.py --redis 7.0 --json out.json
 
-Without ``--url`` it starts ``redis-server`` (``/usr/bin/redis-server``, or
-``--server``) on a free 127.0.0.1 port with persistence off, and stops it by
-pid at the end. With ``--url`` it works under its own random names, and the
-server's command counts then include other clients' commands.
+With ``--url`` it works under its own random names (its keys deleted at the
+end), leaves ``SLOWLOG`` alone, and the server's command counts then include
+other clients' commands.
 
 Every lock has a TTL of 30 s, so no lease expires during a run. The variants:
 ``dmutex`` (``DMutex.acquire_with_retry(key, timeout=30)``, default
@@ -32,33 +31,37 @@ what waking gains. Each process has its own clients; processes start by
    make the same ``INFO`` call), notes the time and releases; it tries again
    only after the peer reports that it holds the lock, so every hand-off goes
    to a waiter whose attempt failed. A hand-off is the time from the holder's
-   call to release to the waiter holding the lock. Also: the release's own
-   duration with that waiter blocked, and for ``dmutex`` with nobody waiting
-   (the same turns in one process).
-1b. The same ping-pong for ``dmutex``, ``dmutex-async`` and
-   ``python-redis-lock`` with every request of the lock's client timestamped
-   (a wrapper on ``execute_command``) and, on a server the benchmark started,
-   every command in ``SLOWLOG`` (threshold 0, settings restored after): each
-   step of a hand-off, and the server's time per kind of request.
+   call to release to the waiter holding the lock. The three ``BLPOP``
+   variants take turns of 20 hand-offs (each turn a round of the ratio
+   table). Also: the release's own duration with that waiter blocked, and
+   for ``dmutex`` with nobody waiting (the same turns in one process).
+1b. The same ping-pong for the ``BLPOP`` variants with every request of the
+   lock's client timestamped (``harness.trace_requests``) and, on a server
+   the benchmark started, every command in ``SLOWLOG`` (threshold 0,
+   settings restored after): each step of a hand-off, and the server's time
+   per kind of request.
 2. Contended throughput: 4 processes x 500 cycles of acquire (blocking, as
-   in 1) / ``GET`` counter / ``SET`` counter + 1 / release on one key; wall
-   time from the start barrier to the last finish, the final counter, how
-   many acquires took the lock over from another process, how long acquires
-   took, and ``INFO commandstats`` calls per cycle.
+   in 1) / ``GET`` counter / ``SET`` counter + 1 / release on one key, the
+   cycles split into ``--contended-rounds`` rounds in which the variants take
+   turns; wall time from the start barrier to the last finish, the final
+   counter, how many acquires took the lock over from another process, how
+   long acquires took, and ``INFO commandstats`` calls per cycle.
 3. Waiting cost: one process holds a key while 8 waiter processes wait for
    it; over 5 s, ``INFO commandstats`` calls (which count each command a
    script runs as well) and ``INFO cpu`` per waiter per second; over the
    next 5 s, the requests the waiters sent, read from ``MONITOR``.
-4. The uncontended cycle: ``benchmarks/redis_cycle.py --rounds 5`` (its
-   dmutex / raw ratio), and ``AsyncDMutex`` acquire + release against the same
-   two requests made raw with ``redis.asyncio`` (``SET NX PX`` + ``EVALSHA``
-   compare-and-delete), on one connection, in interleaved turns of 100.
+4. The uncontended cycle: ``redis_cycle.py``'s measurement, in process
+   (``--cycle-rounds`` rounds), ``AsyncDMutex`` against raw ``redis.asyncio``
+   among its contenders.
+
+Options: ``--handoffs`` per variant (parts 1 and 1b), ``--processes`` and
+``--cycles`` (per process) and ``--contended-rounds`` (part 2), ``--waiters``
+and ``--window`` (s, part 3), ``--cycle-rounds`` (part 4); and the harness's
+``--url``, ``--redis VERSION...``, ``--quick``, ``--json FILE``.
 
 Targets (issue 12): dmutex hand-off median <= 0.8 ms and p99 <= 3 ms, dmutex's
 median below python-redis-lock's in the same run, and dmutex's contended wall
-time <= 0.9 x redis-py Lock's; each printed as PASS or MISS for ``dmutex``
-and ``dmutex-async``. The exit code is 0 either way (non-zero only when the
-benchmark itself could not run).
+time <= 0.9 x redis-py Lock's; for ``dmutex`` and ``dmutex-async``.
 """
 
 from __future__ import annotations
@@ -67,44 +70,28 @@ import argparse
 import asyncio
 import hashlib
 import itertools
-import json
 import math
 import multiprocessing
 import os
-import queue
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
-from pathlib import Path
 from typing import Any
 
+import harness
 import redis
 import redis.asyncio
+import redis_cycle
 import redis_lock
-from redis_cycle import (
-    RAW_RELEASE,
-    BenchmarkError,
-    Figures,
-    Target,
-    machine,
-    measure,
-    run,
-    shown,
-    throughput_target,
-)
+from harness import BenchmarkError, Figures, Request, Target
 
 from dmutex import AsyncDMutex, DMutex
-from dmutex._backends.redis.scripts import ACQUIRE, RELEASE
 
-DEFAULT_SERVER = "/usr/bin/redis-server"  # Redis 7.0 here; PATH in the venv finds 6.2
 LOCK_TTL_S = 30  # every lease and lock: none expires during a run
 WAIT_S = 30.0  # the blocking acquires' timeout
 HOLD_S = 0.015  # how long a ping-pong turn holds the lock
@@ -112,15 +99,17 @@ MIN_HEAD_S = 0.005  # and at least this long after the waiter began its acquire
 BLOCKED_WAIT_S = 2.0  # the longest a holder waits to see its peer blocked
 SLOWLOG_LEN = 20_000  # entries kept while the traced hand-offs run
 SETTLE_S = 1.0  # waiters' time to get past their first attempt before counting
-STEP_TIMEOUT_S = 120.0  # the longest the parent waits for a worker's answer
-CYCLE_TURN = 100
+CHUNK = 20  # hand-offs per turn when variants are interleaved
+OPTIONS = {  # name: (default, under --quick)
+    "handoffs": (200, 20), "processes": (4, 4), "cycles": (500, 100), "contended_rounds": (2, 1),
+    "waiters": (8, 8), "window": (5.0, 1.5), "cycle_rounds": (5, 1),
+}  # fmt: skip
 
 DMUTEX, DMUTEX_ASYNC, PRL = "dmutex", "dmutex-async", "python-redis-lock"
 REDIS_PY, POLLING = "redis-py", "dmutex-polling"
 WOKEN = (DMUTEX, DMUTEX_ASYNC, PRL)  # the variants whose waiters BLPOP: interleaved
 CONTENDED_KINDS = (DMUTEX, DMUTEX_ASYNC, REDIS_PY, PRL)
 CONTENDED_COMMANDS = ("evalsha", "blpop", "set", "get")
-BLPOP_KINDS = frozenset(WOKEN)
 WAKES_BY = {
     DMUTEX: "BLPOP",
     DMUTEX_ASYNC: "BLPOP",
@@ -130,37 +119,6 @@ WAKES_BY = {
 }
 
 Release = Callable[[], Awaitable[None]]
-Request = tuple[str, float, float]  # command, perf_counter before the call and after its reply
-
-
-def traced(execute: Callable[..., Any], log: list[Request]) -> Callable[..., Any]:
-    """``execute`` (a sync ``execute_command``), noting each request in ``log``."""
-    clock = time.perf_counter
-
-    def run(*args: Any, **options: Any) -> Any:
-        start = clock()
-        try:
-            return execute(*args, **options)
-        finally:
-            log.append((str(args[0]), start, clock()))
-
-    return run
-
-
-def traced_async(
-    execute: Callable[..., Awaitable[Any]], log: list[Request]
-) -> Callable[..., Awaitable[Any]]:
-    """``traced`` for ``redis.asyncio``'s ``execute_command``."""
-    clock = time.perf_counter
-
-    async def run(*args: Any, **options: Any) -> Any:
-        start = clock()
-        try:
-            return await execute(*args, **options)
-        finally:
-            log.append((str(args[0]), start, clock()))
-
-    return run
 
 
 # --- one library's lock, driven from a coroutine --------------------------------------
@@ -174,7 +132,7 @@ class Spec:
     url: str
     service: str  # dmutex's service name; the other libraries' lock name
     key: str = "k"
-    retry_delay: float | None = None  # dmutex only; None: its default
+    retry_delay: float = 0.1  # dmutex only; 0.1 is its default
     trace: bool = False  # timestamp every request of the lock's client
 
     @property
@@ -190,185 +148,81 @@ class Locker:
     """
 
     def __init__(self, spec: Spec) -> None:
-        self.spec = spec
+        self.spec, self.name = spec, f"{spec.service}:{spec.key}"
         self.probe = redis.Redis.from_url(spec.url)  # the holder's INFO calls only
-        self.log: list[Request] = []  # the lock client's requests, with spec.trace
-
-    async def connect(self) -> None:
-        raise NotImplementedError
-
-    async def acquire(self) -> Release:
-        """Block until the lock is ours; return its release."""
-        raise NotImplementedError
-
-    async def increment(self) -> None:
-        """``GET`` the counter, ``SET`` it one higher."""
-        raise NotImplementedError
-
-    async def close(self) -> None:
-        self.probe.close()
-
-    def blocked(self) -> int:
-        """How many clients the server has blocked (``BLPOP``) right now."""
-        return int(self.probe.info("clients")["blocked_clients"])
-
-
-class SyncLocker(Locker):
-    """dmutex's ``DMutex``, redis-py's ``Lock`` or python-redis-lock, on a sync client."""
-
-    def __init__(self, spec: Spec) -> None:
-        super().__init__(spec)
         options: dict[str, Any] = {}
         if spec.kind == POLLING:  # one connection at most: dmutex never blocks it, and polls
             options["max_connections"] = 1
         elif spec.kind == PRL:  # its BLPOP lasts `expire` s, past redis-py's 5 s socket timeout
             options["socket_timeout"] = None
         self.client = redis.Redis.from_url(spec.url, **options)
-        if spec.trace:  # an instance attribute, in place before dmutex binds the method
-            vars(self.client)["execute_command"] = traced(self.client.execute_command, self.log)
-        self.mutex = DMutex(spec.service, self.client, default_ttl_seconds=LOCK_TTL_S)
-        self.name = f"{spec.service}:{spec.key}"
-
-    async def connect(self) -> None:
-        self.client.ping()
+        self.aclient = redis.asyncio.Redis.from_url(spec.url)
+        traced = self.aclient if spec.kind == DMUTEX_ASYNC else self.client
+        self.log = harness.trace_requests(traced) if spec.trace else []  # before dmutex binds it
+        if spec.kind == DMUTEX_ASYNC:
+            self.amutex = AsyncDMutex(spec.service, self.aclient, default_ttl_seconds=LOCK_TTL_S)
+        else:
+            self.mutex = DMutex(spec.service, self.client, default_ttl_seconds=LOCK_TTL_S)
 
     async def acquire(self) -> Release:
-        done = self._take()
-
-        async def release() -> None:
-            done()
-
-        return release
-
-    def _take(self) -> Callable[[], object]:
-        kind = self.spec.kind
+        """Block until the lock is ours; return its release."""
+        kind, key = self.spec.kind, self.spec.key
+        delay = self.spec.retry_delay
+        if kind == DMUTEX_ASYNC:
+            held = await self.amutex.acquire_with_retry(key, timeout=WAIT_S, retry_delay=delay)
+            if held is None:
+                raise BenchmarkError(f"{kind}: acquire_with_retry timed out")
+            return lambda: checked(kind, held.release())
+        unlock: Callable[[], object]
         if kind == REDIS_PY:
             lock = self.client.lock(self.name, timeout=LOCK_TTL_S)  # sleep: 0.1 s, its default
-            if not lock.acquire(blocking=True):
-                raise BenchmarkError("redis-py Lock: blocking acquire returned False")
-            unlock: Callable[[], None] = lock.release  # raises LockNotOwnedError if not ours
-            return unlock
-        if kind == PRL:
+            taken, unlock = lock.acquire(blocking=True), lock.release  # raises if not ours
+        elif kind == PRL:
             plock = redis_lock.Lock(self.client, self.name, expire=LOCK_TTL_S)
-            if not plock.acquire(blocking=True):
-                raise BenchmarkError("python-redis-lock: blocking acquire returned False")
-            return plock.release  # raises NotAcquired if it was not ours
-        delay = self.spec.retry_delay
-        if delay is None:
-            held = self.mutex.acquire_with_retry(self.spec.key, timeout=WAIT_S)
+            taken, unlock = plock.acquire(blocking=True), plock.release  # raises if not ours
         else:
-            held = self.mutex.acquire_with_retry(self.spec.key, timeout=WAIT_S, retry_delay=delay)
-        if held is None:
-            raise BenchmarkError(f"{kind}: acquire_with_retry timed out")
-
-        def release() -> None:
-            if not held.release():
-                raise BenchmarkError(f"{kind}: release found the lease gone")
-
-        return release
-
-    async def increment(self) -> None:
-        value = self.client.get(self.spec.counter)
-        self.client.set(self.spec.counter, int(value or 0) + 1)
-
-    async def close(self) -> None:
-        self.client.close()
-        await super().close()
-
-
-class AsyncLocker(Locker):
-    """dmutex's ``AsyncDMutex`` on ``redis.asyncio``."""
-
-    def __init__(self, spec: Spec) -> None:
-        super().__init__(spec)
-        self.client = redis.asyncio.Redis.from_url(spec.url)
-        if spec.trace:
-            execute = traced_async(self.client.execute_command, self.log)
-            vars(self.client)["execute_command"] = execute
-        self.mutex = AsyncDMutex(spec.service, self.client, default_ttl_seconds=LOCK_TTL_S)
+            lease = self.mutex.acquire_with_retry(key, timeout=WAIT_S, retry_delay=delay)
+            taken, unlock = lease is not None, lease.release if lease else bool
+        if not taken:
+            raise BenchmarkError(f"{kind}: the blocking acquire failed")
+        return lambda: checked(kind, unlock())
 
     async def connect(self) -> None:
-        await self.client.ping()
-
-    async def acquire(self) -> Release:
-        delay, key = self.spec.retry_delay, self.spec.key
-        if delay is None:
-            held = await self.mutex.acquire_with_retry(key, timeout=WAIT_S)
+        """Open the lock's connection before any clock starts."""
+        if self.spec.kind == DMUTEX_ASYNC:
+            await self.aclient.ping()
         else:
-            held = await self.mutex.acquire_with_retry(key, timeout=WAIT_S, retry_delay=delay)
-        if held is None:
-            raise BenchmarkError("dmutex-async: acquire_with_retry timed out")
-
-        async def release() -> None:
-            if not await held.release():
-                raise BenchmarkError("dmutex-async: release found the lease gone")
-
-        return release
+            self.client.ping()
 
     async def increment(self) -> None:
-        value = await self.client.get(self.spec.counter)
-        await self.client.set(self.spec.counter, int(value or 0) + 1)
+        """``GET`` the counter, ``SET`` it one higher."""
+        if self.spec.kind == DMUTEX_ASYNC:
+            value = await self.aclient.get(self.spec.counter)
+            await self.aclient.set(self.spec.counter, int(value or 0) + 1)
+        else:
+            value = self.client.get(self.spec.counter)
+            self.client.set(self.spec.counter, int(value or 0) + 1)
 
     async def close(self) -> None:
-        await self.client.aclose()
-        await super().close()
+        for client in (self.client, self.probe):
+            client.close()
+        await self.aclient.aclose()
+
+    def blocked(self) -> int:
+        """How many clients the server has blocked (``BLPOP``) right now."""
+        return int(self.probe.info("clients")["blocked_clients"])
 
 
-def locker(spec: Spec) -> Locker:
-    return AsyncLocker(spec) if spec.kind == DMUTEX_ASYNC else SyncLocker(spec)
-
-
-# --- running workers in processes -----------------------------------------------------
-
-
-def report(results: Any, work: Callable[[], object]) -> None:
-    """Run ``work`` in a worker; put ``("ok", value)`` or ``("error", text)`` on ``results``."""
-    try:
-        results.put(("ok", work()))
-    except BaseException as error:  # noqa: BLE001 - the parent reports it
-        results.put(("error", f"{type(error).__name__}: {error}"))
-
-
-@contextmanager
-def workers(
-    target: Callable[..., None], arglists: Sequence[tuple[object, ...]], results: Any
-) -> Iterator[Callable[[], list[Any]]]:
-    """Start one spawned process per argument tuple; yield a function that collects answers.
-
-    Each process puts one answer on ``results``. On the way out every process
-    is joined, and one that does not end is terminated (by its own handle).
-    """
-    ctx = multiprocessing.get_context("spawn")
-    processes: list[BaseProcess] = [
-        ctx.Process(target=target, args=(*args, results), daemon=True) for args in arglists
-    ]
-    for process in processes:
-        process.start()
-
-    def collect() -> list[Any]:
-        answers = []
-        for _ in processes:
-            try:
-                status, value = results.get(timeout=STEP_TIMEOUT_S)
-            except queue.Empty:
-                raise BenchmarkError("a worker did not answer in time") from None
-            if status != "ok":
-                raise BenchmarkError(f"a worker failed: {value}")
-            answers.append(value)
-        return answers
-
-    try:
-        yield collect
-    finally:
-        for process in processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=10)
+async def checked(kind: str, released: object) -> None:
+    """Fail unless a release said the lease was ours (the others raise instead)."""
+    if isinstance(released, Awaitable):
+        released = await released
+    if released is False:
+        raise BenchmarkError(f"{kind}: release found the lease gone")
 
 
 def receive(peer: Connection) -> object:
-    if not peer.poll(STEP_TIMEOUT_S):
+    if not peer.poll(harness.WORKER_TIMEOUT_S):
         raise BenchmarkError("the peer process stopped answering")
     return peer.recv()
 
@@ -417,7 +271,7 @@ class Schedule:
 
 async def pingpong(schedule: Schedule, turns: range, peer: Connection | None) -> list[Turn]:
     """Hold the lock on each of ``turns`` (every other one, or all when ``peer`` is None)."""
-    lockers = [locker(spec) for spec in schedule.specs]
+    lockers = [Locker(spec) for spec in schedule.specs]
     clock = time.perf_counter
     last = turns.stop - 1
     records = []
@@ -448,7 +302,7 @@ async def pingpong(schedule: Schedule, turns: range, peer: Connection | None) ->
                 # The waiter has been trying for MIN_HEAD_S: its first attempt failed.
                 if waited and (left := since + MIN_HEAD_S - clock()) > 0:
                     await asyncio.sleep(left)
-            if waited and held.spec.kind in BLPOP_KINDS:
+            if waited and held.spec.kind in WOKEN:
                 probes = see_blocked(held)
             else:  # the same INFO call, so that every release follows one
                 held.blocked()
@@ -483,7 +337,9 @@ def pingpong_worker(
     schedule: Schedule, first: int, total: int, peer: Connection | None, results: Any
 ) -> None:
     step = 1 if peer is None else 2
-    report(results, lambda: asyncio.run(pingpong(schedule, range(first, total, step), peer)))
+    harness.answer(
+        results, lambda: asyncio.run(pingpong(schedule, range(first, total, step), peer))
+    )
 
 
 @dataclass
@@ -516,10 +372,10 @@ class HandOffs:
             "total (the hand-off)",
             "holder's release request -> its reply",
         )
-        steps: dict[str, Figures] = {name: Figures() for name in names}
+        steps: dict[str, list[int]] = {name: [] for name in names}
         skipped = 0
         for a, b in self.pairs:
-            blpops = [r for r in b.acquiring if r[0].upper() == "BLPOP"]
+            blpops = [r for r in b.acquiring if str(r[0][0]).upper() == "BLPOP"]
             if not blpops or not a.releasing_requests:
                 skipped += 1
                 continue
@@ -527,8 +383,8 @@ class HandOffs:
             stamps = (a.releasing, rel[1], blpop[2], grab[1], grab[2], b.acquired)
             spans = [*(y - x for x, y in itertools.pairwise(stamps)), stamps[-1] - stamps[0]]
             for name, span in zip(names, [*spans, rel[2] - rel[1]], strict=True):
-                steps[name].samples.append(round(span * 1e9))
-        return steps, skipped
+                steps[name].append(round(span * 1e9))
+        return {name: Figures([ns]) for name, ns in steps.items()}, skipped
 
 
 def run_turns(
@@ -539,22 +395,13 @@ def run_turns(
     ``slowlog``: log every command meanwhile (``SLOWLOG``, threshold 0), for
     the server's time per request; the server's settings are put back after.
     """
-    ctx = multiprocessing.get_context("spawn")
-    with redis.Redis.from_url(url) as client:
-        settings: dict[str, str] = client.config_get("slowlog-*") if slowlog else {}
-        if slowlog:
-            client.config_set("slowlog-max-len", SLOWLOG_LEN)
-            client.config_set("slowlog-log-slower-than", 0)
-            client.slowlog_reset()
-        before = command_stats(client)
-        try:
-            with workers(pingpong_worker, arglists, ctx.Queue()) as collect:
-                parts = collect()
-            after = command_stats(client)
-            logged = client.slowlog_get(SLOWLOG_LEN) if slowlog else []
-        finally:
-            for name, value in settings.items():
-                client.config_set(name, value)
+    logging = harness.slowlog_everything if slowlog else lambda _, __: nullcontext(False)
+    with redis.Redis.from_url(url) as client, logging(client, SLOWLOG_LEN) as logs:
+        before = harness.server_counters(client)[0]
+        with harness.workers(pingpong_worker, arglists) as collect:
+            parts = collect()
+        after = harness.server_counters(client)[0]
+        logged = client.slowlog_get(SLOWLOG_LEN) if logs else []
     server_us = {}
     for name, (calls, usec) in after.items():
         was_calls, was_usec = before.get(name, (0, 0))
@@ -564,7 +411,7 @@ def run_turns(
 
 
 def handoffs(
-    specs: Sequence[Spec], count: int, warmup: int, *, chunk: int = 20, slowlog: bool = False
+    specs: Sequence[Spec], count: int, warmup: int, *, slowlog: bool = False
 ) -> list[HandOffs]:
     """``count`` measured hand-offs of each of ``specs`` between two processes.
 
@@ -572,7 +419,8 @@ def handoffs(
     ``chunk`` (see :class:`Schedule`), after a first round of each; the
     hand-off between two variants' turns is not one, and is left out.
     """
-    schedule = Schedule(tuple(specs), chunk)
+    schedule = Schedule(tuple(specs), CHUNK)
+    chunk = CHUNK
     n = len(specs)
     if n == 1:
         first, total = warmup, warmup + count + 1
@@ -592,14 +440,13 @@ def handoffs(
             for a, b in itertools.pairwise(turns[first:])
             if a.variant == b.variant == variant
         ][:count]
-        ns = 1e9
         results.append(
             HandOffs(
                 kind=spec.kind,
-                latency=Figures([round((b.acquired - a.releasing) * ns) for a, b in pairs]),
-                release=Figures([round((a.released - a.releasing) * ns) for a, _ in pairs]),
+                latency=by_turn(pairs, lambda a, b: b.acquired - a.releasing),
+                release=by_turn(pairs, lambda a, _: a.released - a.releasing),
                 head_start_ms=min(a.releasing - b.called for a, b in pairs) * 1000,
-                unseen=sum(1 for a, _ in pairs if a.probes == 0) if spec.kind in BLPOP_KINDS else 0,
+                unseen=sum(1 for a, _ in pairs if a.probes == 0) if spec.kind in WOKEN else 0,
                 overlaps=sum(1 for a, b in pairs if b.acquired < a.releasing),
                 pairs=pairs,
                 # The server's figures are the whole run's, the variants' together.
@@ -608,6 +455,14 @@ def handoffs(
             )
         )
     return results
+
+
+def by_turn(pairs: Sequence[tuple[Turn, Turn]], span: Callable[[Turn, Turn], float]) -> Figures:
+    """``span`` of each hand-off in ns, a round per turn of the schedule (``CHUNK`` turns)."""
+    rounds: dict[int, list[int]] = {}
+    for a, b in pairs:
+        rounds.setdefault(a.index // CHUNK, []).append(round(span(a, b) * 1e9))
+    return Figures(list(rounds.values()))
 
 
 ACQUIRE_TRIES = {"0": "acquire, first attempt (fails)", "1": "acquire, after waking (takes)"}
@@ -624,7 +479,7 @@ def request_times(logged: Sequence[Mapping[str, Any]], service: str) -> dict[str
     requests naming a key of ``service``.
     """
     mine = service.encode()
-    kinds: dict[str, Figures] = {}
+    kinds: dict[str, list[int]] = {}
     tokens: set[bytes] = set()
     for entry in reversed(logged):  # SLOWLOG lists the newest first
         if bytes(entry.get("client_address") or b"?").startswith(b"?"):
@@ -635,16 +490,16 @@ def request_times(logged: Sequence[Mapping[str, Any]], service: str) -> dict[str
         name, kind = words[0].upper(), None
         if name == b"EVALSHA" and len(words) > 1:
             sha = words[1].decode()
-            if sha == ACQUIRE.sha and words[-1] in (b"0", b"1"):
+            if sha == harness.SCRIPT_SHAS["acquire"] and words[-1] in (b"0", b"1"):
                 kind = ACQUIRE_TRIES[words[-1].decode()]
-            elif sha in (RELEASE.sha, PRL_RELEASE):
+            elif sha in (harness.SCRIPT_SHAS["release"], PRL_RELEASE):
                 kind = "release"
         elif name == b"SET" and b"NX" in (w.upper() for w in words) and len(words) > 2:
             kind = "SET NX, second (takes)" if words[2] in tokens else "SET NX, first (fails)"
             tokens.add(words[2])
         if kind is not None:
-            kinds.setdefault(kind, Figures()).samples.append(int(entry["duration"]) * 1000)
-    return kinds
+            kinds.setdefault(kind, []).append(int(entry["duration"]) * 1000)
+    return {kind: Figures([ns]) for kind, ns in kinds.items()}
 
 
 def solo_releases(
@@ -658,7 +513,7 @@ def solo_releases(
     arglists: list[tuple[object, ...]] = [(schedule, 0, warmup + count, None)]
     (turns,), _, logged = run_turns(spec.url, arglists, slowlog=slowlog)
     released = [round((t.released - t.releasing) * 1e9) for t in turns[warmup:]]
-    return Figures(released), request_times(logged, spec.service)
+    return Figures([released]), request_times(logged, spec.service)
 
 
 # --- 2. contended throughput ----------------------------------------------------------
@@ -671,12 +526,12 @@ async def contend(
 
     Returns the start, the end, when each acquire returned and how long it took.
     """
-    held = locker(spec)
+    held = Locker(spec)
     clock = time.perf_counter
     acquired, waited = [0.0] * cycles, [0.0] * cycles
     try:
         await held.connect()
-        barrier.wait(STEP_TIMEOUT_S)
+        barrier.wait(harness.WORKER_TIMEOUT_S)
         start = clock()
         for i in range(cycles):
             called = clock()
@@ -691,7 +546,7 @@ async def contend(
 
 
 def contended_worker(spec: Spec, cycles: int, barrier: Any, results: Any) -> None:
-    report(results, lambda: asyncio.run(contend(spec, cycles, barrier)))
+    harness.answer(results, lambda: asyncio.run(contend(spec, cycles, barrier)))
 
 
 @dataclass(frozen=True)
@@ -707,23 +562,39 @@ class Contended:
     def per_cycle(self, name: str) -> float:
         return self.commands.get(name, 0) / self.expected
 
+    def __add__(self, other: Contended) -> Contended:
+        """Two rounds' figures together."""
+        commands = {n: self.commands.get(n, 0) + other.commands.get(n, 0) for n in self.commands}
+        return Contended(
+            self.kind,
+            self.wall_s + other.wall_s,
+            self.counter + other.counter,
+            self.expected + other.expected,
+            commands | {n: c for n, c in other.commands.items() if n not in commands},
+            self.switches + other.switches,
+            Figures(self.waits.rounds + other.waits.rounds),
+        )
+
+
+def calls(client: redis.Redis) -> dict[str, int]:
+    """``INFO commandstats`` calls per command (a script's commands included)."""
+    return {name: count for name, (count, _) in harness.server_counters(client)[0].items()}
+
 
 def contended(spec: Spec, processes: int, cycles: int) -> Contended:
-    ctx = multiprocessing.get_context("spawn")
-    barrier = ctx.Barrier(processes)
-    arglists = [(spec, cycles, barrier)] * processes
+    barrier = multiprocessing.get_context("spawn").Barrier(processes)
     with redis.Redis.from_url(spec.url) as client:
-        before = command_calls(client)
-        with workers(contended_worker, arglists, ctx.Queue()) as collect:
+        before = calls(client)
+        with harness.workers(contended_worker, [(spec, cycles, barrier)] * processes) as collect:
             spans = collect()
-        after = command_calls(client)
+        after = calls(client)
         counter = int(client.get(spec.counter) or 0)
     wall = max(span[1] for span in spans) - min(span[0] for span in spans)
     commands = {name: calls - before.get(name, 0) for name, calls in after.items()}
     stamps = sorted((t, who) for who, span in enumerate(spans) for t in span[2])
     owners = [who for _, who in stamps]
     switches = sum(1 for a, b in itertools.pairwise(owners) if a != b)
-    waits = Figures([round(w * 1e9) for span in spans for w in span[3]])
+    waits = Figures([[round(w * 1e9) for span in spans for w in span[3]]])
     return Contended(spec.kind, wall, counter, processes * cycles, commands, switches, waits)
 
 
@@ -731,7 +602,7 @@ def contended(spec: Spec, processes: int, cycles: int) -> Contended:
 
 
 async def wait_once(spec: Spec, ready: Any) -> float:
-    held = locker(spec)
+    held = Locker(spec)
     try:
         await held.connect()
         ready.put(os.getpid())
@@ -744,73 +615,34 @@ async def wait_once(spec: Spec, ready: Any) -> float:
 
 
 def waiting_worker(spec: Spec, ready: Any, results: Any) -> None:
-    report(results, lambda: asyncio.run(wait_once(spec, ready)))
+    harness.answer(results, lambda: asyncio.run(wait_once(spec, ready)))
 
 
-def command_stats(client: redis.Redis) -> dict[str, tuple[int, int]]:
-    """``INFO commandstats``: (calls, µs of server time) per command (lower case)."""
-    stats: Mapping[str, Mapping[str, object]] = client.info("commandstats")
-    return {
-        name.removeprefix("cmdstat_"): (int(str(stat["calls"])), int(str(stat["usec"])))
-        for name, stat in stats.items()
-        if name.startswith("cmdstat_")
-    }
+def monitored(url: str, probe: redis.Redis, seconds: float) -> tuple[float, dict[str, int]]:
+    """The requests clients send in the next ``seconds``, read from ``MONITOR``; its length.
 
-
-def command_calls(client: redis.Redis) -> dict[str, int]:
-    """``INFO commandstats`` calls per command (lower case)."""
-    return {name: calls for name, (calls, _) in command_stats(client).items()}
-
-
-class RequestCounter:
-    """The requests clients send between two markers, read from ``MONITOR`` by a thread.
-
-    ``MONITOR`` shows each request once when the server runs it (a ``BLPOP``
-    when it is sent, not when it returns), and marks what a script ran with
-    ``lua``: those are counted apart, as they are not requests.
+    The window runs between two ``ECHO`` markers of ``probe`` (the second sent
+    by a timer thread), timed by the server. ``MONITOR`` shows a request when
+    the server runs it (a ``BLPOP`` when it is sent, not when it returns);
+    what a script ran is marked ``lua`` and left out, as it is no request.
     """
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.marker = f"handoff-window-{uuid.uuid4().hex}"
-        self.requests: dict[str, int] = {}
-        self.in_scripts: dict[str, int] = {}
-        self.seconds = 0.0
-        self._listening = threading.Event()
-        self._thread = threading.Thread(target=self._read, name="handoff-monitor", daemon=True)
-
-    def _read(self) -> None:
-        with (
-            redis.Redis.from_url(self.url, socket_timeout=None) as client,
-            client.monitor() as monitor,
-        ):
-            self._listening.set()
-            opened: float | None = None
-            while True:
-                seen: dict[str, Any] = monitor.next_command()
-                words = str(seen["command"]).split(" ")
-                name = words[0].lower()
-                if name == "echo" and words[-1] == self.marker:
-                    if opened is not None:
-                        self.seconds = float(seen["time"]) - opened
-                        return
-                    opened = float(seen["time"])
-                elif opened is not None and name not in ("info", "echo"):
-                    counts = self.in_scripts if seen["client_type"] == "lua" else self.requests
-                    counts[name] = counts.get(name, 0) + 1
-
-    def __enter__(self) -> RequestCounter:
-        self._thread.start()
-        if not self._listening.wait(STEP_TIMEOUT_S):
-            raise BenchmarkError("MONITOR did not start")
-        return self
-
-    def mark(self, client: redis.Redis) -> None:
-        """Open the window, or close it (the second time)."""
-        client.echo(self.marker)
-
-    def __exit__(self, *exc: object) -> None:
-        self._thread.join(timeout=STEP_TIMEOUT_S)
+    marker, opened = f"handoff-window-{uuid.uuid4().hex}", None
+    requests: dict[str, int] = {}
+    with redis.Redis.from_url(url, socket_timeout=None) as client, client.monitor() as monitor:
+        probe.echo(marker)  # MONITOR is on: its __enter__ waited for the server's OK
+        threading.Timer(seconds, probe.echo, (marker,)).start()
+        while True:
+            seen: dict[str, Any] = monitor.next_command()
+            words = str(seen["command"]).split(" ")
+            name = words[0].lower()
+            if name == "echo" and words[-1] == marker:
+                if opened is not None:
+                    return float(seen["time"]) - opened, requests
+                opened = float(seen["time"])
+            elif (
+                opened is not None and name not in ("info", "echo") and seen["client_type"] != "lua"
+            ):
+                requests[name] = requests.get(name, 0) + 1
 
 
 @dataclass(frozen=True)
@@ -823,17 +655,11 @@ class Waiting:
     monitored_s: float  # the second window, between the markers' server times
     requests: dict[str, int]  # MONITOR: what the waiters sent in it
 
-    @property
-    def cpu_ms_per_waiter_s(self) -> float:
-        return self.cpu_s * 1000 / (self.waiters * self.seconds)
-
-    @property
-    def requests_per_waiter_s(self) -> float:
-        return sum(self.requests.values()) / (self.waiters * self.monitored_s)
-
-    @property
-    def commands_per_waiter_s(self) -> float:
-        return sum(self.commands.values()) / (self.waiters * self.seconds)
+    def per_waiter_s(self) -> tuple[float, float, float]:
+        """Per waiter per second: requests (MONITOR), commands and server CPU ms (INFO)."""
+        requests = sum(self.requests.values()) / (self.waiters * self.monitored_s)
+        commands = sum(self.commands.values()) / (self.waiters * self.seconds)
+        return requests, commands, self.cpu_s * 1000 / (self.waiters * self.seconds)
 
     def breakdown(self) -> str:
         ordered = sorted(self.requests.items(), key=lambda item: -item[1])
@@ -842,27 +668,24 @@ class Waiting:
 
 async def hold(spec: Spec, label: str, waiters: int, seconds: float) -> Waiting:
     """Hold ``spec``'s lock for ``seconds`` while ``waiters`` processes wait for it."""
-    holder = locker(spec)
+    holder = Locker(spec)
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Queue()
     try:
         await holder.connect()
         release = await holder.acquire()
-        with workers(waiting_worker, [(spec, ready)] * waiters, ctx.Queue()) as collect:
+        with harness.workers(waiting_worker, [(spec, ready)] * waiters) as collect:
             try:
                 for _ in range(waiters):
-                    ready.get(timeout=STEP_TIMEOUT_S)
+                    ready.get(timeout=harness.WORKER_TIMEOUT_S)
                 time.sleep(SETTLE_S)
-                before, cpu = command_calls(holder.probe), server_cpu(holder.probe)
-                start = time.perf_counter()
+                (before, cpu), start = harness.server_counters(holder.probe), time.perf_counter()
                 time.sleep(seconds)
-                cpu, after = server_cpu(holder.probe) - cpu, command_calls(holder.probe)
+                after, cpu_after = harness.server_counters(holder.probe)
+                cpu = cpu_after - cpu
                 counted = time.perf_counter() - start
                 # Then as long again under MONITOR, which costs the server CPU itself.
-                with RequestCounter(spec.url) as counter:
-                    counter.mark(holder.probe)
-                    time.sleep(seconds)
-                    counter.mark(holder.probe)
+                monitored_s, requests = monitored(spec.url, holder.probe, seconds)
             finally:
                 await release()
             acquired = collect()
@@ -870,265 +693,153 @@ async def hold(spec: Spec, label: str, waiters: int, seconds: float) -> Waiting:
         await holder.close()
     if len(acquired) != waiters:
         raise BenchmarkError("a waiter did not get the lock after the release")
-    delta = {name: calls - before.get(name, 0) for name, calls in after.items()}
+    delta = {name: n - before.get(name, (0, 0))[0] for name, (n, _) in after.items()}
     for own in ("info", "echo", "monitor"):  # the holder's probes: all it sent
         delta.pop(own, None)
     commands = {name: calls for name, calls in delta.items() if calls}
-    return Waiting(label, waiters, counted, commands, cpu, counter.seconds, counter.requests)
-
-
-def server_cpu(client: redis.Redis) -> float:
-    """The server's CPU seconds so far (``INFO cpu``: user + system, all threads)."""
-    cpu: Mapping[str, object] = client.info("cpu")
-    return float(str(cpu["used_cpu_user"])) + float(str(cpu["used_cpu_sys"]))
-
-
-# --- 4. the uncontended cycle ---------------------------------------------------------
-
-
-def redis_cycle(url: str, args: argparse.Namespace) -> tuple[str, dict[str, Any] | None]:
-    """Run ``benchmarks/redis_cycle.py`` once; its output, and its figures (None on failure)."""
-    script = Path(__file__).with_name("redis_cycle.py")
-    with tempfile.TemporaryDirectory(prefix="dmutex-handoff-") as workdir:
-        out = Path(workdir) / "cycle.json"
-        command = [sys.executable, str(script), "--json", str(out)]
-        command += ["--url", url] if args.url else ["--server", args.server]
-        command += ["--rounds", str(args.cycle_rounds)]
-        command += ["--cycles", "500", "--warmup", "100"] if args.quick else []
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        figures = json.loads(out.read_text()) if done.returncode == 0 and out.exists() else None
-    text = done.stdout if done.returncode == 0 else done.stdout + done.stderr
-    return text, figures
-
-
-def async_cycle(url: str, rounds: int, cycles: int, warmup: int) -> dict[str, Figures]:
-    """``AsyncDMutex`` acquire + release against raw ``SET NX PX`` + ``EVALSHA``, one connection.
-
-    The batches run on one event loop, each by ``run_until_complete``
-    outside the timed regions, so that ``redis_cycle.measure`` interleaves them.
-    """
-    loop = asyncio.new_event_loop()
-    client = redis.asyncio.Redis.from_url(url, single_connection_client=True)
-    run_id = uuid.uuid4().hex[:8]
-    mutex = AsyncDMutex(f"cycle-{run_id}", client, default_ttl_seconds=LOCK_TTL_S)
-    key, ttl_ms = f"_raw_handoff-{run_id}:permit:0:k", LOCK_TTL_S * 1000
-    clock = time.perf_counter_ns
-
-    async def dmutex_batch(n: int) -> list[int]:
-        samples = [0] * n
-        for i in range(n):
-            start = clock()
-            lock = await mutex.acquire("k")
-            if lock is None or not await lock.release():
-                raise BenchmarkError("AsyncDMutex: uncontended acquire/release failed")
-            samples[i] = clock() - start
-        return samples
-
-    async def raw_batch(n: int, sha: str) -> list[int]:
-        samples = [0] * n
-        execute: Callable[..., Awaitable[object]] = client.execute_command
-        for i in range(n):
-            start = clock()
-            token = str(uuid.uuid4())
-            taken = await execute("SET", key, token, "PX", ttl_ms, "NX")
-            if not taken or await execute("EVALSHA", sha, 1, key, token) != 1:
-                raise BenchmarkError("raw: uncontended SET NX / compare-and-delete failed")
-            samples[i] = clock() - start
-        return samples
-
-    try:
-        sha = str(loop.run_until_complete(client.script_load(RAW_RELEASE)))
-        return measure(
-            {
-                "AsyncDMutex": lambda n: loop.run_until_complete(dmutex_batch(n)),
-                "raw async": lambda n: loop.run_until_complete(raw_batch(n, sha)),
-            },
-            cycles=cycles,
-            rounds=rounds,
-            warmup=warmup,
-            chunk=CYCLE_TURN,
-        )
-    finally:
-        loop.run_until_complete(client.aclose())
-        loop.close()
+    return Waiting(label, waiters, counted, commands, cpu, monitored_s, requests)
 
 
 # --- the run --------------------------------------------------------------------------
 
 
-def latency_ms(figures: Figures) -> dict[str, float]:
+def print_handoffs(results: list[HandOffs], solo: Figures) -> dict[str, object]:
+    latencies = ("p50", "p99", "mean", "max")
+    rows = [
+        [
+            r.kind,
+            WAKES_BY[r.kind],
+            *(r.latency.us(s) / 1000 for s in latencies),
+            r.release.us("p50"),
+            r.unseen,
+            r.overlaps,
+            r.head_start_ms,
+        ]
+        for r in results
+    ]
+    head = ["variant", "waits by", "median ms", "p99 ms", "mean ms", "max ms", "release p50 µs"]
+    head += ["unseen", "overlaps", "head start ms"]
+    title = "1. Hand-off (holder's release call -> waiter holding); release: the holder's "
+    harness.table(head, rows, title + "release() with the waiter blocked")
+    dm = next(r for r in results if r.kind == DMUTEX)
+    print(
+        f"\ndmutex release() p50: {solo.us('p50'):.1f} µs with nobody waiting, "
+        f"{dm.release.us('p50'):.1f} µs with one waiter blocked (p99 {solo.us('p99'):.1f} / "
+        f"{dm.release.us('p99'):.1f})"
+    )
+    latency = {r.kind: r.latency for r in results if r.kind in WOKEN}
+    ratios = harness.ratio_table(latency, [(DMUTEX, PRL), (DMUTEX_ASYNC, PRL)], ("p50", "p99"))
     return {
-        "median": figures.percentile_us(0.5) / 1000,
-        "p99": figures.percentile_us(0.99) / 1000,
-        "mean": figures.mean_us / 1000,
-        "max": max(figures.samples) / 1e6,
+        "handoffs": {
+            r.kind: {
+                "latency": r.latency,
+                "release": r.release,
+                "head_start_ms": r.head_start_ms,
+                "unseen": r.unseen,
+                "overlaps": r.overlaps,
+            }
+            for r in results
+        },
+        "release_alone": solo,
+        "ratios": ratios,
     }
 
 
-def print_handoffs(results: list[HandOffs], solo: Figures, count: int) -> None:
-    print()
-    print(f"1. Hand-off, {count} per variant (holder's release call -> waiter holding), ms;")
-    print("   release: the holder's release() with the waiter blocked, µs")
-    head = f"{'variant':<18} {'waits by':<20} {'median':>7} {'p99':>7} {'mean':>7} {'max':>7}"
-    print(f"{head} {'release p50':>11}  unseen overlaps head-start")
-    for r in results:
-        lat = r.latency
-        print(
-            f"{r.kind:<18} {WAKES_BY[r.kind]:<20} {lat.percentile_us(0.5) / 1000:7.3f} "
-            f"{lat.percentile_us(0.99) / 1000:7.3f} {lat.mean_us / 1000:7.3f} "
-            f"{max(lat.samples) / 1e6:7.3f} {r.release.percentile_us(0.5):11.1f}  "
-            f"{r.unseen:6d} {r.overlaps:8d} {r.head_start_ms:7.1f} ms"
-        )
-    dm = next(r for r in results if r.kind == DMUTEX)
-    with_waiter, alone = dm.release.percentile_us(0.5), solo.percentile_us(0.5)
-    print(
-        f"dmutex release() p50: {alone:.1f} µs with nobody waiting, {with_waiter:.1f} µs with "
-        f"one waiter blocked ({with_waiter - alone:+.1f} µs; p99 {solo.percentile_us(0.99):.1f} "
-        f"/ {dm.release.percentile_us(0.99):.1f})"
+def print_steps(traced: list[HandOffs], alone: Figures | None) -> dict[str, object]:
+    """The traced hand-offs' steps (median µs, p99 beside the total) and server times."""
+    found = {r.kind: r.steps() for r in traced}
+    names = list(next(iter(found.values()))[0])
+    rows = [[name, *(steps[name].us("p50") for steps, _ in found.values())] for name in names]
+    rows.append(
+        ["total, p99", *(steps["total (the hand-off)"].us("p99") for steps, _ in found.values())]
     )
-
-
-def print_steps(traced: list[HandOffs], alone: Figures | None) -> dict[str, dict[str, float]]:
-    """The traced hand-offs' steps, median µs (p99 beside the total); returned for the JSON."""
-    table = {r.kind: r.steps() for r in traced}
-    print()
-    print("1b. Where a hand-off's time goes: the same ping-pong again, every request")
-    print("    timestamped in the client (a wrapper on execute_command); median µs")
-    print(f"{'step':<42}" + "".join(f" {kind:>17}" for kind in table))
-    names = list(next(iter(table.values()))[0])
-    out: dict[str, dict[str, float]] = {kind: {} for kind in table}
-    for name in names:
-        cells = []
-        for kind, (steps, _) in table.items():
-            median = steps[name].percentile_us(0.5) if steps[name].samples else math.nan
-            out[kind][name] = median
-            cells.append(f" {median:17.1f}")
-        print(f"{name:<42}" + "".join(cells))
-    totals = []
-    for kind, (steps, _) in table.items():
-        total = steps["total (the hand-off)"]
-        p99 = total.percentile_us(0.99) if total.samples else math.nan
-        out[kind]["total p99"] = p99
-        totals.append(f" {p99:17.1f}")
-    print(f"{'total, p99':<42}" + "".join(totals))
-    skipped = {kind: n for kind, (_, n) in table.items() if n}
-    if skipped:
-        print(f"    hand-offs without a BLPOP (left out): {skipped}")
-    print("    server time per request (SLOWLOG at threshold 0 during the traced run), µs:")
-    for r in traced:
-        cells = [
-            f"{name} p50 {fig.percentile_us(0.5):.0f} / p99 {fig.percentile_us(0.99):.0f}"
-            for name, fig in sorted(r.requests_us.items())
+    kinds = sorted({kind for r in traced for kind in r.requests_us})
+    rows += [
+        [
+            f"server (SLOWLOG): {kind}",
+            *(r.requests_us[kind].us("p50") if kind in r.requests_us else None for r in traced),
         ]
-        print(f"      {r.kind}: " + "; ".join(cells))
-        out[r.kind] |= {
-            f"server {name}": fig.percentile_us(0.5) for name, fig in r.requests_us.items()
-        }
+        for kind in kinds
+    ]
+    title = "1b. Where a hand-off's time goes, median µs (every request timestamped)"
+    harness.table(["step", *found], rows, title)
+    skipped = {kind: n for kind, (_, n) in found.items() if n}
+    if skipped:
+        print(f"hand-offs without a BLPOP (left out): {skipped}")
     if alone is not None:
         print(
-            f"      dmutex release with nobody waiting (one process): p50 "
-            f"{alone.percentile_us(0.5):.0f} / p99 {alone.percentile_us(0.99):.0f}"
+            f"dmutex release with nobody waiting, server: p50 {alone.us('p50'):.0f} "
+            f"/ p99 {alone.us('p99'):.0f} µs"
         )
-        out[DMUTEX]["server release, nobody waiting"] = alone.percentile_us(0.5)
-    print("    and per call of each command over the traced run, the three variants together")
-    print("    (INFO commandstats; a script's includes the commands it ran), µs:")
-    calls = sorted(traced[0].server_us.items())
-    line = "     "
-    for name, us in calls:
-        cell = f" {name.upper()} {us:.1f}"
-        if len(line) + len(cell) > 96:
-            print(line)
-            line = "     "
-        line += cell
-    print(line)
-    return out
+    server = sorted(traced[0].server_us.items())
+    print("server µs per call, the three variants together (INFO commandstats):")
+    print("  " + ", ".join(f"{name.upper()} {us:.1f}" for name, us in server))
+    return {
+        "steps": {kind: steps for kind, (steps, _) in found.items()},
+        "server_requests": {r.kind: r.requests_us for r in traced},
+        "server_us_per_call": dict(server),
+        "release_alone_server": alone,
+    }
 
 
-def handoff_targets(results: list[HandOffs], contention: list[Contended]) -> list[Target]:
-    by = {r.kind: r for r in results}
-    walls = {c.kind: c.wall_s for c in contention}
-    prl = by[PRL].latency.percentile_us(0.5) / 1000
-    targets = []
-    for kind in (DMUTEX, DMUTEX_ASYNC):
-        lat = by[kind].latency
-        median = lat.percentile_us(0.5) / 1000
-        targets += [
-            Target(f"{kind} hand-off median, ms", median, 0.8, at_least=False),
-            Target(f"{kind} hand-off p99, ms", lat.percentile_us(0.99) / 1000, 3.0, at_least=False),
-            Target(
-                f"{kind} / python-redis-lock median",
-                median / prl,
-                1.0,
-                at_least=False,
-                note=f"{median:.3f} ms against {prl:.3f} ms (target: below it)",
-            ),
-            Target(
-                f"{kind} / redis-py Lock wall time",
-                walls[kind] / walls[REDIS_PY],
-                0.9,
-                at_least=False,
-            ),
-        ]
-    return targets
+def print_contended(
+    contention: dict[str, list[Contended]], args: argparse.Namespace
+) -> dict[str, object]:
+    runs = {kind: sum(rounds[1:], rounds[0]) for kind, rounds in contention.items()}
+    rows = [
+        [c.kind, c.wall_s, c.expected / c.wall_s, f"{c.counter}/{c.expected}", c.switches]
+        + [c.per_cycle(name) for name in CONTENDED_COMMANDS]
+        + [c.waits.us("p50") / 1000, c.waits.us("p99") / 1000, c.waits.us("max") / 1000]
+        for c in runs.values()
+    ]
+    head = ["variant", "wall s", "cycles/s", "counter", "hand-offs"]
+    head += [f"{name.upper()} / cycle" for name in CONTENDED_COMMANDS]
+    head += ["acquire p50 ms", "p99 ms", "max ms"]
+    title = (
+        f"2. Contended: {args.processes} processes x {args.cycles} cycles (acquire/GET/SET/release)"
+    )
+    harness.table(
+        head,
+        rows,
+        f"{title} in {args.contended_rounds} round(s); INFO commandstats calls per cycle",
+    )
+    walls = {
+        kind: Figures([[round(c.wall_s * 1e9)] for c in rounds])
+        for kind, rounds in contention.items()
+    }
+    pairs = [(kind, REDIS_PY) for kind in CONTENDED_KINDS if kind != REDIS_PY]
+    ratios = harness.ratio_table(walls, pairs, ("mean",), "Contended wall time / redis-py Lock's:")
+    return {"runs": runs, "walls": walls, "ratios": ratios}
 
 
 def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
-    run_id = uuid.uuid4().hex[:8]
-    quick: bool = args.quick
-    count: int = args.handoffs
+    run_id, quick, count = uuid.uuid4().hex[:8], args.quick, args.handoffs
     warm = 3 if quick else 10
-    cycles: int = args.cycles
-    window: float = args.window
-    waiters: int = args.waiters
-    with redis.Redis.from_url(url) as client:
-        about = machine(client)
-    print(
-        f"Redis {about['redis_server']} at {shown(url)}; Python {about['python']}, "
-        f"redis-py {about['redis_py']} ({about['redis_py_parser']} parser), "
-        f"python-redis-lock {redis_lock.__version__}, {about['cpus']} CPUs, load average "
-        f"{os.getloadavg()[0]:.2f}" + (" (--quick)" if quick else ""),
-        flush=True,
-    )
+    print(f"python-redis-lock {redis_lock.__version__}" + (" (--quick)" if quick else ""))
 
-    def spec(kind: str, part: str, retry_delay: float | None = None) -> Spec:
+    def spec(kind: str, part: str, retry_delay: float = 0.1) -> Spec:
         return Spec(kind, url, f"handoff-{part}-{kind}-{run_id}", retry_delay=retry_delay)
 
-    print(f"  hand-off: {', '.join(WOKEN)}, interleaved", file=sys.stderr, flush=True)
+    harness.progress(f"hand-off: {', '.join(WOKEN)}, interleaved")
     results = handoffs([spec(kind, "pp") for kind in WOKEN], count, warm)
     for kind in (REDIS_PY, POLLING):
-        print(f"  hand-off: {kind}", file=sys.stderr, flush=True)
+        harness.progress(f"hand-off: {kind}")
         results += handoffs([spec(kind, "pp")], count, warm)
     solo, _ = solo_releases(spec(DMUTEX, "solo"), count, warm)
-    print_handoffs(results, solo, count)
-    print("  traced hand-offs", file=sys.stderr, flush=True)
+    found: dict[str, object] = {"handoff": print_handoffs(results, solo)}
+    harness.progress("traced hand-offs")
     traced_specs = [replace(spec(kind, "tr"), trace=True) for kind in WOKEN]
     traced = handoffs(traced_specs, count, warm, slowlog=not args.url)
     alone = solo_releases(spec(DMUTEX, "trs"), count, warm, slowlog=not args.url)[1]
-    steps = print_steps(traced, alone.get("release"))
+    found["traced"] = print_steps(traced, alone.get("release"))
 
-    contention = []
-    for kind in CONTENDED_KINDS:
-        print(f"  contended: {kind}", file=sys.stderr, flush=True)
-        contention.append(contended(spec(kind, "ct"), args.processes, cycles))
-    print()
-    print(f"2. Contended: {args.processes} processes x {cycles} cycles (acquire/GET/SET/release)")
-    print("   per cycle: INFO commandstats calls / cycles (SET and GET include the counter's")
-    print("   and those run by scripts)")
-    print("   hand-offs: acquires that took the lock over from another process; acquire:")
-    print("   how long one acquire took (ms, p50 / p99 / max)")
-    head = f"{'variant':<18} {'wall s':>7} {'cycles/s':>9} {'counter':>8} {'hand-offs':>9}"
-    head += "".join(f" {name.upper():>7}" for name in CONTENDED_COMMANDS)
-    print(f"{head}  acquire p50 / p99 / max")
-    for c in contention:
-        ok = "" if c.counter == c.expected else f"  WRONG: expected {c.expected}"
-        cells = "".join(f" {c.per_cycle(name):7.2f}" for name in CONTENDED_COMMANDS)
-        line = f"{c.kind:<18} {c.wall_s:7.3f} {c.expected / c.wall_s:9.0f} {c.counter:8d}"
-        took = c.waits
-        spread = (
-            f"{took.percentile_us(0.5) / 1000:.2f} / {took.percentile_us(0.99) / 1000:.1f} / "
-            f"{max(took.samples) / 1e6:.1f}"
-        )
-        print(f"{line} {c.switches:9d}{cells}  {spread}{ok}")
+    contention: dict[str, list[Contended]] = {kind: [] for kind in CONTENDED_KINDS}
+    per_round = max(1, args.cycles // args.contended_rounds)
+    for r in range(args.contended_rounds):
+        for kind in CONTENDED_KINDS:
+            harness.progress(f"contended: {kind}, round {r + 1}")
+            contention[kind].append(contended(spec(kind, f"ct{r}"), args.processes, per_round))
+    found["contended"] = print_contended(contention, args)
 
     waiting_runs = [
         (spec(DMUTEX, "w1", 0.1), "dmutex, waking, retry_delay 0.1"),
@@ -1139,147 +850,43 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
     ]
     waiting = []
     for wspec, label in waiting_runs:
-        print(f"  waiting: {label}", file=sys.stderr, flush=True)
-        waiting.append(asyncio.run(hold(wspec, label, waiters, window)))
-    print()
-    print(f"3. Waiting: {waiters} waiter processes on a key held for {window:g} s")
-    print("   per waiter per second: commands (INFO commandstats, which also counts each")
-    print("   command a script runs) and server CPU ms (INFO cpu) in one window; requests")
-    print("   (MONITOR: what the waiters sent, scripts' commands left out) in the next")
-    print(f"{'variant':<34} {'requests':>9} {'commands':>9} {'CPU ms':>7}  requests in the window")
-    for w in waiting:
-        print(
-            f"{w.label:<34} {w.requests_per_waiter_s:9.2f} {w.commands_per_waiter_s:9.2f} "
-            f"{w.cpu_ms_per_waiter_s:7.3f}  {w.breakdown()}"
-        )
+        harness.progress(f"waiting: {label}")
+        waiting.append(asyncio.run(hold(wspec, label, args.waiters, args.window)))
+    rows = [[w.label, *w.per_waiter_s(), w.breakdown()] for w in waiting]
+    head = ["variant", "requests", "commands", "server CPU ms", "requests in the window (MONITOR)"]
+    title = f"3. Waiting: {args.waiters} waiters on a key held {args.window:g} s; per waiter per s"
+    harness.table(head, rows, title)
+    found["waiting"] = waiting
 
-    print()
-    print("4. Uncontended cycle: benchmarks/redis_cycle.py", flush=True)
-    cycle_text, cycle = redis_cycle(url, args)
-    print("   " + cycle_text.rstrip().replace("\n", "\n   "))
-    rounds: int = args.cycle_rounds
-    n = 500 if quick else 2000
-    afig = async_cycle(url, rounds, n, 100 if quick else 500)
-    ratio = throughput_target("AsyncDMutex / raw async", afig["AsyncDMutex"], afig["raw async"], 0)
-    print()
-    print(f"   AsyncDMutex vs raw redis.asyncio, one connection, {rounds} x {n} cycles:")
-    print(f"   {'variant':<12} {'ops/s':>8} {'p50 µs':>8} {'p99 µs':>8} {'mean µs':>8}")
-    for name, fig in afig.items():
-        print(
-            f"   {name:<12} {fig.ops_per_s:8.0f} {fig.percentile_us(0.5):8.1f} "
-            f"{fig.percentile_us(0.99):8.1f} {fig.mean_us:8.1f}"
-        )
-    print(f"   ratio AsyncDMutex / raw async (ops/s, median of rounds): {ratio.value:.3f}")
-    print(f"        {ratio.note}")
+    print("\n4. Uncontended cycle: redis_cycle.py")
+    options = {"cycles": 500, "warmup": 100} if quick else {"cycles": 2000, "warmup": 500}
+    cycle = argparse.Namespace(rounds=args.cycle_rounds, chunk=100, ttl=30.0, **options)
+    found["cycle"] = redis_cycle.bench(url, cycle)
 
-    targets = handoff_targets(results, contention)
-    print()
-    print(f"Load average at the end: {os.getloadavg()[0]:.2f} (1 min)")
-    print("Targets:")
-    for target in targets:
-        print(target.line())
-    wrong = [c.kind for c in contention if c.counter != c.expected]
+    by = {r.kind: r.latency for r in results}
+    walls = {kind: sum(c.wall_s for c in rounds) for kind, rounds in contention.items()}
+    targets = []
+    for kind in (DMUTEX, DMUTEX_ASYNC):
+        median = by[kind].us("p50") / 1000
+        targets += [
+            Target(f"{kind} hand-off median, ms", median, 0.8, False),
+            Target(f"{kind} hand-off p99, ms", by[kind].us("p99") / 1000, 3.0, False),
+            Target(
+                f"{kind} / python-redis-lock median", median * 1000 / by[PRL].us("p50"), 1.0, False
+            ),
+            Target(f"{kind} / redis-py Lock wall time", walls[kind] / walls[REDIS_PY], 0.9, False),
+        ]
+    harness.targets_table(targets)
+    harness.delete_keys(url, f"*{run_id}*")  # the fence counters and the counters
+    wrong = [c.kind for rounds in contention.values() for c in rounds if c.counter != c.expected]
     if wrong:
-        print(f"  WRONG counter (a lost update: mutual exclusion failed): {', '.join(wrong)}")
-
-    cycle_ratio = None
-    if cycle is not None:
-        cycle_ratio = cycle["targets"]["DMutex / raw (ops/s)"]["value"]
-    return {
-        "machine": about | {"python_redis_lock": redis_lock.__version__},
-        "config": {
-            "handoffs": count,
-            "warmup_handoffs": warm,
-            "hold_s": HOLD_S,
-            "processes": args.processes,
-            "cycles": cycles,
-            "waiters": waiters,
-            "window_s": window,
-            "quick": quick,
-            "url": shown(url) if args.url else "private redis-server",
-        },
-        "handoff": {
-            r.kind: {
-                "latency_ms": latency_ms(r.latency),
-                "release_p50_us": r.release.percentile_us(0.5),
-                "release_p99_us": r.release.percentile_us(0.99),
-                "head_start_ms": r.head_start_ms,
-                "unseen": r.unseen,
-                "overlaps": r.overlaps,
-            }
-            for r in results
-        },
-        "traced_steps_median_us": steps,
-        "release_alone_us": {"p50": solo.percentile_us(0.5), "p99": solo.percentile_us(0.99)},
-        "contended": [
-            {
-                "variant": c.kind,
-                "wall_s": c.wall_s,
-                "counter": c.counter,
-                "expected": c.expected,
-                "hand_offs": c.switches,
-                "commands": c.commands,
-                "acquire_ms": latency_ms(c.waits),
-            }
-            for c in contention
-        ],
-        "waiting": [
-            {
-                "variant": w.label,
-                "seconds": w.seconds,
-                "monitored_s": w.monitored_s,
-                "requests_per_waiter_s": w.requests_per_waiter_s,
-                "commands_per_waiter_s": w.commands_per_waiter_s,
-                "server_cpu_ms_per_waiter_s": w.cpu_ms_per_waiter_s,
-                "requests": w.requests,
-                "commands": w.commands,
-            }
-            for w in waiting
-        ],
-        "cycle": {
-            "redis_cycle_dmutex_over_raw": cycle_ratio,
-            "async": {name: fig.summary() for name, fig in afig.items()},
-            "async_dmutex_over_raw": ratio.value,
-        },
-        "targets": {
-            t.name: {"value": t.value, "bound": t.bound, "passed": t.passed} for t in targets
-        },
-    }
+        print(f"WRONG counter (a lost update: mutual exclusion failed): {', '.join(wrong)}")
+    return found | {"targets": targets, "wrong_counters": wrong}
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--url", help="use this Redis server instead of starting one")
-    parser.add_argument(
-        "--server", default=DEFAULT_SERVER, help=f"redis-server to start (default {DEFAULT_SERVER})"
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="a smoke run: 20 hand-offs, 100 cycles, a 1.5 s window, 1 round of part 4",
-    )
-    parser.add_argument("--handoffs", type=int, help="measured hand-offs per variant (200)")
-    parser.add_argument("--processes", type=int, default=4, help="contending processes")
-    parser.add_argument("--cycles", type=int, help="cycles per contending process (500)")
-    parser.add_argument("--waiters", type=int, default=8, help="waiter processes in part 3")
-    parser.add_argument("--window", type=float, help="seconds counted in part 3 (5)")
-    parser.add_argument("--cycle-rounds", type=int, help="rounds of part 4's cycles (5)")
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
-    args = parser.parse_args(argv)
-    quick = {"handoffs": 20, "cycles": 100, "window": 1.5, "cycle_rounds": 1}
-    full = {"handoffs": 200, "cycles": 500, "window": 5.0, "cycle_rounds": 5}
-    for name, value in (quick if args.quick else full).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    counts = (args.handoffs, args.processes, args.cycles, args.waiters, args.cycle_rounds)
-    if min(counts) < 1 or not args.window > 0:
-        parser.error("counts must be >= 1 and --window > 0")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run(bench, parse_args(argv))
+def run(argv: Sequence[str] | None = None) -> int:
+    return harness.main(bench, harness.parse(__doc__, argv, OPTIONS))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -1,16 +1,25 @@
 """What a lock costs on SQLiteBackend: one process's cycle, and many processes contending.
 
-Usage: ``.venv/bin/python benchmarks/sqlite_cycle.py [--cycles N] [--procs P] [--dir DIR]``.
+Run from the repository root (a report, not a test; about 30 seconds)::
 
-- One process: ``acquire`` + ``release`` of one key, p50/p99 per cycle, for
-  a mutex with and without fencing, a 64-permit semaphore with 63 held, and
-  the asyncio face; with ``synchronous=FULL`` (dmutex's setting) and, for
-  comparison, ``NORMAL`` set on the backend's connection.
-- ``--procs`` processes: each runs ``--cycles`` acquire/release cycles of one
-  key with ``acquire_with_retry``; reported as cycles per second in all.
+    .venv/bin/python benchmarks/sqlite_cycle.py
+    .venv/bin/python benchmarks/sqlite_cycle.py --cycles 2000 --procs 4 --dir /mnt/disk
 
-The database file lives in ``--dir`` (default: a new temporary directory on
-the disk of ``/tmp``) and is removed afterwards. Exit code 0 always.
+- One process: ``acquire`` + ``release`` of one key, per cycle, for a mutex
+  with and without fencing, a 64-permit semaphore with 63 held, and the
+  asyncio face; with ``synchronous=FULL`` (dmutex's setting) and, for
+  comparison only, ``NORMAL`` set on the backend's connection (a database
+  file each). The eight contenders run interleaved (``harness.interleave``).
+- ``--procs`` processes: each runs ``--cycles`` cycles of one key with
+  ``acquire_with_retry`` (``retry_delay=0.005``), started together on a barrier;
+  cycles per second from the barrier to the last finish, and with start-up.
+
+Options: ``--cycles`` (per contender, and per contending process),
+``--rounds`` (the one-process cycles split among them), ``--procs``,
+``--dir``; and the harness's ``--quick`` and ``--json FILE``.
+
+The database files live in a new temporary directory in ``--dir`` (default:
+the system's) and are removed afterwards.
 """
 
 from __future__ import annotations
@@ -18,114 +27,126 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
-import os
 import shutil
-import statistics
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import harness
+from harness import Batch, BenchmarkError
 
 from dmutex import AsyncDMutex, DMutex, DSemaphore, SQLiteBackend
 
-
-def _quantiles(samples: list[float]) -> str:
-    samples.sort()
-    p99 = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
-    return f"p50 {statistics.median(samples):7.1f} µs   p99 {p99:7.1f} µs"
+OPTIONS = {"cycles": (1000, 200), "rounds": (5, 2), "procs": (8, 2), "dir": ("", "")}
+FENCED, PLAIN = "DMutex, fencing on", "DMutex, fencing=False"
+SEMAPHORE, ASYNC = "DSemaphore(64), 63 held", "AsyncDMutex"
 
 
-def _time(cycle: Callable[[], None], cycles: int) -> list[float]:
-    for _ in range(20):
-        cycle()
-    samples = []
-    for _ in range(cycles):
-        started = time.perf_counter()
-        cycle()
-        samples.append((time.perf_counter() - started) * 1e6)
-    return samples
-
-
-def one_process(path: str, cycles: int, synchronous: str) -> None:
-    backend = SQLiteBackend(path)
+def contenders(path: Path, synchronous: str, loop: asyncio.AbstractEventLoop) -> dict[str, Batch]:
+    """The four cycles on one database file, ``synchronous`` set on the backend's connection."""
+    backend = SQLiteBackend(str(path))
     backend.call(lambda conn: conn.execute(f"PRAGMA synchronous={synchronous}"))
-    for fencing in (True, False):
-        mutex = DMutex("bench", backend, fencing=fencing)
-
-        def cycle(mutex: DMutex = mutex) -> None:
-            lock = mutex.acquire("job", 30)
-            assert lock is not None
-            lock.release()
-
-        print(f"  DMutex fencing={fencing!s:5}   {_quantiles(_time(cycle, cycles))}")
     semaphore = DSemaphore("bench", backend, max_permits=64)
-    held = [semaphore.acquire("pool", 60) for _ in range(63)]
+    if None in [semaphore.acquire("pool", 3600) for _ in range(63)]:
+        raise BenchmarkError("could not take the 63 held permits")
+    clock = time.perf_counter_ns
 
-    def sem_cycle() -> None:
-        permit = semaphore.acquire("pool", 30)
-        assert permit is not None
-        permit.release()
+    def cycles(face: DMutex | DSemaphore, key: str) -> Batch:
+        def run(n: int) -> list[int]:
+            samples = [0] * n
+            for i in range(n):
+                start = clock()
+                lock = face.acquire(key, 30)
+                if lock is None or not lock.release():
+                    raise BenchmarkError(f"{key}: uncontended acquire/release failed")
+                samples[i] = clock() - start
+            return samples
 
-    print(f"  DSemaphore(64), 63 held {_quantiles(_time(sem_cycle, cycles))}")
-    for permit in held:
-        assert permit is not None
-        permit.release()
+        return run
 
-    async def async_cycles() -> list[float]:
-        mutex = AsyncDMutex("bench", backend)
-        samples = []
-        for _ in range(20 + cycles):
-            started = time.perf_counter()
+    mutex = AsyncDMutex("bench", backend)
+
+    async def async_cycles(n: int) -> list[int]:
+        samples = [0] * n
+        for i in range(n):
+            start = clock()
             lock = await mutex.acquire("job", 30)
-            assert lock is not None
-            await lock.release()
-            samples.append((time.perf_counter() - started) * 1e6)
-        return samples[20:]
+            if lock is None or not await lock.release():
+                raise BenchmarkError("AsyncDMutex: uncontended acquire/release failed")
+            samples[i] = clock() - start
+        return samples
 
-    print(f"  AsyncDMutex             {_quantiles(asyncio.run(async_cycles()))}")
-    backend.close()
-
-
-def _worker(path: str, cycles: int) -> None:
-    mutex = DMutex("bench", SQLiteBackend(path))
-    for _ in range(cycles):
-        lock = mutex.acquire_with_retry("contended", ttl=30, timeout=60, retry_delay=0.005)
-        assert lock is not None
-        lock.release()
+    return {
+        f"{FENCED}, {synchronous}": cycles(DMutex("bench", backend), "job"),
+        f"{PLAIN}, {synchronous}": cycles(DMutex("bench", backend, fencing=False), "job"),
+        f"{SEMAPHORE}, {synchronous}": cycles(semaphore, "pool"),
+        f"{ASYNC}, {synchronous}": lambda n: loop.run_until_complete(async_cycles(n)),
+    }
 
 
-def many_processes(path: str, procs: int, cycles: int) -> None:
-    context = multiprocessing.get_context("spawn")
-    workers = [context.Process(target=_worker, args=(path, cycles)) for _ in range(procs)]
-    started = time.perf_counter()
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(300)
-    elapsed = time.perf_counter() - started
-    failed = sum(worker.exitcode != 0 for worker in workers)
-    print(
-        f"  {procs} processes x {cycles} cycles: {procs * cycles / elapsed:7.0f} cycles/s "
-        f"({elapsed:.1f} s, including start-up; {failed} failed)"
-    )
+def contend(path: str, cycles: int, barrier: Any, results: Any) -> None:
+    def work() -> tuple[float, float]:
+        mutex = DMutex("bench", SQLiteBackend(path))
+        barrier.wait(60)
+        start = time.perf_counter()
+        for _ in range(cycles):
+            lock = mutex.acquire_with_retry("contended", ttl=30, timeout=60, retry_delay=0.005)
+            if lock is None or not lock.release():
+                raise BenchmarkError("a contended acquire timed out, or its lease was lost")
+        return start, time.perf_counter()
+
+    harness.answer(results, work)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cycles", type=int, default=1000)
-    parser.add_argument("--procs", type=int, default=8)
-    parser.add_argument("--dir", default=None)
-    args = parser.parse_args()
-    folder = tempfile.mkdtemp(dir=args.dir)
+def bench(_: str, args: argparse.Namespace) -> dict[str, object]:
+    folder = Path(tempfile.mkdtemp(dir=args.dir or None))
+    loop = asyncio.new_event_loop()
     try:
+        found: dict[str, Batch] = {}
         for synchronous in ("FULL", "NORMAL"):
-            print(f"one process, synchronous={synchronous}:")
-            path = os.path.join(folder, f"one-{synchronous}.sqlite3")
-            one_process(path, args.cycles, synchronous)
-        print("contended (synchronous=FULL):")
-        many_processes(os.path.join(folder, "many.sqlite3"), args.procs, args.cycles)
+            found |= contenders(folder / f"one-{synchronous}.sqlite3", synchronous, loop)
+        per_round = max(1, args.cycles // args.rounds)
+        figures = harness.interleave(
+            found, rounds=args.rounds, per_round=per_round, turn=100, warmup=20
+        )
+        harness.figures_table(figures, "One process, acquire + release of one key:")
+        pairs = [(f"{name}, NORMAL", f"{name}, FULL") for name in (FENCED, PLAIN, SEMAPHORE, ASYNC)]
+        pairs += [(f"{name}, FULL", f"{FENCED}, FULL") for name in (PLAIN, SEMAPHORE, ASYNC)]
+        ratios = harness.ratio_table(figures, pairs)
+
+        path = str(folder / "many.sqlite3")
+        started = time.perf_counter()
+        barrier = multiprocessing.get_context("spawn").Barrier(args.procs)
+        with harness.workers(contend, [(path, args.cycles, barrier)] * args.procs) as collect:
+            spans = collect()
+        total = args.procs * args.cycles
+        wall, with_start = (
+            max(e for _, e in spans) - min(s for s, _ in spans),
+            time.perf_counter() - started,
+        )
+        print(
+            f"\nContended (synchronous=FULL): {args.procs} processes x {args.cycles} cycles: "
+            f"{total / wall:.0f} cycles/s ({wall:.2f} s from the barrier; {total / with_start:.0f} "
+            f"cycles/s, {with_start:.1f} s, with start-up)"
+        )
     finally:
+        loop.close()
         shutil.rmtree(folder)
+    contended = {
+        "processes": args.procs,
+        "cycles": args.cycles,
+        "wall_s": wall,
+        "with_start_up_s": with_start,
+    }
+    return {"figures": figures, "ratios": ratios, "contended": contended}
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    return harness.main(bench, harness.parse(__doc__, argv, OPTIONS, redis=False))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run())
