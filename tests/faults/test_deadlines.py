@@ -85,6 +85,7 @@ from dmutex import (
 )
 from tests._support import deadlines
 from tests._support.deadlines import Trial
+from tests._support.faces import Calls, await_calls, run_calls
 from tests._support.fault_proxy import FaultProxy, Rates, upstream_address
 from tests._support.mongo_servers import Doc, Session
 from tests._support.mongo_servers import Server as MongoServer
@@ -468,6 +469,30 @@ def rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Rig]:
         found.close()
 
 
+# --- the second holder, of either face ----------------------------------------------------------
+
+
+def rival(trial: Trial, lock: DMutex | AsyncDMutex) -> Calls[None]:
+    """Trial ``trial``'s second holder: it retries until granted, notes when, and releases.
+
+    Run by :func:`run_calls` (sync) or :func:`await_calls` (asyncio): the grant time is
+    read as soon as the acquire returns, on the asyncio face on the loop that ran it.
+    """
+    try:
+        handle = yield lock.acquire_with_retry(
+            trial.key,
+            ttl=RIVAL_TTL,
+            timeout=trial.ttl + RIVAL_PATIENCE,
+            retry_delay=RETRY_DELAY,
+        )
+    except Exception as error:  # noqa: BLE001 - a direct client should not fail: noted
+        trial.note(f"the second holder's acquire raised {error!r}")
+        return
+    if handle is not None:
+        trial.taken = time.monotonic()
+        yield handle.release()
+
+
 # --- the sync face -------------------------------------------------------------------------------
 
 
@@ -514,22 +539,10 @@ def sync_case(rig: Rig, case: str) -> list[Trial]:
 
     rig.cut(trials)
 
-    def rival(trial: Trial) -> None:
-        try:
-            handle = rivals[trial.key].acquire_with_retry(
-                trial.key,
-                ttl=RIVAL_TTL,
-                timeout=trial.ttl + RIVAL_PATIENCE,
-                retry_delay=RETRY_DELAY,
-            )
-        except Exception as error:  # noqa: BLE001 - a direct client should not fail: noted
-            trial.note(f"the second holder's acquire raised {error!r}")
-            return
-        if handle is not None:
-            trial.taken = time.monotonic()
-            handle.release()
-
-    threads = [threading.Thread(target=rival, args=(t,), name=f"rival-{t.key}") for t in trials]
+    threads = [
+        threading.Thread(target=run_calls, args=(rival(t, rivals[t.key]),), name=f"rival-{t.key}")
+        for t in trials
+    ]
     for thread in threads:
         thread.daemon = True
         thread.start()
@@ -636,22 +649,8 @@ async def async_case(rig: Rig, case: str, outcomes: Counter[str]) -> list[Trial]
 
         await asyncio.to_thread(rig.cut, trials)  # the loop runs on meanwhile
 
-        async def rival(trial: Trial) -> None:
-            try:
-                handle = await rivals[trial.key].acquire_with_retry(
-                    trial.key,
-                    ttl=RIVAL_TTL,
-                    timeout=trial.ttl + RIVAL_PATIENCE,
-                    retry_delay=RETRY_DELAY,
-                )
-            except Exception as error:  # noqa: BLE001 - a direct client should not fail: noted
-                trial.note(f"the second holder's acquire raised {error!r}")
-                return
-            if handle is not None:
-                trial.taken = time.monotonic()
-                await handle.release()
-
-        second = [asyncio.create_task(rival(t)) for t in trials]
+        # On this loop, which renews the holders: the grant time is taken here.
+        second = [asyncio.create_task(await_calls(rival(t, rivals[t.key]))) for t in trials]
         tasks += second
         _, pending = await asyncio.wait(second, timeout=max(TTLS) + RIVAL_PATIENCE + 5)
         assert not pending, f"{case}: {len(pending)} second holders never returned"
