@@ -195,16 +195,59 @@ class Closable(Protocol):
 
 
 class ProxiedRig(Rig):
-    """A server reached through one blackholing proxy per trial."""
+    """A server reached through one blackholing proxy per trial.
+
+    A subclass makes the clients (:meth:`sync_client`, :meth:`async_client`), through
+    trial ``index``'s proxy or, for None, direct (the second holders'); the rig keeps
+    one lock per trial and face, and one direct lock per face that every rival shares.
+    """
+
+    lock_options: dict[str, Any]  # what every DMutex of the rig is given besides the client
 
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
         self.proxies: dict[int, FaultProxy] = {}
         self.sync_clients: list[Closable] = []
-        self.sync_locks: dict[int, DMutex] = {}
-        self.async_locks: dict[int, AsyncDMutex] = {}
-        self.sync_direct: DMutex | None = None
-        self.async_direct: AsyncDMutex | None = None
+        self.sync_locks: dict[int | None, DMutex] = {}
+        self.async_clients: list[redis.asyncio.Redis | pymongo.AsyncMongoClient[Doc]] = []
+        self.async_locks: dict[int | None, AsyncDMutex] = {}
+        self.lock_options = {}
+
+    def sync_client(self, index: int | None) -> redis.Redis | pymongo.MongoClient[Doc]:
+        """A new sync client: through trial ``index``'s proxy, or direct for None."""
+        raise NotImplementedError
+
+    def async_client(
+        self, index: int | None
+    ) -> redis.asyncio.Redis | pymongo.AsyncMongoClient[Doc]:
+        """A new asyncio client, as :meth:`sync_client`."""
+        raise NotImplementedError
+
+    def sync_lock(self, index: int | None) -> DMutex:
+        if index not in self.sync_locks:
+            client = self.sync_client(index)
+            self.sync_clients.append(client)
+            self.sync_locks[index] = DMutex(SERVICE, client, **self.lock_options)
+        return self.sync_locks[index]
+
+    def sync_rival(self, index: int) -> DMutex:
+        return self.sync_lock(None)
+
+    async def async_lock(self, index: int | None) -> AsyncDMutex:
+        if index not in self.async_locks:
+            client = self.async_client(index)
+            self.async_clients.append(client)
+            self.async_locks[index] = AsyncDMutex(SERVICE, client, **self.lock_options)
+        return self.async_locks[index]
+
+    async def async_rival(self, index: int) -> AsyncDMutex:
+        return await self.async_lock(None)
+
+    async def aclose(self) -> None:
+        clients, self.async_clients = self.async_clients, []
+        for client in clients:
+            # redis-py's asyncio client closes by aclose(), pymongo's by close().
+            await (client.aclose() if isinstance(client, redis.asyncio.Redis) else client.close())
 
     def close(self) -> None:
         clients, self.sync_clients = self.sync_clients, []
@@ -240,7 +283,6 @@ class RedisRig(ProxiedRig):
     def __init__(self, server: RedisServer) -> None:
         super().__init__((server.host, server.port))
         self.server = server
-        self.async_clients: list[redis.asyncio.Redis] = []
 
     def through(self, index: int) -> dict[str, Any]:
         """A holder's client options: through trial ``index``'s proxy, no socket timeout
@@ -255,38 +297,15 @@ class RedisRig(ProxiedRig):
             "socket_timeout": None,
         }
 
-    def sync_lock(self, index: int) -> DMutex:
-        if index not in self.sync_locks:
-            client = redis.Redis(**self.through(index))
-            self.sync_clients.append(client)
-            self.sync_locks[index] = DMutex(SERVICE, client)
-        return self.sync_locks[index]
+    def sync_client(self, index: int | None) -> redis.Redis:
+        if index is None:
+            return redis.Redis.from_url(self.server.url)
+        return redis.Redis(**self.through(index))
 
-    def sync_rival(self, index: int) -> DMutex:
-        if self.sync_direct is None:
-            client = redis.Redis.from_url(self.server.url)
-            self.sync_clients.append(client)
-            self.sync_direct = DMutex(SERVICE, client)
-        return self.sync_direct
-
-    async def async_lock(self, index: int) -> AsyncDMutex:
-        if index not in self.async_locks:
-            client = redis.asyncio.Redis(**self.through(index))
-            self.async_clients.append(client)
-            self.async_locks[index] = AsyncDMutex(SERVICE, client)
-        return self.async_locks[index]
-
-    async def async_rival(self, index: int) -> AsyncDMutex:
-        if self.async_direct is None:
-            client = redis.asyncio.Redis.from_url(self.server.url)
-            self.async_clients.append(client)
-            self.async_direct = AsyncDMutex(SERVICE, client)
-        return self.async_direct
-
-    async def aclose(self) -> None:
-        clients, self.async_clients = self.async_clients, []
-        for client in clients:
-            await client.aclose()
+    def async_client(self, index: int | None) -> redis.asyncio.Redis:
+        if index is None:
+            return redis.asyncio.Redis.from_url(self.server.url)
+        return redis.asyncio.Redis(**self.through(index))
 
 
 class MongoRig(ProxiedRig):
@@ -295,49 +314,26 @@ class MongoRig(ProxiedRig):
     def __init__(self, server: MongoServer) -> None:
         super().__init__(upstream_address(server.url))
         self.server = server
-        self.async_clients: list[pymongo.AsyncMongoClient[Doc]] = []
+        self.lock_options = {"db_name": server.db_name}
 
     def through(self, index: int) -> str:
         proxy = self.proxy(index)
         # directConnection: the proxy's address is not the one the server reports.
         return f"mongodb://{proxy.host}:{proxy.port}/?directConnection=true"
 
-    def sync_lock(self, index: int) -> DMutex:
-        if index not in self.sync_locks:
-            client: pymongo.MongoClient[Doc] = pymongo.MongoClient(
-                self.through(index), serverSelectionTimeoutMS=SELECTION_TIMEOUT_MS
-            )
-            self.sync_clients.append(client)
-            self.sync_locks[index] = DMutex(SERVICE, client, db_name=self.server.db_name)
-        return self.sync_locks[index]
+    def sync_client(self, index: int | None) -> pymongo.MongoClient[Doc]:
+        if index is None:
+            return self.server.client()
+        return pymongo.MongoClient(
+            self.through(index), serverSelectionTimeoutMS=SELECTION_TIMEOUT_MS
+        )
 
-    def sync_rival(self, index: int) -> DMutex:
-        if self.sync_direct is None:
-            client = self.server.client()
-            self.sync_clients.append(client)
-            self.sync_direct = DMutex(SERVICE, client, db_name=self.server.db_name)
-        return self.sync_direct
-
-    async def async_lock(self, index: int) -> AsyncDMutex:
-        if index not in self.async_locks:
-            client: pymongo.AsyncMongoClient[Doc] = pymongo.AsyncMongoClient(
-                self.through(index), serverSelectionTimeoutMS=SELECTION_TIMEOUT_MS
-            )
-            self.async_clients.append(client)
-            self.async_locks[index] = AsyncDMutex(SERVICE, client, db_name=self.server.db_name)
-        return self.async_locks[index]
-
-    async def async_rival(self, index: int) -> AsyncDMutex:
-        if self.async_direct is None:
-            client = self.server.async_client()
-            self.async_clients.append(client)
-            self.async_direct = AsyncDMutex(SERVICE, client, db_name=self.server.db_name)
-        return self.async_direct
-
-    async def aclose(self) -> None:
-        clients, self.async_clients = self.async_clients, []
-        for client in clients:
-            await client.close()
+    def async_client(self, index: int | None) -> pymongo.AsyncMongoClient[Doc]:
+        if index is None:
+            return self.server.async_client()
+        return pymongo.AsyncMongoClient(
+            self.through(index), serverSelectionTimeoutMS=SELECTION_TIMEOUT_MS
+        )
 
 
 # The blocker: takes the write lock of each file (BEGIN IMMEDIATE), printing
@@ -763,6 +759,16 @@ def healthy_checks(
     assert not [p for p in problems if "second holder" not in p], (problems, summary)
 
 
+def healthy_trials(face: Face) -> tuple[Trial, list[Trial]]:
+    """The hung client's trial (it must be told of its loss), and the healthy leases'."""
+    hung = Trial(f"redis-{face}-hung", 0, "hung", HUNG_TTL, ("on_lost",))
+    healthy = [
+        Trial(f"redis-{face}-healthy", i, f"healthy-{i}", HEALTHY_TTL, ())
+        for i in range(HEALTHY_LEASES)
+    ]
+    return hung, healthy
+
+
 @pytest.fixture
 def redis_healthy_server(redis_pool: Pool) -> RedisServer:
     return deadlines.redis_target(redis_pool)
@@ -772,8 +778,7 @@ def test_sync_leases_of_a_healthy_client_renew_on_time_while_another_client_hang
     redis_healthy_server: RedisServer,
 ) -> None:
     server = redis_healthy_server
-    hung = Trial("redis-sync-hung", 0, "hung", HUNG_TTL, ("on_lost",))
-    healthy = [Trial("redis-sync-healthy", i, f"healthy-{i}", HEALTHY_TTL, ()) for i in range(4)]
+    hung, healthy = healthy_trials("sync")
     with contextlib.ExitStack() as stack:
         proxy = stack.enter_context(FaultProxy((server.host, server.port), Rates(), seed=SEED))
         stack.callback(proxy.stop)  # first of the exits: the hung request fails, then clients close
@@ -824,8 +829,7 @@ def test_async_leases_of_a_healthy_client_renew_on_time_while_another_client_han
     redis_healthy_server: RedisServer,
 ) -> None:
     server = redis_healthy_server
-    hung = Trial("redis-async-hung", 0, "hung", HUNG_TTL, ("on_lost",))
-    healthy = [Trial("redis-async-healthy", i, f"healthy-{i}", HEALTHY_TTL, ()) for i in range(4)]
+    hung, healthy = healthy_trials("async")
 
     async def main(proxy: FaultProxy, observer: redis.Redis) -> None:
         hung_client = redis.asyncio.Redis(
