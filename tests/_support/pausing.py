@@ -4,7 +4,7 @@ A holder (a child of :func:`tests._support.processes.spawned`) acquires with
 :data:`TTL`, is stopped by SIGSTOP past it, its key is taken over with
 :data:`NEW_TTL`, and on SIGCONT it makes the :data:`CALLS` on its stale lease,
 its extends asking for :data:`STALE_TTL`: longer than the new holder's, so
-that a wrong extend would show as a later expiry.
+that a wrong extend would show as a later expiry (:func:`stale_calls` makes them).
 
 The child is :func:`paused_holder`, given the test's holder function (module
 level, so that the spawned child imports it by name): it runs it and sends its
@@ -30,7 +30,7 @@ import redis.asyncio
 
 from dmutex import AsyncDSemaphorePermit, DSemaphorePermit
 from tests._support import processes
-from tests._support.faces import LoopThread, RawHandle
+from tests._support.faces import Face, Handle, LoopThread, RawHandle
 
 SELECTION_TIMEOUT_MS = 10_000  # the holder's MongoDB client fails within seconds
 
@@ -44,6 +44,16 @@ CALLS = ("extend by handle", "extend by token", "release by handle", "release by
 def slot_of(lease: RawHandle) -> int:
     """A permit's slot; a mutex's lock is in slot 0."""
     return lease.slot if isinstance(lease, (DSemaphorePermit, AsyncDSemaphorePermit)) else 0
+
+
+def stale_calls(face: Face, key: str, lease: Handle) -> dict[str, bool]:
+    """The :data:`CALLS` on ``lease`` of ``key``, in that order: what each returned."""
+    return {
+        "extend by handle": lease.extend(STALE_TTL),
+        "extend by token": face.extend(key, lease.token, STALE_TTL),
+        "release by handle": lease.release(),
+        "release by token": face.release_token(key, lease.token),
+    }
 
 
 @dataclass(frozen=True)

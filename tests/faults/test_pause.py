@@ -41,7 +41,7 @@ from dmutex import DMutex, DSemaphore
 from tests._support import pausing, processes
 from tests._support.faces import Face
 from tests._support.mongo_servers import Session
-from tests._support.pausing import CALLS, FILL_TTL, NEW_TTL, STALE_TTL, TTL, Record, slot_of
+from tests._support.pausing import CALLS, FILL_TTL, NEW_TTL, TTL, Record, slot_of
 from tests._support.redis_servers import Pool
 from tests._support.sampling import until
 
@@ -108,12 +108,7 @@ def _holder(
         reports.put(("acquired", (lease.token, lease.slot)))
         assert go.wait(STEP_TIMEOUT), "the test never let the holder go on"
         # Continued: the holder acts as if no time had passed.
-        return {
-            "extend by handle": lease.extend(STALE_TTL),
-            "extend by token": face.extend(KEY, lease.token, STALE_TTL),
-            "release by handle": lease.release(),
-            "release by token": face.release_token(KEY, lease.token),
-        }
+        return pausing.stale_calls(face, KEY, lease)
 
 
 # --- the parent side: what the server holds ----------------------------------------------
