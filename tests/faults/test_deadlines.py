@@ -85,7 +85,7 @@ from dmutex import (
 )
 from tests._support import deadlines
 from tests._support.deadlines import Trial
-from tests._support.faces import Calls, await_calls, run_calls
+from tests._support.faces import Calls, FaceName, await_calls, run_calls
 from tests._support.fault_proxy import FaultProxy, Rates, upstream_address
 from tests._support.mongo_servers import Doc, Session
 from tests._support.mongo_servers import Server as MongoServer
@@ -94,7 +94,6 @@ from tests._support.redis_servers import Server as RedisServer
 from tests._support.sampling import sampling, until
 
 T = TypeVar("T")
-Face: TypeAlias = Literal["sync", "async"]
 BackendName: TypeAlias = Literal["redis", "mongo", "sqlite"]
 Kind: TypeAlias = Literal["acquire", "run"]
 
@@ -685,7 +684,7 @@ def run_bounded(main: Awaitable[T], case: str) -> T:
 @pytest.mark.parametrize("face", ["sync", "async"])
 @pytest.mark.parametrize("rig", ["redis", "mongo", "sqlite"], indirect=True)
 def test_a_hung_client_is_told_of_the_loss_before_anyone_takes_the_lease(
-    rig: Rig, face: Face
+    rig: Rig, face: FaceName
 ) -> None:
     """20 trials at once: every telling precedes the second holder's grant (see the docstring)."""
     case = f"{rig.name}-{face}"
@@ -759,7 +758,7 @@ def healthy_checks(
     assert not [p for p in problems if "second holder" not in p], (problems, summary)
 
 
-def healthy_trials(face: Face) -> tuple[Trial, list[Trial]]:
+def healthy_trials(face: FaceName) -> tuple[Trial, list[Trial]]:
     """The hung client's trial (it must be told of its loss), and the healthy leases'."""
     hung = Trial(f"redis-{face}-hung", 0, "hung", HUNG_TTL, ("on_lost",))
     healthy = [

@@ -39,7 +39,7 @@ import redis
 
 from dmutex import DMutex, DSemaphore
 from tests._support import pausing, processes
-from tests._support.faces import Face
+from tests._support.faces import Face, FaceName
 from tests._support.mongo_servers import Session
 from tests._support.pausing import CALLS, FILL_TTL, NEW_TTL, TTL, Record, slot_of
 from tests._support.redis_servers import Pool
@@ -47,7 +47,6 @@ from tests._support.sampling import until
 
 Backend: TypeAlias = Literal["redis", "mongodb"]
 Kind: TypeAlias = Literal["mutex", "semaphore"]
-FaceName: TypeAlias = Literal["sync", "async"]
 Doc: TypeAlias = dict[str, Any]
 Reports: TypeAlias = processes.ChildReports
 

@@ -1213,7 +1213,6 @@ def test_one_failed_extend_loses_no_other_lease_of_its_batch(mongo_session: Sess
 # --- a holder paused past its TTL, with auto_renew --------------------------------------------
 
 PauseBackend: TypeAlias = Literal["redis", "mongodb"]
-FaceName: TypeAlias = Literal["sync", "async"]
 Reports: TypeAlias = processes.ChildReports
 
 PAUSE_KEY = "paused"
@@ -1228,7 +1227,7 @@ POLL = 0.01
 @dataclass(frozen=True)
 class PauseCase:
     backend: PauseBackend
-    face: FaceName
+    face: faces.FaceName
 
     @property
     def id(self) -> str:

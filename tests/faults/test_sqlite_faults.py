@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeAlias, TypeVar
+from typing import TypeAlias, TypeVar
 
 import pytest
 
@@ -53,12 +53,11 @@ from tests._support.cancellation import (
     run_trials,
 )
 from tests._support.faces import Face as SyncView
-from tests._support.faces import Handle, LoopThread, RawHandle
+from tests._support.faces import FaceName, Handle, LoopThread, RawHandle
 from tests._support.pausing import CALLS, FILL_TTL, NEW_TTL, TTL, slot_of, stale_calls
 from tests._support.sampling import until
 
 T = TypeVar("T")
-FaceName: TypeAlias = Literal["sync", "async"]
 Reports: TypeAlias = processes.ChildReports
 Row: TypeAlias = tuple[str, int]
 
