@@ -5,6 +5,11 @@ coroutine on a :class:`LoopThread`; ``Face("sync", ...)`` calls straight
 through. Tests then read the same for both faces. Async ``run`` callbacks hand
 the test's sync callback to a worker thread, so that it may itself use the
 face (the loop stays free to serve it).
+
+Where the asyncio side must run on the test's own loop (not on a
+:class:`LoopThread`), the code is written once as :data:`Calls`, a generator
+that yields each call, and run by :func:`run_calls` (sync) or
+:func:`await_calls` (asyncio), as dmutex's own drivers run its steps.
 """
 
 from __future__ import annotations
@@ -12,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import warnings
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from datetime import datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeAlias, TypeVar
 
 from dmutex import (
     AsyncDMutex,
@@ -31,6 +36,44 @@ T = TypeVar("T")
 FaceName = Literal["sync", "async"]
 Kind = Literal["mutex", "semaphore"]
 RawHandle = DMutexLock | DSemaphorePermit | AsyncDMutexLock | AsyncDSemaphorePermit
+# Each yield is a call of either face: its result (sync), or an awaitable of it (asyncio).
+# Any: what is sent back is the call's result, whose type the yield expression cannot carry.
+Calls: TypeAlias = Generator[Any, Any, T]
+
+
+def run_calls(calls: Calls[T]) -> T:
+    """Run ``calls`` of the sync face: each yielded value is the call's result, sent back.
+
+    A call that raises raised inside the generator already, where it was made.
+    """
+    value = None
+    while True:
+        try:
+            value = calls.send(value)
+        except StopIteration as stop:
+            result: T = stop.value
+            return result
+
+
+async def await_calls(calls: Calls[T]) -> T:
+    """Run ``calls`` of the asyncio face on the running loop: each yielded awaitable is awaited.
+
+    Its result is sent back, or the exception it raised thrown in, at once on this
+    loop, so that what the generator does next (reading the clock) happens here.
+    Cancellation is not thrown in: it ends this coroutine, as it would the code inline.
+    """
+    value: Any = None
+    error: Exception | None = None
+    while True:
+        try:
+            step: Awaitable[Any] = calls.send(value) if error is None else calls.throw(error)
+        except StopIteration as stop:
+            result: T = stop.value
+            return result
+        try:
+            value, error = await step, None
+        except Exception as raised:  # noqa: BLE001 - thrown into the generator, which decides
+            value, error = None, raised
 
 
 class LoopThread:

@@ -4,20 +4,22 @@ A holder (a child of :func:`tests._support.processes.spawned`) acquires with
 :data:`TTL`, is stopped by SIGSTOP past it, its key is taken over with
 :data:`NEW_TTL`, and on SIGCONT it makes the :data:`CALLS` on its stale lease,
 its extends asking for :data:`STALE_TTL`: longer than the new holder's, so
-that a wrong extend would show as a later expiry.
+that a wrong extend would show as a later expiry (:func:`stale_calls` makes them).
 
-The child is :func:`paused_holder`, given the test's sync and asyncio holder
-functions (module level, so that the spawned child imports them by name): it
-runs the one of the case's face and sends its results, or its traceback.
-:func:`holder_client` and :func:`close_async` make and close its client.
+The child is :func:`paused_holder`, given the test's holder function (module
+level, so that the spawned child imports it by name): it runs it and sends its
+results, or its traceback. The holder is written once for both faces: it
+drives a :class:`~tests._support.faces.Face` over the client and loop that
+:func:`holder_client` gives it (an asyncio face runs its calls on a
+:class:`~tests._support.faces.LoopThread`, so its renewals go on while the
+holder's own thread waits).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import multiprocessing.synchronize
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
@@ -28,7 +30,7 @@ import redis.asyncio
 
 from dmutex import AsyncDSemaphorePermit, DSemaphorePermit
 from tests._support import processes
-from tests._support.faces import RawHandle
+from tests._support.faces import Face, Handle, LoopThread, RawHandle
 
 SELECTION_TIMEOUT_MS = 10_000  # the holder's MongoDB client fails within seconds
 
@@ -42,6 +44,16 @@ CALLS = ("extend by handle", "extend by token", "release by handle", "release by
 def slot_of(lease: RawHandle) -> int:
     """A permit's slot; a mutex's lock is in slot 0."""
     return lease.slot if isinstance(lease, (DSemaphorePermit, AsyncDSemaphorePermit)) else 0
+
+
+def stale_calls(face: Face, key: str, lease: Handle) -> dict[str, bool]:
+    """The :data:`CALLS` on ``lease`` of ``key``, in that order: what each returned."""
+    return {
+        "extend by handle": lease.extend(STALE_TTL),
+        "extend by token": face.extend(key, lease.token, STALE_TTL),
+        "release by handle": lease.release(),
+        "release by token": face.release_token(key, lease.token),
+    }
 
 
 @dataclass(frozen=True)
@@ -63,8 +75,7 @@ class HolderCase(Protocol):
 
 
 def paused_holder(
-    sync_holder: Callable[..., object],
-    async_holder: Callable[..., Coroutine[Any, Any, object]],
+    holder: Callable[..., object],
     case: HolderCase,
     url: str,
     db_name: str | None,
@@ -72,36 +83,52 @@ def paused_holder(
     reports: processes.ChildReports,
     go: multiprocessing.synchronize.Event,
 ) -> None:
-    """The paused-holder child: the holder of ``case.face`` on the rest, its results sent.
-
-    Each holder takes ``(case, url, db_name, service, reports, go)``.
-    """
-    args = (case, url, db_name, service, reports, go)
-    sync = case.face == "sync"
-    processes.send_results(
-        reports, lambda: sync_holder(*args) if sync else asyncio.run(async_holder(*args))
-    )
+    """The paused-holder child: ``holder(case, url, db_name, service, reports, go)``, sent back."""
+    processes.send_results(reports, lambda: holder(case, url, db_name, service, reports, go))
 
 
 def spawned_holder(
-    sync_holder: Callable[..., object],
-    async_holder: Callable[..., Coroutine[Any, Any, object]],
-    case: HolderCase,
-    *args: object,
+    holder: Callable[..., object], case: HolderCase, *args: object
 ) -> contextlib.AbstractContextManager[processes.Child]:
     """:func:`paused_holder` started in a spawned child (:func:`processes.spawned`).
 
-    ``args`` are the url, the database name and the service, as the holders take them.
+    ``args`` are the url, the database name and the service, as the holder takes them.
     """
-    return processes.spawned(paused_holder, sync_holder, async_holder, case, *args)
+    return processes.spawned(paused_holder, holder, case, *args)
 
 
-def holder_client(case: HolderCase, url: str, *, asynchronous: bool, **redis_options: Any) -> Any:
-    """A new client of ``case.backend`` for a holder (asyncio if ``asynchronous``).
+@contextlib.contextmanager
+def holder_client(
+    case: HolderCase, url: str, **redis_options: Any
+) -> Iterator[tuple[Any, LoopThread | None]]:
+    """A new client of ``case.backend`` for ``case.face``, and the loop it runs on (sync: None).
 
-    ``redis_options`` go to a Redis client only. The caller closes it
-    (:func:`close_async` for an asyncio one).
+    An asyncio client is made and closed on its loop. ``redis_options`` go to a
+    Redis client only.
     """
+    if case.face == "sync":
+        client = _client(case, url, False, redis_options)
+        try:
+            yield client, None
+        finally:
+            client.close()
+        return
+    loop = LoopThread()
+
+    async def made() -> Any:
+        return _client(case, url, True, redis_options)
+
+    try:
+        client = loop.run(made())
+        try:
+            yield client, loop
+        finally:
+            loop.run(_close_async(case, client))
+    finally:
+        loop.close()
+
+
+def _client(case: HolderCase, url: str, asynchronous: bool, redis_options: dict[str, Any]) -> Any:
     if case.backend == "redis":
         redis_class = redis.asyncio.Redis if asynchronous else redis.Redis
         return redis_class.from_url(url, **redis_options)
@@ -109,8 +136,8 @@ def holder_client(case: HolderCase, url: str, *, asynchronous: bool, **redis_opt
     return mongo_class(url, serverSelectionTimeoutMS=SELECTION_TIMEOUT_MS)
 
 
-async def close_async(case: HolderCase, client: Any) -> None:
-    """Close an asyncio client of :func:`holder_client` (redis-py's is ``aclose``)."""
+async def _close_async(case: HolderCase, client: Any) -> None:
+    # redis-py's asyncio client closes by aclose(), pymongo's by close().
     if case.backend == "redis":
         await client.aclose()
     else:

@@ -20,6 +20,11 @@ import valkey.asyncio
 from dmutex import RedisArg, RedisReply
 
 
+def slot_key(slot: int, key: str = "api", prefix: str = "_dsemaphore_svc:") -> str:
+    """The Redis key of ``key``'s slot ``slot``: ``{prefix}permit:{slot}:{key}``."""
+    return f"{prefix}permit:{slot}:{key}"
+
+
 class Recording:
     """A redis-py client that records the arguments of every command."""
 

@@ -85,6 +85,7 @@ from dmutex import (
 )
 from tests._support import deadlines
 from tests._support.deadlines import Trial
+from tests._support.faces import Calls, FaceName, await_calls, run_calls
 from tests._support.fault_proxy import FaultProxy, Rates, upstream_address
 from tests._support.mongo_servers import Doc, Session
 from tests._support.mongo_servers import Server as MongoServer
@@ -93,7 +94,6 @@ from tests._support.redis_servers import Server as RedisServer
 from tests._support.sampling import sampling, until
 
 T = TypeVar("T")
-Face: TypeAlias = Literal["sync", "async"]
 BackendName: TypeAlias = Literal["redis", "mongo", "sqlite"]
 Kind: TypeAlias = Literal["acquire", "run"]
 
@@ -194,16 +194,59 @@ class Closable(Protocol):
 
 
 class ProxiedRig(Rig):
-    """A server reached through one blackholing proxy per trial."""
+    """A server reached through one blackholing proxy per trial.
+
+    A subclass makes the clients (:meth:`sync_client`, :meth:`async_client`), through
+    trial ``index``'s proxy or, for None, direct (the second holders'); the rig keeps
+    one lock per trial and face, and one direct lock per face that every rival shares.
+    """
+
+    lock_options: dict[str, Any]  # what every DMutex of the rig is given besides the client
 
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
         self.proxies: dict[int, FaultProxy] = {}
         self.sync_clients: list[Closable] = []
-        self.sync_locks: dict[int, DMutex] = {}
-        self.async_locks: dict[int, AsyncDMutex] = {}
-        self.sync_direct: DMutex | None = None
-        self.async_direct: AsyncDMutex | None = None
+        self.sync_locks: dict[int | None, DMutex] = {}
+        self.async_clients: list[redis.asyncio.Redis | pymongo.AsyncMongoClient[Doc]] = []
+        self.async_locks: dict[int | None, AsyncDMutex] = {}
+        self.lock_options = {}
+
+    def sync_client(self, index: int | None) -> redis.Redis | pymongo.MongoClient[Doc]:
+        """A new sync client: through trial ``index``'s proxy, or direct for None."""
+        raise NotImplementedError
+
+    def async_client(
+        self, index: int | None
+    ) -> redis.asyncio.Redis | pymongo.AsyncMongoClient[Doc]:
+        """A new asyncio client, as :meth:`sync_client`."""
+        raise NotImplementedError
+
+    def sync_lock(self, index: int | None) -> DMutex:
+        if index not in self.sync_locks:
+            client = self.sync_client(index)
+            self.sync_clients.append(client)
+            self.sync_locks[index] = DMutex(SERVICE, client, **self.lock_options)
+        return self.sync_locks[index]
+
+    def sync_rival(self, index: int) -> DMutex:
+        return self.sync_lock(None)
+
+    async def async_lock(self, index: int | None) -> AsyncDMutex:
+        if index not in self.async_locks:
+            client = self.async_client(index)
+            self.async_clients.append(client)
+            self.async_locks[index] = AsyncDMutex(SERVICE, client, **self.lock_options)
+        return self.async_locks[index]
+
+    async def async_rival(self, index: int) -> AsyncDMutex:
+        return await self.async_lock(None)
+
+    async def aclose(self) -> None:
+        clients, self.async_clients = self.async_clients, []
+        for client in clients:
+            # redis-py's asyncio client closes by aclose(), pymongo's by close().
+            await (client.aclose() if isinstance(client, redis.asyncio.Redis) else client.close())
 
     def close(self) -> None:
         clients, self.sync_clients = self.sync_clients, []
@@ -239,7 +282,6 @@ class RedisRig(ProxiedRig):
     def __init__(self, server: RedisServer) -> None:
         super().__init__((server.host, server.port))
         self.server = server
-        self.async_clients: list[redis.asyncio.Redis] = []
 
     def through(self, index: int) -> dict[str, Any]:
         """A holder's client options: through trial ``index``'s proxy, no socket timeout
@@ -254,38 +296,15 @@ class RedisRig(ProxiedRig):
             "socket_timeout": None,
         }
 
-    def sync_lock(self, index: int) -> DMutex:
-        if index not in self.sync_locks:
-            client = redis.Redis(**self.through(index))
-            self.sync_clients.append(client)
-            self.sync_locks[index] = DMutex(SERVICE, client)
-        return self.sync_locks[index]
+    def sync_client(self, index: int | None) -> redis.Redis:
+        if index is None:
+            return redis.Redis.from_url(self.server.url)
+        return redis.Redis(**self.through(index))
 
-    def sync_rival(self, index: int) -> DMutex:
-        if self.sync_direct is None:
-            client = redis.Redis.from_url(self.server.url)
-            self.sync_clients.append(client)
-            self.sync_direct = DMutex(SERVICE, client)
-        return self.sync_direct
-
-    async def async_lock(self, index: int) -> AsyncDMutex:
-        if index not in self.async_locks:
-            client = redis.asyncio.Redis(**self.through(index))
-            self.async_clients.append(client)
-            self.async_locks[index] = AsyncDMutex(SERVICE, client)
-        return self.async_locks[index]
-
-    async def async_rival(self, index: int) -> AsyncDMutex:
-        if self.async_direct is None:
-            client = redis.asyncio.Redis.from_url(self.server.url)
-            self.async_clients.append(client)
-            self.async_direct = AsyncDMutex(SERVICE, client)
-        return self.async_direct
-
-    async def aclose(self) -> None:
-        clients, self.async_clients = self.async_clients, []
-        for client in clients:
-            await client.aclose()
+    def async_client(self, index: int | None) -> redis.asyncio.Redis:
+        if index is None:
+            return redis.asyncio.Redis.from_url(self.server.url)
+        return redis.asyncio.Redis(**self.through(index))
 
 
 class MongoRig(ProxiedRig):
@@ -294,49 +313,26 @@ class MongoRig(ProxiedRig):
     def __init__(self, server: MongoServer) -> None:
         super().__init__(upstream_address(server.url))
         self.server = server
-        self.async_clients: list[pymongo.AsyncMongoClient[Doc]] = []
+        self.lock_options = {"db_name": server.db_name}
 
     def through(self, index: int) -> str:
         proxy = self.proxy(index)
         # directConnection: the proxy's address is not the one the server reports.
         return f"mongodb://{proxy.host}:{proxy.port}/?directConnection=true"
 
-    def sync_lock(self, index: int) -> DMutex:
-        if index not in self.sync_locks:
-            client: pymongo.MongoClient[Doc] = pymongo.MongoClient(
-                self.through(index), serverSelectionTimeoutMS=SELECTION_TIMEOUT_MS
-            )
-            self.sync_clients.append(client)
-            self.sync_locks[index] = DMutex(SERVICE, client, db_name=self.server.db_name)
-        return self.sync_locks[index]
+    def sync_client(self, index: int | None) -> pymongo.MongoClient[Doc]:
+        if index is None:
+            return self.server.client()
+        return pymongo.MongoClient(
+            self.through(index), serverSelectionTimeoutMS=SELECTION_TIMEOUT_MS
+        )
 
-    def sync_rival(self, index: int) -> DMutex:
-        if self.sync_direct is None:
-            client = self.server.client()
-            self.sync_clients.append(client)
-            self.sync_direct = DMutex(SERVICE, client, db_name=self.server.db_name)
-        return self.sync_direct
-
-    async def async_lock(self, index: int) -> AsyncDMutex:
-        if index not in self.async_locks:
-            client: pymongo.AsyncMongoClient[Doc] = pymongo.AsyncMongoClient(
-                self.through(index), serverSelectionTimeoutMS=SELECTION_TIMEOUT_MS
-            )
-            self.async_clients.append(client)
-            self.async_locks[index] = AsyncDMutex(SERVICE, client, db_name=self.server.db_name)
-        return self.async_locks[index]
-
-    async def async_rival(self, index: int) -> AsyncDMutex:
-        if self.async_direct is None:
-            client = self.server.async_client()
-            self.async_clients.append(client)
-            self.async_direct = AsyncDMutex(SERVICE, client, db_name=self.server.db_name)
-        return self.async_direct
-
-    async def aclose(self) -> None:
-        clients, self.async_clients = self.async_clients, []
-        for client in clients:
-            await client.close()
+    def async_client(self, index: int | None) -> pymongo.AsyncMongoClient[Doc]:
+        if index is None:
+            return self.server.async_client()
+        return pymongo.AsyncMongoClient(
+            self.through(index), serverSelectionTimeoutMS=SELECTION_TIMEOUT_MS
+        )
 
 
 # The blocker: takes the write lock of each file (BEGIN IMMEDIATE), printing
@@ -468,6 +464,30 @@ def rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Rig]:
         found.close()
 
 
+# --- the second holder, of either face ----------------------------------------------------------
+
+
+def rival(trial: Trial, lock: DMutex | AsyncDMutex) -> Calls[None]:
+    """Trial ``trial``'s second holder: it retries until granted, notes when, and releases.
+
+    Run by :func:`run_calls` (sync) or :func:`await_calls` (asyncio): the grant time is
+    read as soon as the acquire returns, on the asyncio face on the loop that ran it.
+    """
+    try:
+        handle = yield lock.acquire_with_retry(
+            trial.key,
+            ttl=RIVAL_TTL,
+            timeout=trial.ttl + RIVAL_PATIENCE,
+            retry_delay=RETRY_DELAY,
+        )
+    except Exception as error:  # noqa: BLE001 - a direct client should not fail: noted
+        trial.note(f"the second holder's acquire raised {error!r}")
+        return
+    if handle is not None:
+        trial.taken = time.monotonic()
+        yield handle.release()
+
+
 # --- the sync face -------------------------------------------------------------------------------
 
 
@@ -514,22 +534,10 @@ def sync_case(rig: Rig, case: str) -> list[Trial]:
 
     rig.cut(trials)
 
-    def rival(trial: Trial) -> None:
-        try:
-            handle = rivals[trial.key].acquire_with_retry(
-                trial.key,
-                ttl=RIVAL_TTL,
-                timeout=trial.ttl + RIVAL_PATIENCE,
-                retry_delay=RETRY_DELAY,
-            )
-        except Exception as error:  # noqa: BLE001 - a direct client should not fail: noted
-            trial.note(f"the second holder's acquire raised {error!r}")
-            return
-        if handle is not None:
-            trial.taken = time.monotonic()
-            handle.release()
-
-    threads = [threading.Thread(target=rival, args=(t,), name=f"rival-{t.key}") for t in trials]
+    threads = [
+        threading.Thread(target=run_calls, args=(rival(t, rivals[t.key]),), name=f"rival-{t.key}")
+        for t in trials
+    ]
     for thread in threads:
         thread.daemon = True
         thread.start()
@@ -636,22 +644,8 @@ async def async_case(rig: Rig, case: str, outcomes: Counter[str]) -> list[Trial]
 
         await asyncio.to_thread(rig.cut, trials)  # the loop runs on meanwhile
 
-        async def rival(trial: Trial) -> None:
-            try:
-                handle = await rivals[trial.key].acquire_with_retry(
-                    trial.key,
-                    ttl=RIVAL_TTL,
-                    timeout=trial.ttl + RIVAL_PATIENCE,
-                    retry_delay=RETRY_DELAY,
-                )
-            except Exception as error:  # noqa: BLE001 - a direct client should not fail: noted
-                trial.note(f"the second holder's acquire raised {error!r}")
-                return
-            if handle is not None:
-                trial.taken = time.monotonic()
-                await handle.release()
-
-        second = [asyncio.create_task(rival(t)) for t in trials]
+        # On this loop, which renews the holders: the grant time is taken here.
+        second = [asyncio.create_task(await_calls(rival(t, rivals[t.key]))) for t in trials]
         tasks += second
         _, pending = await asyncio.wait(second, timeout=max(TTLS) + RIVAL_PATIENCE + 5)
         assert not pending, f"{case}: {len(pending)} second holders never returned"
@@ -690,7 +684,7 @@ def run_bounded(main: Awaitable[T], case: str) -> T:
 @pytest.mark.parametrize("face", ["sync", "async"])
 @pytest.mark.parametrize("rig", ["redis", "mongo", "sqlite"], indirect=True)
 def test_a_hung_client_is_told_of_the_loss_before_anyone_takes_the_lease(
-    rig: Rig, face: Face
+    rig: Rig, face: FaceName
 ) -> None:
     """20 trials at once: every telling precedes the second holder's grant (see the docstring)."""
     case = f"{rig.name}-{face}"
@@ -764,6 +758,16 @@ def healthy_checks(
     assert not [p for p in problems if "second holder" not in p], (problems, summary)
 
 
+def healthy_trials(face: FaceName) -> tuple[Trial, list[Trial]]:
+    """The hung client's trial (it must be told of its loss), and the healthy leases'."""
+    hung = Trial(f"redis-{face}-hung", 0, "hung", HUNG_TTL, ("on_lost",))
+    healthy = [
+        Trial(f"redis-{face}-healthy", i, f"healthy-{i}", HEALTHY_TTL, ())
+        for i in range(HEALTHY_LEASES)
+    ]
+    return hung, healthy
+
+
 @pytest.fixture
 def redis_healthy_server(redis_pool: Pool) -> RedisServer:
     return deadlines.redis_target(redis_pool)
@@ -773,8 +777,7 @@ def test_sync_leases_of_a_healthy_client_renew_on_time_while_another_client_hang
     redis_healthy_server: RedisServer,
 ) -> None:
     server = redis_healthy_server
-    hung = Trial("redis-sync-hung", 0, "hung", HUNG_TTL, ("on_lost",))
-    healthy = [Trial("redis-sync-healthy", i, f"healthy-{i}", HEALTHY_TTL, ()) for i in range(4)]
+    hung, healthy = healthy_trials("sync")
     with contextlib.ExitStack() as stack:
         proxy = stack.enter_context(FaultProxy((server.host, server.port), Rates(), seed=SEED))
         stack.callback(proxy.stop)  # first of the exits: the hung request fails, then clients close
@@ -825,8 +828,7 @@ def test_async_leases_of_a_healthy_client_renew_on_time_while_another_client_han
     redis_healthy_server: RedisServer,
 ) -> None:
     server = redis_healthy_server
-    hung = Trial("redis-async-hung", 0, "hung", HUNG_TTL, ("on_lost",))
-    healthy = [Trial("redis-async-healthy", i, f"healthy-{i}", HEALTHY_TTL, ()) for i in range(4)]
+    hung, healthy = healthy_trials("async")
 
     async def main(proxy: FaultProxy, observer: redis.Redis) -> None:
         hung_client = redis.asyncio.Redis(

@@ -28,7 +28,6 @@ import multiprocessing
 import multiprocessing.queues
 import multiprocessing.synchronize
 import uuid
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -37,18 +36,17 @@ from typing import Any, Literal, TypeAlias
 import pymongo
 import pytest
 import redis
-import redis.asyncio
 
-from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore
+from dmutex import DMutex, DSemaphore
 from tests._support import pausing, processes
+from tests._support.faces import Face, FaceName
 from tests._support.mongo_servers import Session
-from tests._support.pausing import CALLS, FILL_TTL, NEW_TTL, STALE_TTL, TTL, Record, slot_of
+from tests._support.pausing import CALLS, FILL_TTL, NEW_TTL, TTL, Record, slot_of
 from tests._support.redis_servers import Pool
 from tests._support.sampling import until
 
 Backend: TypeAlias = Literal["redis", "mongodb"]
 Kind: TypeAlias = Literal["mutex", "semaphore"]
-FaceName: TypeAlias = Literal["sync", "async"]
 Doc: TypeAlias = dict[str, Any]
 Reports: TypeAlias = processes.ChildReports
 
@@ -86,89 +84,41 @@ CASES = [
 # --- the child: acquire, report, wait, then act on the stale lease -------------------------
 
 
-def _sync_instance(
-    kind: Kind, client: Any, service: str, db_name: str | None
-) -> DMutex | DSemaphore:
+def _holder(
+    case: Case,
+    url: str,
+    db_name: str | None,
+    service: str,
+    reports: Reports,
+    go: multiprocessing.synchronize.Event,
+) -> dict[str, bool]:
+    with pausing.holder_client(case, url) as (client, loop):
+        face = Face(
+            case.face,
+            case.kind,
+            client,
+            service_name=service,
+            max_permits=PERMITS,
+            loop=loop,
+            db_name=db_name or "dmutex",  # the default; Redis ignores it
+        )
+        lease = face.acquire(KEY, ttl=TTL)
+        assert lease is not None, "the key should be free for the holder"
+        reports.put(("acquired", (lease.token, lease.slot)))
+        assert go.wait(STEP_TIMEOUT), "the test never let the holder go on"
+        # Continued: the holder acts as if no time had passed.
+        return pausing.stale_calls(face, KEY, lease)
+
+
+# --- the parent side: what the server holds ----------------------------------------------
+
+
+def _instance(kind: Kind, client: Any, service: str, db_name: str | None) -> DMutex | DSemaphore:
+    """The parent side's lock or semaphore, on its own client."""
     database = db_name or "dmutex"  # the default; Redis ignores it
     if kind == "mutex":
         return DMutex(service, client, db_name=database)
     return DSemaphore(service, client, max_permits=PERMITS, db_name=database)
-
-
-def _async_instance(
-    kind: Kind, client: Any, service: str, db_name: str | None
-) -> AsyncDMutex | AsyncDSemaphore:
-    database = db_name or "dmutex"  # the default; Redis ignores it
-    if kind == "mutex":
-        return AsyncDMutex(service, client, db_name=database)
-    return AsyncDSemaphore(service, client, max_permits=PERMITS, db_name=database)
-
-
-def _sync_holder(
-    case: Case,
-    url: str,
-    db_name: str | None,
-    service: str,
-    reports: Reports,
-    go: multiprocessing.synchronize.Event,
-) -> dict[str, bool]:
-    client = pausing.holder_client(case, url, asynchronous=False)
-    try:
-        instance = _sync_instance(case.kind, client, service, db_name)
-        lease = instance.acquire(KEY, ttl=TTL)
-        assert lease is not None, "the key should be free for the holder"
-        reports.put(("acquired", (lease.token, slot_of(lease))))
-        assert go.wait(STEP_TIMEOUT), "the test never let the holder go on"
-        # Continued: the holder acts as if no time had passed.
-        results = {
-            "extend by handle": lease.extend(STALE_TTL),
-            "extend by token": instance.extend(KEY, lease.token, STALE_TTL),
-            "release by handle": lease.release(),
-        }
-        if isinstance(instance, DSemaphore):
-            results["release by token"] = instance.release(KEY, lease.token)
-        else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)  # unlock(): by token
-                results["release by token"] = instance.unlock(KEY, lease.token)
-        return results
-    finally:
-        client.close()
-
-
-async def _async_holder(
-    case: Case,
-    url: str,
-    db_name: str | None,
-    service: str,
-    reports: Reports,
-    go: multiprocessing.synchronize.Event,
-) -> dict[str, bool]:
-    client = pausing.holder_client(case, url, asynchronous=True)
-    try:
-        instance = _async_instance(case.kind, client, service, db_name)
-        lease = await instance.acquire(KEY, ttl=TTL)
-        assert lease is not None, "the key should be free for the holder"
-        reports.put(("acquired", (lease.token, slot_of(lease))))
-        # Blocking the loop is fine: nothing else runs on it.
-        assert go.wait(STEP_TIMEOUT), "the test never let the holder go on"
-        results = {
-            "extend by handle": await lease.extend(STALE_TTL),
-            "extend by token": await instance.extend(KEY, lease.token, STALE_TTL),
-            "release by handle": await lease.release(),
-        }
-        if isinstance(instance, AsyncDSemaphore):
-            results["release by token"] = await instance.release(KEY, lease.token)
-        else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)  # unlock(): by token
-                results["release by token"] = await instance.unlock(KEY, lease.token)
-        return results
-    finally:
-        await pausing.close_async(case, client)
-
-
-# --- the parent side: what the server holds ----------------------------------------------
 
 
 class RedisSide:
@@ -182,7 +132,7 @@ class RedisSide:
         self.client = redis.Redis.from_url(url)
 
     def instance(self) -> DMutex | DSemaphore:
-        return _sync_instance(self.case.kind, self.client, self.service, None)
+        return _instance(self.case.kind, self.client, self.service, None)
 
     def _name(self, slot: int) -> str:
         prefix = "_dmutex_" if self.case.kind == "mutex" else "_dsemaphore_"
@@ -219,7 +169,7 @@ class MongoSide:
         self.collection = self.client.get_database(db_name).get_collection(f"{prefix}{service}")
 
     def instance(self) -> DMutex | DSemaphore:
-        return _sync_instance(self.case.kind, self.client, self.service, self.db_name)
+        return _instance(self.case.kind, self.client, self.service, self.db_name)
 
     def record(self, slot: int) -> Record:
         doc = self.collection.find_one({"_id": f"permit:{slot}:{KEY}"})
@@ -284,9 +234,7 @@ def test_a_holder_paused_past_its_ttl_cannot_touch_its_successor(side: Side) -> 
         filler = instance.acquire(KEY, ttl=FILL_TTL)
         assert filler is not None
 
-    with pausing.spawned_holder(
-        _sync_holder, _async_holder, case, side.url, side.db_name, side.service
-    ) as child:
+    with pausing.spawned_holder(_holder, case, side.url, side.db_name, side.service) as child:
         acquired = child.report("acquired", START_TIMEOUT)
         assert isinstance(acquired, tuple)
         token, slot = acquired

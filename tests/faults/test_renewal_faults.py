@@ -108,7 +108,7 @@ from dmutex import (
 )
 from dmutex._backends.redis import scripts as redis_scripts
 from dmutex._backends.redis.scripts import EXTEND
-from tests._support import pausing, processes
+from tests._support import faces, pausing, processes
 from tests._support.fault_proxy import Fault, FaultProxy, Rates, upstream_address
 from tests._support.mongo_servers import Session
 from tests._support.proxied import redis_options
@@ -1213,7 +1213,6 @@ def test_one_failed_extend_loses_no_other_lease_of_its_batch(mongo_session: Sess
 # --- a holder paused past its TTL, with auto_renew --------------------------------------------
 
 PauseBackend: TypeAlias = Literal["redis", "mongodb"]
-FaceName: TypeAlias = Literal["sync", "async"]
 Reports: TypeAlias = processes.ChildReports
 
 PAUSE_KEY = "paused"
@@ -1228,7 +1227,7 @@ POLL = 0.01
 @dataclass(frozen=True)
 class PauseCase:
     backend: PauseBackend
-    face: FaceName
+    face: faces.FaceName
 
     @property
     def id(self) -> str:
@@ -1255,7 +1254,7 @@ def _raised(call: Callable[[], None]) -> str:
     return "nothing"
 
 
-def _sync_paused(
+def _paused(
     case: PauseCase,
     url: str,
     db_name: str,
@@ -1263,21 +1262,28 @@ def _sync_paused(
     reports: Reports,
     go: multiprocessing.synchronize.Event,
 ) -> dict[str, object]:
-    client = pausing.holder_client(case, url, asynchronous=False, socket_timeout=5)
     calls: list[str] = []
     called = threading.Event()
 
-    def on_lost(handle: DMutexLock) -> None:
-        calls.append(threading.current_thread().name)
+    def on_lost(handle: faces.Handle) -> None:
+        calls.append(finder())
         called.set()
 
-    try:
-        lock = DMutex(service, client, db_name=db_name, fencing=case.fencing)
+    with pausing.holder_client(case, url, socket_timeout=5) as (client, loop):
+        lock = faces.Face(
+            case.face,
+            "mutex",
+            client,
+            service_name=service,
+            loop=loop,
+            db_name=db_name,
+            fencing=case.fencing,
+        )
         handle = lock.acquire(PAUSE_KEY, ttl=PAUSE_TTL, auto_renew=True)
         assert handle is not None, "the key should be free for the holder"
         handle.on_lost(on_lost)
         first = handle.expired_at
-        time.sleep(PAUSE_HOLD)
+        time.sleep(PAUSE_HOLD)  # an asyncio face renews on its loop's thread meanwhile
         assert not handle.lost, "lost while renewed on a healthy server"
         reports.put(("holding", (handle.token, handle.fence, handle.expired_at > first)))
         assert go.wait(STEP_TIMEOUT), "the test never let the holder go on"
@@ -1292,47 +1298,6 @@ def _sync_paused(
             on_lost_thread=calls[0] if calls else None,
         )
         return results
-    finally:
-        client.close()
-
-
-async def _async_paused(
-    case: PauseCase,
-    url: str,
-    db_name: str,
-    service: str,
-    reports: Reports,
-    go: multiprocessing.synchronize.Event,
-) -> dict[str, object]:
-    client = pausing.holder_client(case, url, asynchronous=True, socket_timeout=5)
-    calls: list[str] = []
-
-    def on_lost(handle: AsyncDMutexLock) -> None:
-        calls.append(finder())
-
-    try:
-        lock = AsyncDMutex(service, client, db_name=db_name, fencing=case.fencing)
-        handle = await lock.acquire(PAUSE_KEY, ttl=PAUSE_TTL, auto_renew=True)
-        assert handle is not None, "the key should be free for the holder"
-        handle.on_lost(on_lost)
-        first = handle.expired_at
-        await asyncio.sleep(PAUSE_HOLD)
-        assert not handle.lost, "lost while renewed on a healthy server"
-        reports.put(("holding", (handle.token, handle.fence, handle.expired_at > first)))
-        assert await asyncio.to_thread(go.wait, STEP_TIMEOUT), "the test never let it go on"
-        results: dict[str, object] = {"wait_lost": await handle.wait_lost(STEP_TIMEOUT)}
-        results["on_lost called"] = bool(calls)
-        results.update(
-            lost=handle.lost,
-            raise_if_lost=_raised(handle.raise_if_lost),
-            release=await handle.release(),
-            lost_after_release=handle.lost,
-            on_lost_calls=len(calls),
-            on_lost_thread=calls[0] if calls else None,
-        )
-        return results
-    finally:
-        await pausing.close_async(case, client)
 
 
 class PauseSide:
@@ -1404,9 +1369,7 @@ def test_a_renewed_holder_paused_past_its_ttl_learns_it_lost(pause_side: PauseSi
     """SIGSTOP past the TTL: the lease is taken over; on SIGCONT the handle reports the loss,
     its release returns False, the new holder's record is untouched and its fence higher."""
     side = pause_side
-    with pausing.spawned_holder(
-        _sync_paused, _async_paused, side.case, side.url, side.db_name, side.service
-    ) as child:
+    with pausing.spawned_holder(_paused, side.case, side.url, side.db_name, side.service) as child:
         holding = child.report("holding", START_TIMEOUT)
         assert isinstance(holding, tuple)
         token, old_fence, renewed = holding

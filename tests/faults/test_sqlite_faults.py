@@ -30,12 +30,11 @@ import random
 import sqlite3
 import threading
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeAlias, TypeVar
+from typing import TypeAlias, TypeVar
 
 import pytest
 
@@ -53,12 +52,12 @@ from tests._support.cancellation import (
     note_retry_waits,
     run_trials,
 )
-from tests._support.faces import RawHandle
-from tests._support.pausing import CALLS, FILL_TTL, NEW_TTL, STALE_TTL, TTL, slot_of
+from tests._support.faces import Face as SyncView
+from tests._support.faces import FaceName, Handle, LoopThread, RawHandle
+from tests._support.pausing import CALLS, FILL_TTL, NEW_TTL, TTL, slot_of, stale_calls
 from tests._support.sampling import until
 
 T = TypeVar("T")
-FaceName: TypeAlias = Literal["sync", "async"]
 Reports: TypeAlias = processes.ChildReports
 Row: TypeAlias = tuple[str, int]
 
@@ -147,9 +146,7 @@ def _held(table: str, lease: object) -> Held:
     return Held(table, lease.key, lease.token, slot_of(lease), lease.fence)
 
 
-def _report_acquired(
-    reports: Reports, lock: RawHandle, permit: RawHandle, renewed: RawHandle
-) -> list[bool]:
+def _report_acquired(reports: Reports, lock: Handle, permit: Handle, renewed: Handle) -> list[bool]:
     """Report the three leases to the test; returns the renewed one's on_lost calls (lost)."""
     losses: list[bool] = []
     renewed.on_lost(lambda handle: losses.append(handle.lost))
@@ -157,20 +154,26 @@ def _report_acquired(
         (
             "acquired",
             [
-                _held(MUTEX_TABLE, lock),
-                _held(SEMAPHORE_TABLE, permit),
-                _held(MUTEX_TABLE, renewed),
+                _held(MUTEX_TABLE, lock.raw),
+                _held(SEMAPHORE_TABLE, permit.raw),
+                _held(MUTEX_TABLE, renewed.raw),
             ],
         )
     )
     return losses
 
 
-def _sync_holder(path: str, reports: Reports, go: multiprocessing.synchronize.Event) -> object:
+def _holder(
+    face: FaceName, path: str, reports: Reports, go: multiprocessing.synchronize.Event
+) -> object:
+    # An asyncio face runs on its loop's thread: it goes on renewing while this one waits.
+    loop = LoopThread() if face == "async" else None
     backend = SQLiteBackend(path)
     try:
-        mutex = DMutex(SERVICE, backend)
-        sem = DSemaphore(SERVICE, backend, max_permits=PERMITS)
+        mutex = SyncView(face, "mutex", backend, service_name=SERVICE, loop=loop)
+        sem = SyncView(
+            face, "semaphore", backend, service_name=SERVICE, max_permits=PERMITS, loop=loop
+        )
         lock = mutex.acquire(MUTEX_KEY, ttl=TTL)
         permit = sem.acquire(SEMAPHORE_KEY, ttl=TTL)
         renewed = mutex.acquire(RENEWED_KEY, ttl=RENEW_TTL, auto_renew=True)
@@ -180,22 +183,10 @@ def _sync_holder(path: str, reports: Reports, go: multiprocessing.synchronize.Ev
         losses = _report_acquired(reports, lock, permit, renewed)
         assert go.wait(STEP_TIMEOUT), "the test never let the holder go on"
         # Continued: the holder acts as if no time had passed.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # unlock(): by token
-            results = {
-                "mutex": {
-                    "extend by handle": lock.extend(STALE_TTL),
-                    "extend by token": mutex.extend(MUTEX_KEY, lock.token, STALE_TTL),
-                    "release by handle": lock.release(),
-                    "release by token": mutex.unlock(MUTEX_KEY, lock.token),
-                },
-                "semaphore": {
-                    "extend by handle": permit.extend(STALE_TTL),
-                    "extend by token": sem.extend(SEMAPHORE_KEY, permit.token, STALE_TTL),
-                    "release by handle": permit.release(),
-                    "release by token": sem.release(SEMAPHORE_KEY, permit.token),
-                },
-            }
+        results = {
+            "mutex": stale_calls(mutex, MUTEX_KEY, lock),
+            "semaphore": stale_calls(sem, SEMAPHORE_KEY, permit),
+        }
         waited = renewed.wait_lost(STEP_TIMEOUT)
         until(lambda: bool(losses), "on_lost was called", STEP_TIMEOUT)
         return {
@@ -209,67 +200,15 @@ def _sync_holder(path: str, reports: Reports, go: multiprocessing.synchronize.Ev
         }
     finally:
         backend.close()
-
-
-async def _async_holder(
-    path: str, reports: Reports, go: multiprocessing.synchronize.Event
-) -> object:
-    backend = SQLiteBackend(path)
-    try:
-        mutex = AsyncDMutex(SERVICE, backend)
-        sem = AsyncDSemaphore(SERVICE, backend, max_permits=PERMITS)
-        lock = await mutex.acquire(MUTEX_KEY, ttl=TTL)
-        permit = await sem.acquire(SEMAPHORE_KEY, ttl=TTL)
-        renewed = await mutex.acquire(RENEWED_KEY, ttl=RENEW_TTL, auto_renew=True)
-        assert lock is not None
-        assert permit is not None
-        assert renewed is not None
-        losses = _report_acquired(reports, lock, permit, renewed)
-        # Waited for in a thread: the loop goes on renewing until the stop.
-        went = await asyncio.get_running_loop().run_in_executor(None, go.wait, STEP_TIMEOUT)
-        assert went, "the test never let the holder go on"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # unlock(): by token
-            results = {
-                "mutex": {
-                    "extend by handle": await lock.extend(STALE_TTL),
-                    "extend by token": await mutex.extend(MUTEX_KEY, lock.token, STALE_TTL),
-                    "release by handle": await lock.release(),
-                    "release by token": await mutex.unlock(MUTEX_KEY, lock.token),
-                },
-                "semaphore": {
-                    "extend by handle": await permit.extend(STALE_TTL),
-                    "extend by token": await sem.extend(SEMAPHORE_KEY, permit.token, STALE_TTL),
-                    "release by handle": await permit.release(),
-                    "release by token": await sem.release(SEMAPHORE_KEY, permit.token),
-                },
-            }
-        waited = await renewed.wait_lost(STEP_TIMEOUT)
-        deadline = time.monotonic() + STEP_TIMEOUT
-        while not losses:
-            assert time.monotonic() < deadline, "on_lost was never called"
-            await asyncio.sleep(POLL)
-        return {
-            **results,
-            "renewed": {
-                "wait_lost": waited,
-                "lost": renewed.lost,
-                "on_lost": list(losses),
-                "release": await renewed.release(),
-            },
-        }
-    finally:
-        backend.close()
+        if loop is not None:
+            loop.close()
 
 
 def paused_holder(
     face: FaceName, path: str, reports: Reports, go: multiprocessing.synchronize.Event
 ) -> None:
     """The child (module level: spawn imports this module to find it)."""
-    if face == "sync":
-        processes.send_results(reports, lambda: _sync_holder(path, reports, go))
-    else:
-        processes.send_results(reports, lambda: asyncio.run(_async_holder(path, reports, go)))
+    processes.send_results(reports, lambda: _holder(face, path, reports, go))
 
 
 @pytest.mark.parametrize("face", ["sync", "async"])

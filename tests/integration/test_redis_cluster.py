@@ -40,6 +40,7 @@ from dmutex._backends.cluster import hash_slot
 from dmutex._backends.redis.scripts import ACQUIRE, EXTEND, RELEASE, RENEW
 from dmutex._backends.shapes import is_cluster_client
 from dmutex._core.fences import US_PER_S
+from tests._support.redis_clients import slot_key
 from tests._support.redis_cluster import LocalCluster, slot_ranges
 from tests._support.redis_servers import Executable, executables
 
@@ -69,10 +70,6 @@ class Untyped(Protocol):
 
 def typed(client: object) -> Untyped:
     return cast(Untyped, client)
-
-
-def slot_key(i: int, key: str, prefix: str = "_dsemaphore_svc:") -> str:
-    return f"{prefix}permit:{i}:{key}"
 
 
 @dataclass

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -26,22 +25,11 @@ from dmutex._clock import SYSTEM_CLOCK
 from dmutex._core.fences import US_PER_S, next_fence
 from dmutex._core.waiting import waiter
 from dmutex._runtime.drivers import SyncDriver
-from tests._support.redis_clients import Recording
+from tests._support.redis_clients import Recording, slot_key
 from tests._support.sampling import until
 
 HOLDERS = "_dsemaphore_svc:holders:api"
 MARK = "dmutex:holders"
-
-
-def slot_key(slot: int) -> str:
-    return f"_dsemaphore_svc:permit:{slot}:api"
-
-
-@pytest.fixture
-def server(redis_url: str) -> Iterator[redis.Redis]:
-    """A sync client reading strings, on an empty database."""
-    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
-        yield client
 
 
 def held(sem: DSemaphore, count: int, ttl: float = 60) -> list[str]:

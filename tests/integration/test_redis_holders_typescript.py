@@ -20,29 +20,17 @@ must hold on a real Redis server:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 import redis
 
 from dmutex import DSemaphore
 from dmutex._backends.redis.scripts import CHECK_MS
+from tests._support.redis_clients import slot_key
 from tests._support.sampling import until
 
 KEY = "api"
 PREFIX = "_dsemaphore_svc:"
 HOLDERS = f"{PREFIX}holders:{KEY}"
 PERMITS = 3
-
-
-def slot_key(slot: int) -> str:
-    return f"{PREFIX}permit:{slot}:{KEY}"
-
-
-@pytest.fixture
-def server(redis_url: str) -> Iterator[redis.Redis]:
-    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
-        yield client
 
 
 def full_semaphore(server: redis.Redis) -> tuple[DSemaphore, list[str]]:

@@ -25,13 +25,6 @@ CLOCK_SLACK_US = US_PER_S
 
 
 @pytest.fixture
-def server(redis_url: str) -> Iterator[redis.Redis]:
-    """A sync client reading strings, on an empty database."""
-    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
-        yield client
-
-
-@pytest.fixture
 def recording(redis_url: str) -> Iterator[Recording]:
     with redis.Redis.from_url(redis_url) as client:
         yield Recording(client)

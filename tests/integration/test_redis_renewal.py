@@ -38,12 +38,6 @@ class Recording(RedisRecording):
 
 
 @pytest.fixture
-def server(redis_url: str) -> Iterator[redis.Redis]:
-    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
-        yield client
-
-
-@pytest.fixture
 def recording(redis_url: str) -> Iterator[Recording]:
     with redis.Redis.from_url(redis_url) as client:
         client.script_load(RENEW.text)  # no NOSCRIPT fallback doubling a count

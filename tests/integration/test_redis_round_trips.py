@@ -28,9 +28,10 @@ import pytest
 import redis
 import redis.asyncio
 
-from dmutex import DSemaphore, RedisArg, RedisReply
+from dmutex import DSemaphore, RedisArg
 from tests._support.face_rigs import FaceRig
 from tests._support.faces import FaceName, Handle
+from tests._support.redis_clients import Recording
 
 T = TypeVar("T")
 
@@ -65,32 +66,19 @@ SHAPE_IDS = ["mutex", "semaphore-1", "semaphore-3", "semaphore-64"]
 
 
 class Recorder(Protocol):
-    calls: list[tuple[object, ...]]
-
-
-class CountingCommands:
-    """A sync client with only ``execute_command``: records, then asks redis-py."""
-
-    def __init__(self, inner: redis.Redis) -> None:
-        # redis-py leaves execute_command unannotated; this is its sync signature.
-        self._send: Callable[..., RedisReply] = inner.execute_command
-        self.calls: list[tuple[object, ...]] = []
-
-    def execute_command(self, *args: RedisArg) -> RedisReply:
-        self.calls.append(args)
-        return self._send(*args)
+    commands: list[tuple[RedisArg, ...]]
 
 
 class AsyncCountingCommands:
-    """The asyncio twin of :class:`CountingCommands`."""
+    """The asyncio twin of :class:`~tests._support.redis_clients.Recording`."""
 
     def __init__(self, inner: redis.asyncio.Redis) -> None:
         # redis-py leaves execute_command unannotated; this is its asyncio signature.
         self._send: Callable[..., Awaitable[object]] = inner.execute_command
-        self.calls: list[tuple[object, ...]] = []
+        self.commands: list[tuple[RedisArg, ...]] = []
 
     async def execute_command(self, *args: RedisArg) -> object:
-        self.calls.append(args)
+        self.commands.append(args)
         return await self._send(*args)
 
 
@@ -99,15 +87,15 @@ class CountingSetEval:
 
     def __init__(self, inner: redis.Redis) -> None:
         self.inner = inner
-        self.calls: list[tuple[object, ...]] = []
+        self.commands: list[tuple[RedisArg, ...]] = []
 
     def set(self, name: str, value: str, *, px: int, nx: bool) -> bool | str | bytes | None:
-        self.calls.append(("SET", name, value, px, nx))
+        self.commands.append(("SET", name, value, px, nx))
         reply: bool | str | bytes | None = self.inner.set(name, value, px=px, nx=nx)
         return reply
 
     def eval(self, script: str, numkeys: int, *keys_and_args: RedisArg) -> object:
-        self.calls.append(("EVAL", numkeys, *keys_and_args))
+        self.commands.append(("EVAL", numkeys, *keys_and_args))
         return self.inner.eval(script, numkeys, *keys_and_args)
 
 
@@ -116,15 +104,15 @@ class AsyncCountingSetEval:
 
     def __init__(self, inner: redis.asyncio.Redis) -> None:
         self.inner = inner
-        self.calls: list[tuple[object, ...]] = []
+        self.commands: list[tuple[RedisArg, ...]] = []
 
     async def set(self, name: str, value: str, *, px: int, nx: bool) -> bool | str | bytes | None:
-        self.calls.append(("SET", name, value, px, nx))
+        self.commands.append(("SET", name, value, px, nx))
         reply: bool | str | bytes | None = await self.inner.set(name, value, px=px, nx=nx)
         return reply
 
     async def eval(self, script: str, numkeys: int, *keys_and_args: RedisArg) -> object:
-        self.calls.append(("EVAL", numkeys, *keys_and_args))
+        self.commands.append(("EVAL", numkeys, *keys_and_args))
         return await self.inner.eval(script, numkeys, *keys_and_args)
 
 
@@ -178,10 +166,10 @@ class Rig(FaceRig):
         self.loop.run(connect())
         return inner
 
-    def commands(self) -> CountingCommands | AsyncCountingCommands:
+    def commands(self) -> Recording | AsyncCountingCommands:
         if self.face == "async":
             return AsyncCountingCommands(self._async_inner())
-        return CountingCommands(self._sync_inner())
+        return Recording(self._sync_inner())
 
     def set_eval(self) -> CountingSetEval | AsyncCountingSetEval:
         if self.face == "async":
@@ -189,13 +177,13 @@ class Rig(FaceRig):
         return CountingSetEval(self._sync_inner())
 
     def measure(self, client: Recorder, action: Callable[[], T]) -> tuple[T, Seen]:
-        client.calls.clear()
+        client.commands.clear()
         before = command_calls(self.admin)
         result = action()
         after = command_calls(self.admin)
         after.subtract(before)
         server = {name: n for name, n in after.items() if n and name != "info"}
-        return result, Seen([str(call[0]).upper() for call in client.calls], server)
+        return result, Seen([str(call[0]).upper() for call in client.commands], server)
 
 
 def warm_scripts(admin: redis.Redis) -> None:
@@ -405,7 +393,7 @@ def test_after_script_flush_each_script_costs_two_requests_once(rig: Rig) -> Non
             assert seen.server.get("evalsha") == 1, "NOSCRIPT is one request too"
             assert seen.server.get("eval", 0) == len(requests) - 1
             # The EVAL after NOSCRIPT sends the same keys and arguments.
-            assert all(call[2:] == client.calls[0][2:] for call in client.calls)
+            assert all(call[2:] == client.commands[0][2:] for call in client.commands)
         return results
 
     first, second = twice(lambda: held(sem.acquire("k")))  # the acquire script

@@ -4,7 +4,9 @@
   closed (each server stopped by pid) at the end;
 - ``redis_server``: one real server, a test per version found (parametrized
   by label; with none found, one case that skips with discovery's reason);
-- ``redis_url``: the URL of ``redis_server``, its database emptied first.
+- ``redis_url``: the URL of ``redis_server``, its database emptied first;
+- ``server``: a sync client of ``redis_url`` that reads strings. A test module
+  that needs another ``server`` defines its own, which overrides this one.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import redis
 
 from tests._support import redis_servers
 from tests._support.redis_servers import (
@@ -57,3 +60,10 @@ def redis_server(request: pytest.FixtureRequest, redis_pool: Pool) -> Server:
 def redis_url(redis_server: Server) -> str:
     """The URL of ``redis_server``, with its database emptied for this test."""
     return flushed(redis_server.url)
+
+
+@pytest.fixture
+def server(redis_url: str) -> Iterator[redis.Redis]:
+    """A sync client of ``redis_url`` (an empty database) that decodes replies to ``str``."""
+    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+        yield client
