@@ -3,4 +3,5 @@
 pytest_plugins = [
     "tests._support.plugins.redis",
     "tests._support.plugins.mongodb",
+    "tests._support.plugins.postgresql",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -13,7 +14,14 @@ from pathlib import Path
 import pytest
 
 from tests._support import servers
-from tests._support.servers import Discovery, Pool, ServerProcess, Step, discover_in_order
+from tests._support.servers import (
+    Discovery,
+    Pool,
+    ServerProcess,
+    Step,
+    alive,
+    discover_in_order,
+)
 
 # A stand-in server: says where it runs, then sleeps until stopped.
 SLEEPER = "import os, sys, time; print('up', os.getuid(), flush=True); time.sleep(600)"
@@ -29,15 +37,6 @@ def _logged(process: ServerProcess) -> str:
     return process.log_tail()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    return state != "Z"
-
-
 def test_a_process_answers_then_is_stopped_by_its_pid_and_its_folder_removed() -> None:
     process = ServerProcess("sleeper")
     answer = process.start(_sleeper, lambda port: _logged(process), (ConnectionError,))
@@ -45,11 +44,24 @@ def test_a_process_answers_then_is_stopped_by_its_pid_and_its_folder_removed() -
     pid, folder = process.pid, process.folder
     assert process.running
     assert folder.is_dir()
-    assert _alive(pid)
+    assert alive(pid)
     process.stop()
-    assert not _alive(pid)
+    assert not alive(pid)
     assert not folder.exists()
     assert not process.running
+
+
+def test_a_process_is_stopped_with_its_own_stop_signal() -> None:
+    # Kept, so that its log outlives the stop: SIGINT is Python's KeyboardInterrupt.
+    process = ServerProcess("sleeper", keep=True, stop_signal=signal.SIGINT)
+    try:
+        process.start(_sleeper, lambda port: _logged(process), (ConnectionError,))
+        pid = process.pid
+        process.stop()
+        assert not alive(pid)
+        assert "KeyboardInterrupt" in process.log_tail()
+    finally:
+        process.close()
 
 
 def test_a_kept_process_restarts_on_the_same_port_and_folder() -> None:
@@ -58,7 +70,7 @@ def test_a_kept_process_restarts_on_the_same_port_and_folder() -> None:
         process.start(_sleeper, lambda port: _logged(process), (ConnectionError,))
         port, folder, first = process.port, process.folder, process.pid
         process.kill()
-        assert not _alive(first)
+        assert not alive(first)
         assert folder.is_dir()
         process.start(_sleeper, lambda port: _logged(process), (ConnectionError,))
         assert (process.port, process.folder) == (port, folder)
@@ -118,7 +130,7 @@ def test_a_process_run_as_another_user_owns_its_folder_and_is_stopped_with_its_g
     ).stdout.split()
     assert str(leader) in group
     process.stop()
-    assert not any(_alive(int(pid)) for pid in group), group
+    assert not any(alive(int(pid)) for pid in group), group
 
 
 @dataclass

@@ -12,9 +12,13 @@ Rules:
 - It is ready once its ``ready`` probe answers. If the process exits first,
   the error says so with the last lines of its log; one that has not answered
   within the bound is stopped and the probe's error raised.
-- It is stopped by its pid (SIGTERM, then SIGKILL after a bound), never by
-  name. Under ``runuser`` it leads a process group of its own and the group
-  is signalled, by that same id, so that no server outlives its ``runuser``.
+- It is stopped by its pid (its stop signal, SIGTERM unless it says
+  otherwise, then SIGKILL after a bound), never by name. Under ``runuser`` it
+  leads a process group of its own and the group is signalled, by that same
+  id, so that no server outlives its ``runuser``. ``runuser`` answers a
+  SIGTERM (not a SIGINT) by passing it on and SIGKILLing its child 2 s later:
+  a server under it whose SIGTERM waits for its clients (PostgreSQL's smart
+  shutdown) stops with another signal (SIGINT: PostgreSQL's fast shutdown).
 - Discovery tries the sources in a fixed order, a :class:`Step` each: a URL
   from the environment, Docker via testcontainers (only where a Docker daemon
   answers), executables, a fallback. The first step that gives sources wins.
@@ -59,6 +63,19 @@ def free_port() -> int:
         return port
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (exited, not yet reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:  # gone between the two looks
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def as_user(command: Sequence[str], user: str | None) -> list[str]:
     """``command``, run as ``user`` through ``runuser -u USER --`` when a user is given."""
     return ["runuser", "-u", user, "--", *command] if user else list(command)
@@ -71,6 +88,7 @@ class ServerProcess:
     both when the process stops, so that it can be started again on the same
     port with the same data (the fault tests kill and restart servers);
     otherwise a stop removes the folder and the next start takes a new port.
+    ``stop_signal`` is what :meth:`stop` sends first (SIGTERM unless given).
     """
 
     def __init__(
@@ -81,11 +99,13 @@ class ServerProcess:
         user: str | None = None,
         keep: bool = False,
         stop_timeout: float = STOP_TIMEOUT,
+        stop_signal: int = signal.SIGTERM,
     ) -> None:
         self.name = name  # names the folder and the log
         self.user = user
         self.keep = keep
         self.stop_timeout = stop_timeout
+        self.stop_signal = stop_signal
         self._given_port = port
         self._port = port
         self._proc: subprocess.Popen[bytes] | None = None
@@ -202,12 +222,12 @@ class ServerProcess:
         self._proc = None
 
     def stop(self) -> None:
-        """Stop it by its pid if it runs: SIGTERM, then SIGKILL after the bound.
+        """Stop it by its pid if it runs: its stop signal, then SIGKILL after the bound.
 
         Unless it is kept, its folder is removed and the next start takes a new port.
         """
         if self._proc is not None:
-            self._signal(signal.SIGTERM)
+            self._signal(self.stop_signal)
             try:
                 self._proc.wait(timeout=self.stop_timeout)
             except subprocess.TimeoutExpired:
