@@ -275,3 +275,22 @@ def test_pgbouncer_is_stopped_by_its_pid(postgres_session: Session) -> None:
     assert not folder.exists()
     with pytest.raises(psycopg.OperationalError):
         psycopg.connect(bouncer.url, connect_timeout=2)
+
+
+def test_fresh_empties_the_sessions_schema_only(postgres_session: Session) -> None:
+    server = postgres_session.server()
+    other = postgres_servers.unique_schema()  # ours too: a user's server keeps its own schemas
+    with server.connect() as conn:
+        conn.execute(f'CREATE TABLE "{server.schema}".leftover (x int)')
+        conn.execute(f'CREATE SCHEMA "{other}"')
+        conn.execute(f'CREATE TABLE "{other}".kept (x int)')
+    try:
+        assert postgres_session.fresh() == server
+        tables = "SELECT count(*) FROM pg_tables WHERE schemaname = '{}' AND tablename = '{}'"
+        assert _query(server.url, tables.format(server.schema, "leftover")) == 0
+        assert _query(server.url, tables.format(other, "kept")) == 1
+        schemas = f"SELECT count(*) FROM pg_namespace WHERE nspname = '{server.schema}'"
+        assert _query(server.url, schemas) == 1
+    finally:
+        with server.connect() as conn:
+            conn.execute(f'DROP SCHEMA "{other}" CASCADE')

@@ -40,10 +40,8 @@ import contextlib
 import functools
 import importlib.metadata
 import os
-import re
 import secrets
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -224,14 +222,7 @@ class Container(servers.Containerized):
 
 def mongod_version(path: Path) -> str | None:
     """``X.Y.Z`` that ``path --version`` prints ("db version vX.Y.Z"), or None."""
-    try:
-        done = subprocess.run(
-            [str(path), "--version"], capture_output=True, text=True, timeout=10, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    match = re.search(r"db version v(\S+)", done.stdout)
-    return match.group(1) if done.returncode == 0 and match else None
+    return servers.printed_version([str(path), "--version"], r"db version v(\S+)")
 
 
 @dataclass
@@ -391,19 +382,7 @@ NO_MONGODB = no_server_reason(SOURCE_NAMES)
 
 def allowed_sources() -> tuple[str, ...]:
     """The sources ``DMUTEX_MONGODB_SERVERS`` lets discovery try, in the fixed order."""
-    raw = os.environ.get("DMUTEX_MONGODB_SERVERS", "").strip()
-    if not raw:
-        return SOURCE_NAMES
-    names = {name.strip() for name in raw.split(",") if name.strip()}
-    if names == {"none"}:
-        return ()
-    unknown = sorted(names - set(SOURCE_NAMES))
-    if unknown:
-        raise ValueError(
-            f"DMUTEX_MONGODB_SERVERS={raw!r}: unknown {', '.join(unknown)}; give a "
-            f"comma-separated subset of {','.join(SOURCE_NAMES)}, or none"
-        )
-    return tuple(name for name in SOURCE_NAMES if name in names)
+    return servers.allowed_sources(KNOB, SOURCE_NAMES)
 
 
 class Discovery(servers.Discovery[Source]):

@@ -189,15 +189,10 @@ class FromUrl(servers.External):
 class Container(servers.Containerized):
     """A ``postgres:15`` container started by testcontainers."""
 
-    image: str = CONTAINER_IMAGE
-
-    @property
-    def label(self) -> str:
-        """``postgresql-<tag>`` until it runs (``postgres:15``: ``postgresql-15``)."""
-        return f"postgresql-{self.image.rpartition(':')[2] or 'latest'}"
+    label: str = f"postgresql-{CONTAINER_IMAGE.partition(':')[2]}"  # until it answers
 
     def start(self, schema: str) -> Server:
-        container = self.run_container("postgres", "PostgresContainer", self.image)
+        container = self.run_container("postgres", "PostgresContainer", CONTAINER_IMAGE)
         host = str(container.get_container_host_ip())
         port = int(container.get_exposed_port(5432))
         url = url_of(host, port, container.username, container.dbname, container.password)
@@ -206,18 +201,8 @@ class Container(servers.Containerized):
 
 def postgres_version(bindir: Path) -> str | None:
     """``X.Y`` that ``postgres --version`` prints ("postgres (PostgreSQL) 15.18 ..."), or None."""
-    try:
-        done = subprocess.run(
-            [str(bindir / "postgres"), "--version"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    match = re.search(r"\(PostgreSQL\) (\d+(?:\.\d+)*)", done.stdout)
-    return match.group(1) if done.returncode == 0 and match else None
+    command = [str(bindir / "postgres"), "--version"]
+    return servers.printed_version(command, r"\(PostgreSQL\) (\d+(?:\.\d+)*)")
 
 
 def _major(bindir: Path) -> int:
@@ -276,10 +261,11 @@ class Executable:
 
     bindir: Path
     keep: bool = False
-    _process: servers.ServerProcess = field(init=False, repr=False, compare=False)
+    # Its pid, port, folder and log.
+    process: servers.ServerProcess = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._process = servers.ServerProcess(
+        self.process = servers.ServerProcess(
             "postgres", user=unprivileged_user(), keep=self.keep, stop_signal=signal.SIGINT
         )
 
@@ -288,17 +274,12 @@ class Executable:
         """``postgresql-<version>`` from ``postgres --version``."""
         return f"postgresql-{postgres_version(self.bindir) or 'unknown'}"
 
-    @property
-    def process(self) -> servers.ServerProcess:
-        """The server's process (its pid, port, folder and log)."""
-        return self._process
-
     def make_cluster(self, folder: Path) -> None:
         """``initdb`` into ``folder/data`` as the server's user, unless it is there already."""
         if (folder / "data").exists():
             return
         done = subprocess.run(
-            servers.as_user(initdb_command(self.bindir, folder), self._process.user),
+            servers.as_user(initdb_command(self.bindir, folder), self.process.user),
             capture_output=True,
             text=True,
             cwd=folder,
@@ -310,7 +291,7 @@ class Executable:
             raise RuntimeError(f"initdb exited with code {done.returncode}: {tail}")
 
     def start(self, schema: str) -> Server:
-        process = self._process
+        process = self.process
         self.make_cluster(process.folder)
         url = url_of(LOOPBACK, process.port, SUPERUSER, DATABASE)
         version = process.start(
@@ -326,7 +307,7 @@ class Executable:
 
     def stop(self) -> None:
         """Stop the server by its pid (fast shutdown) and, unless kept, remove its folder."""
-        self._process.stop()
+        self.process.stop()
 
 
 # --- the order ----------------------------------------------------------------------
@@ -340,19 +321,7 @@ def no_server_reason(allowed: tuple[str, ...]) -> str:
 
 def allowed_sources() -> tuple[str, ...]:
     """The sources ``DMUTEX_POSTGRESQL_SERVERS`` lets discovery try, in the fixed order."""
-    raw = os.environ.get(KNOB, "").strip()
-    if not raw:
-        return SOURCE_NAMES
-    names = {name.strip() for name in raw.split(",") if name.strip()}
-    if names == {"none"}:
-        return ()
-    unknown = sorted(names - set(SOURCE_NAMES))
-    if unknown:
-        raise ValueError(
-            f"{KNOB}={raw!r}: unknown {', '.join(unknown)}; give a comma-separated "
-            f"subset of {','.join(SOURCE_NAMES)}, or none"
-        )
-    return tuple(name for name in SOURCE_NAMES if name in names)
+    return servers.allowed_sources(KNOB, SOURCE_NAMES)
 
 
 def url_from_environment() -> FromUrl | None:
@@ -397,14 +366,7 @@ def find_pgbouncer() -> Path | None:
 
 def pgbouncer_version(path: Path) -> str | None:
     """``X.Y.Z`` that ``pgbouncer --version`` prints ("PgBouncer 1.18.0"), or None."""
-    try:
-        done = subprocess.run(
-            [str(path), "--version"], capture_output=True, text=True, timeout=10, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    match = re.search(r"PgBouncer (\d+(?:\.\d+)*)", done.stdout)
-    return match.group(1) if done.returncode == 0 and match else None
+    return servers.printed_version([str(path), "--version"], r"PgBouncer (\d+(?:\.\d+)*)")
 
 
 def _quoted(value: str) -> str:
@@ -467,7 +429,8 @@ class PgBouncer:
     """A ``pgbouncer`` binary, started in front of a server on first use."""
 
     path: Path
-    _process: servers.ServerProcess = field(
+    # Its pid, port, folder and log.
+    process: servers.ServerProcess = field(
         default_factory=lambda: servers.ServerProcess("pgbouncer", stop_timeout=10),
         repr=False,
         compare=False,
@@ -478,14 +441,9 @@ class PgBouncer:
         """``pgbouncer-<version>`` from ``pgbouncer --version``."""
         return f"pgbouncer-{pgbouncer_version(self.path) or 'unknown'}"
 
-    @property
-    def process(self) -> servers.ServerProcess:
-        """The pooler's process (its pid, port, folder and log)."""
-        return self._process
-
     def start(self, server: Server) -> Bouncer:
         """Write its configuration for ``server`` and start it; return it once it answers."""
-        process = self._process
+        process = self.process
         ini, userlist, user = pgbouncer_config(server.url, process.folder, process.port)
         (process.folder / "pgbouncer.ini").write_text(ini)
         (process.folder / "userlist.txt").write_text(userlist)
@@ -509,7 +467,7 @@ class PgBouncer:
 
     def stop(self) -> None:
         """Stop it by its pid (SIGTERM: immediate shutdown) and remove its folder."""
-        self._process.stop()
+        self.process.stop()
 
 
 def discover_pgbouncer() -> servers.Discovery[PgBouncer]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -410,6 +411,42 @@ def discover_in_order(
             passed_over.append(step.missing)
     reason = no_server_reason(what, [(s.name, s.missing) for s in steps], names, knob)
     return Discovery([], reason)
+
+
+def allowed_sources(knob: str, names: Sequence[str]) -> tuple[str, ...]:
+    """The step ``names`` the environment variable ``knob`` lets discovery try, in their order.
+
+    ``knob`` holds a comma-separated subset of ``names``, or ``none``; unset
+    or empty, every name. An unknown name is a ValueError.
+    """
+    raw = os.environ.get(knob, "").strip()
+    if not raw:
+        return tuple(names)
+    given = {name.strip() for name in raw.split(",") if name.strip()}
+    if given == {"none"}:
+        return ()
+    unknown = sorted(given - set(names))
+    if unknown:
+        raise ValueError(
+            f"{knob}={raw!r}: unknown {', '.join(unknown)}; give a comma-separated "
+            f"subset of {','.join(names)}, or none"
+        )
+    return tuple(name for name in names if name in given)
+
+
+def printed_version(command: Sequence[str], pattern: str) -> str | None:
+    """The first group of ``pattern`` in what ``command`` prints, or None if it fails to run.
+
+    ``mongod --version`` ("db version v7.0.14"), ``postgres --version``, ...
+    """
+    try:
+        done = subprocess.run(
+            list(command), capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(pattern, done.stdout)
+    return match.group(1) if done.returncode == 0 and match else None
 
 
 class Pool(Generic[Src, S]):
