@@ -305,3 +305,16 @@ def test_fresh_empties_the_sessions_schema_only(postgres_session: Session) -> No
     finally:
         with server.connect() as conn:
             conn.execute(f'DROP SCHEMA "{other}" CASCADE')
+
+
+def test_the_pgbouncer_configuration_for_a_users_server() -> None:
+    url = "postgresql://app%20user:s3cret@db.example:6543/appdb"
+    ini, userlist, user = postgres_servers.pgbouncer_config(url, Path("/nowhere"), 7000)
+    entry = "host='db.example' port='6543' dbname='appdb' user='app user' password='s3cret'"
+    lines = ini.splitlines()
+    assert f"appdb = {entry}" in lines
+    assert f"{postgres_servers.SINGLE_DB} = {entry} pool_size=1" in lines
+    for setting in ("listen_addr = 127.0.0.1", "listen_port = 7000", "pool_mode = transaction"):
+        assert setting in lines
+    assert "auth_file = /nowhere/userlist.txt" in lines
+    assert (userlist, user) == ('"app user" ""\n', "app user")
