@@ -81,7 +81,6 @@ DEBIAN_BINDIRS = "/usr/lib/postgresql/*/bin"
 SINGLE_DB = "dmutex_single"  # the pooler's alias with one server connection
 UNPRIVILEGED = ("postgres", "nobody")  # the first that exists runs the servers, as root
 PING_ERRORS = (psycopg.OperationalError,)
-NO_SERVER_LABEL = "no-server"
 
 URL_VARIABLES = ("DMUTEX_POSTGRESQL_URL", "PG_URL")
 SOURCE_NAMES = ("url", "docker", "executables")
@@ -548,9 +547,9 @@ class Session(servers.Pool[Source, Server]):
 
         A start that failed once fails again at once, from the first error.
         """
+        server = self.server()
         if not self.pooler.sources:
             pytest.skip(self.pooler.reason)
-        server = self.server()
         if self._bouncer_failed is not None:
             raise RuntimeError("pgbouncer did not start") from self._bouncer_failed
         if self._bouncer is None:
