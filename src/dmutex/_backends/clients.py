@@ -20,9 +20,6 @@ __all__ = [
     "AsyncMongoClientLike",
     "AsyncMongoCollectionLike",
     "AsyncMongoDatabaseLike",
-    "AsyncPsycopgConnectionLike",
-    "AsyncPsycopgCursorLike",
-    "AsyncPsycopgPoolLike",
     "AsyncRedisCommandClient",
     "AsyncRedisSetEvalClient",
     "MongoClientLike",
@@ -30,10 +27,6 @@ __all__ = [
     "MongoDatabaseLike",
     "MongoDeleteResultLike",
     "MongoUpdateResultLike",
-    "PsycopgConnectionInfoLike",
-    "PsycopgConnectionLike",
-    "PsycopgCursorLike",
-    "PsycopgPoolLike",
     "RedisArg",
     "RedisCommandClient",
     "RedisReply",
@@ -207,6 +200,7 @@ class AsyncMongoClientLike(Protocol):
 
 
 # --- PostgreSQL: psycopg 3 ----------------------------------------------------
+# Not in __all__ (so not public names of dmutex) until the PostgreSQL backend is.
 
 
 class PsycopgCursorLike(Protocol):
