@@ -206,6 +206,11 @@ class AsyncMongoClientLike(Protocol):
 class PsycopgCursorLike(Protocol):
     """What dmutex reads from a sync psycopg cursor: its rows (tuples or mappings)."""
 
+    @property
+    def description(self) -> Sequence[object] | None:
+        """The result's columns; None for a statement without a result (DDL)."""
+        ...
+
     def fetchall(self) -> Sequence[object]:
         """Every row of the result."""
         ...
@@ -213,6 +218,11 @@ class PsycopgCursorLike(Protocol):
 
 class AsyncPsycopgCursorLike(Protocol):
     """What dmutex reads from an asyncio psycopg cursor: its rows (tuples or mappings)."""
+
+    @property
+    def description(self) -> Sequence[object] | None:
+        """The result's columns; None for a statement without a result (DDL)."""
+        ...
 
     def fetchall(self) -> Awaitable[Sequence[object]]:
         """Every row of the result."""

@@ -3,7 +3,8 @@
 Rules of this module:
 
 1. A runner takes a :class:`~.statements.Statement` and its parameters by
-   name, sends the statement once, and returns its rows as tuples; an
+   name, sends the statement once, and returns its rows as tuples (none
+   for a statement without a result, DDL); an
    asyncio runner returns an awaitable of them. It is what the store's
    ``Call`` effects call, so the store never touches a client itself.
 2. Nothing stays open between two statements: a connection in autocommit
@@ -75,12 +76,16 @@ def _psycopg(client: object) -> Callable[[Statement, Params], list[Row]]:
     conn = cast(PsycopgConnectionLike, client)
     method(conn, "execute")  # the one check of its shape that a call cannot wait for
 
+    def once(statement: Statement, params: Params) -> list[Row]:
+        cursor = conn.execute(statement.psycopg, params, prepare=False)
+        return [] if cursor.description is None else _rows(cursor.fetchall())
+
     def run(statement: Statement, params: Params) -> list[Row]:
         if conn.autocommit:
-            return _rows(conn.execute(statement.psycopg, params, prepare=False).fetchall())
+            return once(statement, params)
         _outside_transaction(conn)
         with conn.transaction():
-            return _rows(conn.execute(statement.psycopg, params, prepare=False).fetchall())
+            return once(statement, params)
 
     return run
 
@@ -90,14 +95,16 @@ def _psycopg_async(client: object) -> Callable[[Statement, Params], Awaitable[li
     conn = cast(AsyncPsycopgConnectionLike, client)
     method(conn, "execute")
 
+    async def once(statement: Statement, params: Params) -> list[Row]:
+        cursor = await conn.execute(statement.psycopg, params, prepare=False)
+        return [] if cursor.description is None else _rows(await cursor.fetchall())
+
     async def run(statement: Statement, params: Params) -> list[Row]:
         if conn.autocommit:
-            cursor = await conn.execute(statement.psycopg, params, prepare=False)
-            return _rows(await cursor.fetchall())
+            return await once(statement, params)
         _outside_transaction(conn)
         async with conn.transaction():
-            cursor = await conn.execute(statement.psycopg, params, prepare=False)
-            return _rows(await cursor.fetchall())
+            return await once(statement, params)
 
     return run
 

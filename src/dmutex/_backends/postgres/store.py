@@ -139,8 +139,8 @@ class PostgresStore:
             )
         return bool(indexed)
 
-    def _create(self, statement: Statement, made: Sequence[bool | None]) -> Steps[bool | None]:
-        """Run a ``CREATE ... IF NOT EXISTS``; the shape after it.
+    def _create(self, statement: Statement, made: tuple[bool | None, ...]) -> Steps[None]:
+        """Run a ``CREATE ... IF NOT EXISTS``.
 
         A failure is forgiven if the shape then reads as one of ``made``:
         another process created the same thing at the same moment (which
@@ -149,20 +149,23 @@ class PostgresStore:
         try:
             yield from self._call(statement, {})
         except Exception:
-            state = yield from self._shape()
-            if state not in made:
+            if (yield from self._shape()) not in made:
                 raise
-            return state
-        return (yield from self._shape())
 
     def ready(self) -> Steps[None]:
-        """Create the table and its index if missing; refuse a table of another shape (rule 4)."""
+        """Create the table and its index if missing; refuse a table of another shape (rule 4).
+
+        One statement when both exist; else up to four (read, create the
+        table, create the index, read again: another process may have
+        created a table of another shape meanwhile).
+        """
         state = yield from self._shape()
+        if state is True:
+            return
         if state is None:
-            state = yield from self._create(self._sql.create_table, (False, True))
-        if state is not True:
-            state = yield from self._create(self._sql.create_index, (True,))
-        if state is None:
+            yield from self._create(self._sql.create_table, (False, True))
+        yield from self._create(self._sql.create_index, (True,))
+        if (yield from self._shape()) is None:
             raise DMutexError(f"the table {self._sql.table} could not be created")
 
     # --- operations ---------------------------------------------------------------
