@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type information
 import psycopg
 import psycopg_pool
 import pytest
@@ -76,54 +77,46 @@ def postgres_server() -> Iterator[str]:
 # end of the block to replace
 
 
-class Recorded:
-    """A psycopg connection (sync) that records each statement it executes."""
+class _Recording:
+    """A psycopg connection whose ``execute`` records each statement it runs."""
 
-    def __init__(self, inner: psycopg.Connection[Any]) -> None:
+    def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.statements: list[str] = []
 
     @property
     def autocommit(self) -> bool:
-        return self.inner.autocommit
+        return bool(self.inner.autocommit)
 
     @property
     def info(self) -> psycopg.ConnectionInfo:
-        return self.inner.info
+        info: psycopg.ConnectionInfo = self.inner.info
+        return info
 
     def transaction(self) -> Any:
         return self.inner.transaction()
+
+
+class Recorded(_Recording):
+    """A sync psycopg connection that records each statement it executes."""
 
     def execute(
         self, query: str, params: Mapping[str, object], /, *, prepare: bool | None = None
     ) -> psycopg.Cursor[Any]:
         self.statements.append(query)
-        return self.inner.execute(query, params, prepare=prepare)
+        cursor: psycopg.Cursor[Any] = self.inner.execute(query, params, prepare=prepare)
+        return cursor
 
 
-class AsyncRecorded:
+class AsyncRecorded(_Recording):
     """The asyncio twin of :class:`Recorded`."""
-
-    def __init__(self, inner: psycopg.AsyncConnection[Any]) -> None:
-        self.inner = inner
-        self.statements: list[str] = []
-
-    @property
-    def autocommit(self) -> bool:
-        return self.inner.autocommit
-
-    @property
-    def info(self) -> psycopg.ConnectionInfo:
-        return self.inner.info
-
-    def transaction(self) -> Any:
-        return self.inner.transaction()
 
     async def execute(
         self, query: str, params: Mapping[str, object], /, *, prepare: bool | None = None
     ) -> psycopg.AsyncCursor[Any]:
         self.statements.append(query)
-        return await self.inner.execute(query, params, prepare=prepare)
+        cursor: psycopg.AsyncCursor[Any] = await self.inner.execute(query, params, prepare=prepare)
+        return cursor
 
 
 class Face:
@@ -714,3 +707,71 @@ def test_racing_acquires_of_a_semaphore_all_get_a_permit(
     assert len(got) == 8
     assert all(lease is not None for lease in got)
     assert sorted(lease.slot for lease in got if lease is not None) == list(range(8))
+
+
+def test_asyncpg_runs_the_same_statements_with_numbered_parameters(
+    postgres_server: str, raw: psycopg.Connection[Any], table: str
+) -> None:
+    async def main() -> None:
+        # statement_cache_size=0: unnamed statements only, as a pooler needs.
+        conn = await asyncpg.connect(postgres_server, statement_cache_size=0)
+        try:
+            store = PostgresStore(conn, table, 3, SYSTEM_CLOCK, asynchronous=True)
+            engine = Engine(store, default_ttl=60)
+            drive = AsyncDriver(SYSTEM_CLOCK, store.ready)
+            leases = [await drive(engine.acquire("k", 30)) for _ in range(4)]
+            assert leases[3] is None
+            held = [lease for lease in leases if lease is not None]
+            assert sorted(lease.slot for lease in held) == [0, 1, 2]
+            found = await drive(store.holders("k"))
+            assert [h.token for h in found.holders] == [
+                lease.token for lease in sorted(held, key=lambda lease: lease.slot)
+            ]
+            renewed = await drive(store.extend_many(held))
+            assert all(isinstance(answer, int) for answer in renewed)
+            assert await drive(engine.release(held[0])) is True
+            assert await drive(engine.release(held[0])) is False
+        finally:
+            await conn.close()
+
+    asyncio.run(main())
+    assert len(rows(raw, table)) == 3, "two slots and the fence row"
+
+
+class Scripted:
+    """A psycopg-shaped connection in autocommit that answers each statement from a script."""
+
+    autocommit = True
+    info = None
+
+    def __init__(self, replies: list[list[tuple[object, ...]]]) -> None:
+        self.replies = replies
+        self.description: list[str] | None = ["column"]
+        self.sent = 0
+
+    def execute(self, query: str, params: Mapping[str, object], /, *, prepare: bool) -> Scripted:
+        assert prepare is False, "never a named prepared statement"
+        self.sent += 1
+        return self
+
+    def fetchall(self) -> list[tuple[object, ...]]:
+        return self.replies.pop(0)
+
+
+def test_a_semaphore_acquire_that_lost_its_race_sends_the_statement_again() -> None:
+    # (slot, expires, fence, ends, now, raced, foreign_row): the slot it picked
+    # was taken between its read and its upsert, then a second pick succeeds.
+    conn = Scripted(
+        [[(None, None, None, None, 1000, True, None)], [(2, 61000, 7, None, 1000, False, None)]]
+    )
+    store = PostgresStore(conn, "t", 3, SYSTEM_CLOCK, asynchronous=False)
+    lease = SyncDriver(SYSTEM_CLOCK, _nothing)(store.acquire("k", "token", 60_000))
+    assert lease is not None
+    assert (lease.slot, lease.expires_ms, lease.fence) == (2, 61000, 7)
+    assert conn.sent == 2
+    # Full, not raced: one statement, None, and the waiter learns the earliest end.
+    full = Scripted([[(None, None, None, 4500, 1000, False, None)]])
+    waiter = Waiter(1000)
+    store = PostgresStore(full, "t", 3, SYSTEM_CLOCK, asynchronous=False)
+    assert SyncDriver(SYSTEM_CLOCK, _nothing)(store.acquire("k", "token", 60_000, waiter)) is None
+    assert (full.sent, waiter.expires_in) == (1, 3.5)

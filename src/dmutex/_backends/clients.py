@@ -238,13 +238,8 @@ class PsycopgConnectionInfoLike(Protocol):
         ...
 
 
-class PsycopgConnectionLike(Protocol):
-    """A sync psycopg 3 connection (``psycopg.Connection``).
-
-    In autocommit each statement commits on its own; otherwise dmutex runs
-    each of its statements in a transaction of its own
-    (``transaction()``), and refuses a connection already inside one.
-    """
+class PsycopgConnectionStateLike(Protocol):
+    """What dmutex reads of any psycopg connection before a statement: how it commits."""
 
     @property
     def autocommit(self) -> bool:
@@ -255,6 +250,15 @@ class PsycopgConnectionLike(Protocol):
     def info(self) -> PsycopgConnectionInfoLike:
         """The connection's state."""
         ...
+
+
+class PsycopgConnectionLike(PsycopgConnectionStateLike, Protocol):
+    """A sync psycopg 3 connection (``psycopg.Connection``).
+
+    In autocommit each statement commits on its own; otherwise dmutex runs
+    each of its statements in a transaction of its own
+    (``transaction()``), and refuses a connection already inside one.
+    """
 
     def execute(
         self, query: str, params: Mapping[str, object], /, *, prepare: bool | None = ...
@@ -267,18 +271,8 @@ class PsycopgConnectionLike(Protocol):
         ...
 
 
-class AsyncPsycopgConnectionLike(Protocol):
+class AsyncPsycopgConnectionLike(PsycopgConnectionStateLike, Protocol):
     """An asyncio psycopg 3 connection (``psycopg.AsyncConnection``)."""
-
-    @property
-    def autocommit(self) -> bool:
-        """Whether each statement commits on its own."""
-        ...
-
-    @property
-    def info(self) -> PsycopgConnectionInfoLike:
-        """The connection's state."""
-        ...
 
     def execute(
         self, query: str, params: Mapping[str, object], /, *, prepare: bool | None = ...

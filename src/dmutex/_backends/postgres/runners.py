@@ -31,6 +31,7 @@ from ..clients import (
     AsyncPsycopgConnectionLike,
     AsyncPsycopgPoolLike,
     PsycopgConnectionLike,
+    PsycopgConnectionStateLike,
     PsycopgPoolLike,
 )
 from ..shapes import defines, method
@@ -61,7 +62,7 @@ def _rows(found: object) -> list[Row]:
     return rows
 
 
-def _outside_transaction(conn: PsycopgConnectionLike | AsyncPsycopgConnectionLike) -> None:
+def _outside_transaction(conn: PsycopgConnectionStateLike) -> None:
     """Refuse a connection inside the caller's transaction (rule 2)."""
     if conn.info.transaction_status != _IDLE:
         raise DMutexError(
