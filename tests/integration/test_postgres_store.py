@@ -775,3 +775,31 @@ def test_a_semaphore_acquire_that_lost_its_race_sends_the_statement_again() -> N
     store = PostgresStore(full, "t", 3, SYSTEM_CLOCK, asynchronous=False)
     assert SyncDriver(SYSTEM_CLOCK, _nothing)(store.acquire("k", "token", 60_000, waiter)) is None
     assert (full.sent, waiter.expires_in) == (1, 3.5)
+
+
+def test_processes_preparing_one_table_at_once_all_succeed(
+    postgres_server: str, raw: psycopg.Connection[Any], table: str
+) -> None:
+    # CREATE TABLE IF NOT EXISTS may fail in a race (a unique violation in
+    # the catalog); ready() forgives it once the table reads right.
+    start = threading.Barrier(6)
+    errors: list[BaseException] = []
+
+    def prepare() -> None:
+        with psycopg.connect(postgres_server, autocommit=True) as conn:
+            store = PostgresStore(conn, table, 1, SYSTEM_CLOCK, asynchronous=False)
+            start.wait()
+            try:
+                SyncDriver(SYSTEM_CLOCK, store.ready).ready()
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+
+    threads = [threading.Thread(target=prepare) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == []
+    assert rows(raw, table) == {}
+    indexes = raw.execute("SELECT count(*) FROM pg_indexes WHERE tablename = %s", (table,))
+    assert indexes.fetchone() == (2,), "the primary key and the expiry index"

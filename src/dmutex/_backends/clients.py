@@ -299,3 +299,19 @@ class AsyncPsycopgPoolLike(Protocol):
     def connection(self) -> AbstractAsyncContextManager[AsyncPsycopgConnectionLike]:
         """A connection of the pool for the block, given back at its end."""
         ...
+
+
+# --- PostgreSQL: asyncpg ---------------------------------------------------------
+
+
+class AsyncpgLike(Protocol):
+    """An asyncpg connection or pool (``asyncpg.Connection``, ``asyncpg.Pool``).
+
+    dmutex sends ``$n`` parameters positionally. asyncpg names and caches a
+    prepared statement per query unless ``statement_cache_size=0``, which a
+    pooler in transaction mode (PgBouncer) needs.
+    """
+
+    def fetch(self, query: str, /, *args: object) -> Awaitable[Sequence[object]]:
+        """Run one statement; the awaitable gives its rows (records)."""
+        ...

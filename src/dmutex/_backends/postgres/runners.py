@@ -23,11 +23,12 @@ Rules of this module:
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TypeAlias, cast
 
 from ..._errors import DMutexError
 from ..clients import (
+    AsyncpgLike,
     AsyncPsycopgConnectionLike,
     AsyncPsycopgPoolLike,
     PsycopgConnectionLike,
@@ -55,10 +56,10 @@ def _rows(found: object) -> list[Row]:
     for row in found:
         if isinstance(row, Mapping):
             rows.append(tuple(row.values()))
-        elif isinstance(row, Sequence) and not isinstance(row, (str, bytes)):
-            rows.append(tuple(row))
-        else:  # an asyncpg Record is neither, but iterable in column order
-            rows.append(tuple(row))
+        elif isinstance(row, Iterable) and not isinstance(row, (str, bytes)):
+            rows.append(tuple(row))  # a tuple, or an asyncpg Record: values in column order
+        else:
+            raise DMutexError(f"unexpected row from PostgreSQL: {row!r}")
     return rows
 
 
@@ -136,10 +137,11 @@ def _psycopg_pool_async(client: object) -> Callable[[Statement, Params], Awaitab
 
 def _asyncpg(client: object) -> Callable[[Statement, Params], Awaitable[list[Row]]]:
     """A runner on an asyncpg connection or pool (``fetch(query, *args)``, ``$n`` parameters)."""
-    fetch = cast("Callable[..., Awaitable[object]]", method(client, "fetch"))
+    conn = cast(AsyncpgLike, client)
+    method(conn, "fetch")
 
     async def run(statement: Statement, params: Params) -> list[Row]:
-        return _rows(await fetch(statement.asyncpg, *statement.arguments(params)))
+        return _rows(await conn.fetch(statement.asyncpg, *statement.arguments(params)))
 
     return run
 
