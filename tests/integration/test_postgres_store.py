@@ -677,6 +677,27 @@ def test_an_async_pool_lends_a_connection_per_statement(
     assert len(rows(raw, table)) == 3
 
 
+def at_once(count: int, work: Callable[[psycopg.Connection[Any]], T], url: str) -> list[T]:
+    """``work(connection)`` in ``count`` threads, each on its own connection, started together."""
+    start = threading.Barrier(count)
+    done: list[T] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        with psycopg.connect(url, autocommit=True) as conn:
+            start.wait()
+            answer = work(conn)
+        with lock:
+            done.append(answer)
+
+    threads = [threading.Thread(target=one) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return done
+
+
 def test_racing_acquires_of_a_semaphore_all_get_a_permit(
     postgres_server: str, raw: psycopg.Connection[Any], table: str
 ) -> None:
@@ -685,25 +706,15 @@ def test_racing_acquires_of_a_semaphore_all_get_a_permit(
     with psycopg.connect(postgres_server, autocommit=True) as setup:
         store = PostgresStore(setup, table, 8, SYSTEM_CLOCK, asynchronous=False)
         SyncDriver(SYSTEM_CLOCK, store.ready).ready()
-    start = threading.Barrier(8)
-    got: list[Lease | None] = []
-    lock = threading.Lock()
 
-    def one() -> None:
-        with psycopg.connect(postgres_server, autocommit=True) as conn:
-            store = PostgresStore(conn, table, 8, SYSTEM_CLOCK, asynchronous=False)
-            engine = Engine(store, default_ttl=60)
-            drive = SyncDriver(SYSTEM_CLOCK, store.ready)
-            start.wait()
-            lease = drive(engine.acquire("k", None))
-        with lock:
-            got.append(lease)
+    def take(conn: psycopg.Connection[Any]) -> Lease | None:
+        store = PostgresStore(conn, table, 8, SYSTEM_CLOCK, asynchronous=False)
+        lease: Lease | None = SyncDriver(SYSTEM_CLOCK, _nothing)(
+            Engine(store, default_ttl=60).acquire("k", None)
+        )
+        return lease
 
-    threads = [threading.Thread(target=one) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
+    got = at_once(8, take, postgres_server)
     assert len(got) == 8
     assert all(lease is not None for lease in got)
     assert sorted(lease.slot for lease in got if lease is not None) == list(range(8))
@@ -782,24 +793,15 @@ def test_processes_preparing_one_table_at_once_all_succeed(
 ) -> None:
     # CREATE TABLE IF NOT EXISTS may fail in a race (a unique violation in
     # the catalog); ready() forgives it once the table reads right.
-    start = threading.Barrier(6)
-    errors: list[BaseException] = []
+    def prepare(conn: psycopg.Connection[Any]) -> BaseException | None:
+        store = PostgresStore(conn, table, 1, SYSTEM_CLOCK, asynchronous=False)
+        try:
+            SyncDriver(SYSTEM_CLOCK, store.ready).ready()
+        except BaseException as error:  # noqa: BLE001 - reported below
+            return error
+        return None
 
-    def prepare() -> None:
-        with psycopg.connect(postgres_server, autocommit=True) as conn:
-            store = PostgresStore(conn, table, 1, SYSTEM_CLOCK, asynchronous=False)
-            start.wait()
-            try:
-                SyncDriver(SYSTEM_CLOCK, store.ready).ready()
-            except BaseException as error:  # noqa: BLE001 - reported below
-                errors.append(error)
-
-    threads = [threading.Thread(target=prepare) for _ in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert errors == []
+    assert at_once(6, prepare, postgres_server) == [None] * 6
     assert rows(raw, table) == {}
     indexes = raw.execute("SELECT count(*) FROM pg_indexes WHERE tablename = %s", (table,))
     assert indexes.fetchone() == (2,), "the primary key and the expiry index"
