@@ -26,7 +26,8 @@ Rules of this module:
    the statement again: one more per race lost, and only when another
    caller took a permit meanwhile.
 3. An acquire finds its own token first (``statements.py``, rule 3): a copy
-   re-sent after a lost reply answers with the lease the first copy took.
+   re-sent after a lost reply answers with the slot the first copy took
+   (its expiry and fence moved on, as Redis's script does), never a second.
    Release and extend match key, token and an expiry still in the future,
    so a holder whose lease ran out can neither remove nor prolong its
    successor's row, and a lease that expired answers False even if its row
@@ -36,7 +37,7 @@ Rules of this module:
    table it finds: another relation of that name, or a table of another
    shape (columns, types, NOT NULL, primary key), is refused with what was
    found and what dmutex needs. A role that may not create tables can use
-   a table that exists.
+   a table that exists with its index: then ready() is one read.
 5. Nothing here signals a release: waiters poll (``waiting.py``, rule 3),
    and a failed attempt learns from its own statement when the first lease
    in its way ends.
