@@ -366,6 +366,25 @@ def test_bad_identifiers_are_refused_before_any_statement() -> None:
         Statements.of("t", "a\0b")
 
 
+def test_each_driver_gets_its_placeholders_from_one_text() -> None:
+    sql = Statements.of("100%", "s").release
+    assert '"s"."100%%"' in sql.psycopg, "psycopg reads a lone % as a placeholder"
+    assert '"s"."100%"' in sql.asyncpg
+    assert sql.names == ("key", "first", "last", "token")
+    # A name used twice is one argument, numbered where it first appears.
+    assert sql.asyncpg.count("$1") == 1
+    assert "%(" not in sql.asyncpg
+    assert "$" not in sql.psycopg
+    assert sql.arguments({"token": "t", "last": 2, "first": 0, "key": "k", "x": 1}) == (
+        "k",
+        0,
+        2,
+        "t",
+    )
+    acquire = Statements.of("t").acquire_semaphore
+    assert acquire.asyncpg.count("$1") == acquire.psycopg.count("%(key)s") > 1
+
+
 def test_a_grant_writes_the_slot_row_and_the_fence_row(
     face: Face, raw: psycopg.Connection[Any], table: str
 ) -> None:
