@@ -1,0 +1,14 @@
+"""The PostgreSQL backend, one file per thing it holds.
+
+- ``statements.py``: the SQL, one builder per statement, and the
+  placeholder style of each driver;
+- ``runners.py``: how one statement runs on each kind of client (psycopg 3
+  connections and pools, sync and asyncio; asyncpg);
+- ``store.py``: :class:`PostgresStore`, which sends the statements.
+"""
+
+from __future__ import annotations
+
+from .store import PostgresStore
+
+__all__ = ["PostgresStore"]

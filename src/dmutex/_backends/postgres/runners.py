@@ -1,0 +1,162 @@
+"""How one statement runs on each kind of PostgreSQL client: the callable of the store's calls.
+
+Rules of this module:
+
+1. A runner takes a :class:`~.statements.Statement` and its parameters by
+   name, sends the statement once, and returns its rows as tuples (none
+   for a statement without a result, DDL); an
+   asyncio runner returns an awaitable of them. It is what the store's
+   ``Call`` effects call, so the store never touches a client itself.
+2. Nothing stays open between two statements: a connection in autocommit
+   runs the statement alone; a connection that is not runs it in a
+   transaction of its own (``BEGIN`` ... ``COMMIT``), and one already inside
+   the caller's transaction is refused, since a lease written there would
+   commit only with the caller's work, and lock nobody out until then. A
+   pool lends a connection for the one statement.
+3. No named prepared statement: psycopg is asked for ``prepare=False``
+   (else it prepares a statement run five times, which a pooler in
+   transaction mode cannot keep). asyncpg prepares every statement it runs,
+   unnamed only with ``statement_cache_size=0``: the caller's setting.
+4. Rows may come as tuples, records or mappings (a psycopg connection with
+   ``dict_row``): they are read in column order either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import TypeAlias, cast
+
+from ..._errors import DMutexError
+from ..clients import (
+    AsyncpgLike,
+    AsyncPsycopgConnectionLike,
+    AsyncPsycopgPoolLike,
+    PsycopgConnectionLike,
+    PsycopgConnectionStateLike,
+    PsycopgPoolLike,
+)
+from ..shapes import defines, method
+from .statements import Statement
+
+__all__ = ["Params", "Row", "Runner", "runner"]
+
+Row: TypeAlias = tuple[object, ...]
+Params: TypeAlias = Mapping[str, object]
+Runner: TypeAlias = Callable[[Statement, Params], object]
+"""``run(statement, params)``: its rows (sync), or an awaitable of them (asyncio)."""
+
+_IDLE = 0  # libpq's PQTRANS_IDLE: connected, outside any transaction
+
+
+def _rows(found: object) -> list[Row]:
+    """Rows as tuples in column order (rule 4)."""
+    if not isinstance(found, Sequence):
+        raise DMutexError(f"unexpected result from PostgreSQL: {found!r}")
+    rows: list[Row] = []
+    for row in found:
+        if isinstance(row, Mapping):
+            rows.append(tuple(row.values()))
+        elif isinstance(row, Iterable) and not isinstance(row, (str, bytes)):
+            rows.append(tuple(row))  # a tuple, or an asyncpg Record: values in column order
+        else:
+            raise DMutexError(f"unexpected row from PostgreSQL: {row!r}")
+    return rows
+
+
+def _outside_transaction(conn: PsycopgConnectionStateLike) -> None:
+    """Refuse a connection inside the caller's transaction (rule 2)."""
+    if conn.info.transaction_status != _IDLE:
+        raise DMutexError(
+            "the PostgreSQL connection is inside a transaction: a lease written there "
+            "would not commit until it does. Give dmutex a connection of its own (in "
+            "autocommit, or idle between statements), or a pool"
+        )
+
+
+def _psycopg(client: object) -> Callable[[Statement, Params], list[Row]]:
+    """A runner on a sync psycopg connection."""
+    conn = cast(PsycopgConnectionLike, client)
+    method(conn, "execute")  # the one check of its shape that a call cannot wait for
+
+    def once(statement: Statement, params: Params) -> list[Row]:
+        cursor = conn.execute(statement.psycopg, params, prepare=False)
+        return [] if cursor.description is None else _rows(cursor.fetchall())
+
+    def run(statement: Statement, params: Params) -> list[Row]:
+        if conn.autocommit:
+            return once(statement, params)
+        _outside_transaction(conn)
+        with conn.transaction():
+            return once(statement, params)
+
+    return run
+
+
+def _psycopg_async(client: object) -> Callable[[Statement, Params], Awaitable[list[Row]]]:
+    """A runner on an asyncio psycopg connection."""
+    conn = cast(AsyncPsycopgConnectionLike, client)
+    method(conn, "execute")
+
+    async def once(statement: Statement, params: Params) -> list[Row]:
+        cursor = await conn.execute(statement.psycopg, params, prepare=False)
+        return [] if cursor.description is None else _rows(await cursor.fetchall())
+
+    async def run(statement: Statement, params: Params) -> list[Row]:
+        if conn.autocommit:
+            return await once(statement, params)
+        _outside_transaction(conn)
+        async with conn.transaction():
+            return await once(statement, params)
+
+    return run
+
+
+def _psycopg_pool(client: object) -> Callable[[Statement, Params], list[Row]]:
+    """A runner on a sync psycopg pool: one connection lent per statement."""
+    pool = cast(PsycopgPoolLike, client)
+    method(pool, "connection")
+
+    def run(statement: Statement, params: Params) -> list[Row]:
+        with pool.connection() as conn:
+            return _psycopg(conn)(statement, params)
+
+    return run
+
+
+def _psycopg_pool_async(client: object) -> Callable[[Statement, Params], Awaitable[list[Row]]]:
+    """A runner on an asyncio psycopg pool: one connection lent per statement."""
+    pool = cast(AsyncPsycopgPoolLike, client)
+    method(pool, "connection")
+
+    async def run(statement: Statement, params: Params) -> list[Row]:
+        async with pool.connection() as conn:
+            return await _psycopg_async(conn)(statement, params)
+
+    return run
+
+
+def _asyncpg(client: object) -> Callable[[Statement, Params], Awaitable[list[Row]]]:
+    """A runner on an asyncpg connection or pool (``fetch(query, *args)``, ``$n`` parameters)."""
+    conn = cast(AsyncpgLike, client)
+    method(conn, "fetch")
+
+    async def run(statement: Statement, params: Params) -> list[Row]:
+        return _rows(await conn.fetch(statement.asyncpg, *statement.arguments(params)))
+
+    return run
+
+
+def runner(client: object, *, asynchronous: bool) -> Runner:
+    """The runner of ``client``: a psycopg pool or connection, or an asyncpg connection or pool.
+
+    By shape: ``fetch`` is asyncpg's (asyncio only), ``getconn`` a psycopg
+    pool's (a psycopg connection has a ``connection`` property too), else a
+    psycopg connection's ``execute``.
+    """
+    if defines(client, "fetch"):
+        if not asynchronous:
+            raise DMutexError("asyncpg is an asyncio client: use it with the asyncio classes")
+        return _asyncpg(client)
+    if defines(client, "getconn"):
+        return _psycopg_pool_async(client) if asynchronous else _psycopg_pool(client)
+    return _psycopg_async(client) if asynchronous else _psycopg(client)
