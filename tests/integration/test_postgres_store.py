@@ -13,15 +13,13 @@ store's SQL writes. No test sleeps: time passes by rewriting ``expired_at``.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
-from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote
 
-import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type information
+import asyncpg
 import psycopg
 import psycopg_pool
 import pytest
@@ -35,46 +33,20 @@ from dmutex._core.engine import Engine
 from dmutex._core.lease import Lease
 from dmutex._core.waiting import Waiter
 from dmutex._runtime.drivers import AsyncDriver, SyncDriver
-from tests._support.servers import ServerProcess, as_user
 
 T = TypeVar("T")
 FACES = ["sync", "async"]
 
 
-# until the harness's postgres plugin lands
-_PG_BIN = Path("/usr/lib/postgresql/15/bin")
-
-
 @pytest.fixture(scope="module")
-def postgres_server() -> Iterator[str]:
-    """A PostgreSQL URL: ``DMUTEX_POSTGRESQL_URL``/``PG_URL``, else a server started here."""
-    named = os.environ.get("DMUTEX_POSTGRESQL_URL") or os.environ.get("PG_URL")
-    if named:
-        yield named
-        return
-    if not (_PG_BIN / "postgres").exists():
-        pytest.skip(f"PostgreSQL is not installed in {_PG_BIN}")
-    user = "postgres" if os.geteuid() == 0 else None  # postgres refuses to run as root
-    server = ServerProcess("postgres", user=user)
-    data = server.folder / "data"
-    initdb = [str(_PG_BIN / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust"]
-    subprocess.run(as_user(initdb, user), check=True, capture_output=True)
-    url = f"postgresql://postgres@127.0.0.1:{server.port}/postgres"
-    server.start(
-        lambda folder, port: [
-            *(str(_PG_BIN / "postgres"), "-D", str(data), "-p", str(port), "-k", str(folder)),
-            *("-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"),
-        ],
-        lambda port: psycopg.connect(url, connect_timeout=2).close(),
-        (psycopg.OperationalError,),
-    )
-    try:
-        yield url
-    finally:
-        server.close()
+def postgres_server(postgres_server: str, postgres_schema: str) -> str:
+    """The harness's server, with the run's schema first on every connection's search path.
 
-
-# end of the block to replace
+    The tables these tests make by unqualified name then land in the schema
+    the harness made for the run, on a server the user named too.
+    """
+    joiner = "&" if "?" in postgres_server else "?"
+    return f"{postgres_server}{joiner}options={quote(f'-csearch_path={postgres_schema}')}"
 
 
 class _Recording:
@@ -260,7 +232,7 @@ def age(raw: psycopg.Connection[Any], table: str, key: str) -> None:
 
 
 def test_ready_creates_the_typescript_table_and_index(
-    face: Face, raw: psycopg.Connection[Any], table: str
+    face: Face, raw: psycopg.Connection[Any], table: str, postgres_schema: str
 ) -> None:
     subject = face.store(table)
     _, statements = subject.counted(subject.store.ready())
@@ -280,11 +252,10 @@ def test_ready_creates_the_typescript_table_and_index(
             "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = %s", (table,)
         ).fetchall()
     )
+    on = f"ON {postgres_schema}.{table} USING btree"
     assert indexes == {
-        f"{table}_pkey": f"CREATE UNIQUE INDEX {table}_pkey ON public.{table} USING btree (key)",
-        f"{table}_expired_at_idx": (
-            f"CREATE INDEX {table}_expired_at_idx ON public.{table} USING btree (expired_at)"
-        ),
+        f"{table}_pkey": f"CREATE UNIQUE INDEX {table}_pkey {on} (key)",
+        f"{table}_expired_at_idx": f"CREATE INDEX {table}_expired_at_idx {on} (expired_at)",
     }
     _, again = subject.counted(subject.store.ready())
     assert again == 1, "a table of the right shape with its index: one read, nothing created"
