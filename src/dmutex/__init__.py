@@ -1,4 +1,4 @@
-"""dmutex: distributed mutexes and semaphores over MongoDB, Redis and SQLite.
+"""dmutex: distributed mutexes and semaphores over MongoDB, Redis, PostgreSQL and SQLite.
 
 Token-protected leases with a TTL. Inject the client your application already
 uses; dmutex imports none of them. ``SQLiteBackend`` serves the processes of

@@ -52,7 +52,11 @@ class Options:
     fencing: bool | None
     """``fencing=``: None keeps a fence where it costs no request (Redis, SQLite, memory)."""
     table_name: str
-    """The SQLite table: ``table_name``, else ``table_prefix`` + service name."""
+    """The SQLite or PostgreSQL table: ``table_name``, else ``table_prefix`` + service name."""
+    table_origin: str
+    """Where :attr:`table_name` came from, for error messages."""
+    schema_name: str | None
+    """The PostgreSQL schema of the table; None: the connection's search path."""
 
     @classmethod
     def check(
@@ -72,6 +76,7 @@ class Options:
         clock: object = None,
         fencing: object = None,
         table_name: object = None,
+        schema_name: object = None,
     ) -> Options:
         """Check every argument, by the names of the constructors' parameters.
 
@@ -96,9 +101,13 @@ class Options:
         else:
             keys = check_str("key_prefix", key_prefix, allow_empty=True)
         if table_name is None:
-            table = check_str("table_prefix", table_prefix, allow_empty=True) + service
+            table_start = check_str("table_prefix", table_prefix, allow_empty=True)
+            table = table_start + service
+            table_origin = f"table_prefix {table_start!r} + service_name {service!r}"
         else:
             table = check_str("table_name", table_name)
+            table_origin = "table_name"
+        schema = None if schema_name is None else check_str("schema_name", schema_name)
         return cls(
             kind=kind,
             service_name=service,
@@ -112,4 +121,6 @@ class Options:
             clock=check_clock(clock),
             fencing=None if fencing is None else check_flag("fencing", fencing),
             table_name=table,
+            table_origin=table_origin,
+            schema_name=schema,
         )

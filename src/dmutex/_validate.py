@@ -9,10 +9,10 @@ from typing import Literal, cast
 from ._clock import Clock
 from ._errors import ArgumentTypeError, InvalidArgumentError
 
-BackendName = Literal["mongodb", "redis"]
+BackendName = Literal["mongodb", "postgresql", "redis"]
 """The values ``backend=`` takes: the backend to use instead of detecting it from the client."""
 
-_BACKENDS: tuple[BackendName, ...] = ("mongodb", "redis")
+_BACKENDS: tuple[BackendName, ...] = ("mongodb", "postgresql", "redis")
 
 MAX_PERMITS = 1024
 """The largest ``max_permits`` a semaphore may have.
@@ -131,13 +131,15 @@ def check_max_permits(value: object) -> int:
 
 
 def check_backend(value: object) -> BackendName | None:
-    """Return ``None``, ``"mongodb"`` or ``"redis"``."""
+    """Return ``None``, ``"mongodb"``, ``"postgresql"`` or ``"redis"``."""
     if value is None:
         return None
     for name in _BACKENDS:
         if isinstance(value, str) and value == name:
             return name
-    raise InvalidArgumentError(f"backend must be 'mongodb', 'redis' or None, not {value!r}")
+    raise InvalidArgumentError(
+        f"backend must be 'mongodb', 'postgresql', 'redis' or None, not {value!r}"
+    )
 
 
 _CLOCK_METHODS = ("time", "monotonic", "sleep", "sleep_async")
@@ -215,3 +217,44 @@ def check_collection_name(value: str, origin: str, db_name: str) -> str:
             f"{origin} gives collection name {value!r}; 'system.' is reserved"
         )
     return value
+
+
+# PostgreSQL truncates a longer identifier (NAMEDATALEN - 1 bytes) with only a
+# NOTICE; the table and its index would then have names dmutex never asked for.
+MAX_POSTGRES_IDENTIFIER_BYTES = 63
+# The index beside the table is named f"{table}{_INDEX_SUFFIX}" (the TypeScript store's name).
+_INDEX_SUFFIX = "_expired_at_idx"
+
+
+def check_postgres_names(table: str, origin: str, schema: str | None) -> None:
+    """Refuse a PostgreSQL table or schema name the server would not keep as given.
+
+    Non-empty, no NUL byte, and at most 63 bytes of UTF-8 (PostgreSQL cuts a
+    longer identifier short); for the table, its index name
+    ``<table>_expired_at_idx`` too, so the table's own name is at most 48
+    bytes. ``origin`` says where the table name came from.
+    """
+    if schema is not None:
+        _check_postgres_identifier(schema, "schema_name", "schema_name")
+    _check_postgres_identifier(table, origin, "table name")
+    index = len(table.encode()) + len(_INDEX_SUFFIX)
+    if index > MAX_POSTGRES_IDENTIFIER_BYTES:
+        raise InvalidArgumentError(
+            f"{origin} gives table name {_shown(table)}: its index name (the table's "
+            f"+ {_INDEX_SUFFIX!r}) would be {index} bytes, over PostgreSQL's "
+            f"{MAX_POSTGRES_IDENTIFIER_BYTES}; a table name may have at most "
+            f"{MAX_POSTGRES_IDENTIFIER_BYTES - len(_INDEX_SUFFIX)} bytes (UTF-8)"
+        )
+
+
+def _check_postgres_identifier(value: str, origin: str, what: str) -> None:
+    if not value or "\0" in value:
+        raise InvalidArgumentError(
+            f"{origin} gives PostgreSQL {what} {value!r}: it must be non-empty, without NUL bytes"
+        )
+    size = len(value.encode())
+    if size > MAX_POSTGRES_IDENTIFIER_BYTES:
+        raise InvalidArgumentError(
+            f"{origin} gives PostgreSQL {what} {_shown(value)} of {size} bytes, over PostgreSQL's "
+            f"{MAX_POSTGRES_IDENTIFIER_BYTES} (the server would cut it short)"
+        )

@@ -5,7 +5,8 @@ lives below this package, in ``dmutex._core.abc``.
 
 - ``shapes.py``: detection and every other check of a client's shape;
 - ``clients.py``: the client contracts, published as ``typing.Protocol``;
-- ``memory.py``, ``redis/`` (with ``cluster.py``), ``mongo.py``, ``sqlite.py``: one store each.
+- ``memory.py``, ``redis/`` (with ``cluster.py``), ``mongo.py``, ``sqlite.py``,
+  ``postgres/``: one store each.
 """
 
 from __future__ import annotations
@@ -14,21 +15,23 @@ from .._clock import SYSTEM_CLOCK
 from .._core.abc import Store
 from .._errors import InvalidArgumentError
 from .._options import Options
-from .._validate import check_collection_name, check_db_name
+from .._validate import check_collection_name, check_db_name, check_postgres_names
 from .memory import InMemoryBackend, MemoryStore
 from .mongo import MongoStore
+from .postgres import PostgresStore
 from .redis import RedisStore
-from .shapes import defines, detect, method, refuse_asyncio, refuse_sync
+from .shapes import defines, detect, method, postgres_method, refuse_asyncio, refuse_sync
 from .sqlite import SQLiteBackend, SQLiteStore, quote
 
 
 def open_store(client: object, options: Options, *, asynchronous: bool) -> Store:
     """The store that serves ``options``' namespace through ``client``.
 
-    Detects the backend, checks what depends on it (MongoDB's names, the
-    clock of an :class:`InMemoryBackend`, an asyncio client given to a sync
-    class), and makes no request: the only calls it makes are MongoDB's
-    ``get_database`` and ``get_collection``, which do no I/O.
+    Detects the backend, checks what depends on it (MongoDB's and
+    PostgreSQL's names, the clock of an :class:`InMemoryBackend`, a client
+    of the other face where its type tells), and makes no request: the only
+    calls it makes are MongoDB's ``get_database`` and ``get_collection``,
+    which do no I/O.
     """
     found = detect(client, options.backend)
     if isinstance(client, InMemoryBackend):
@@ -52,6 +55,15 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
         (refuse_sync if asynchronous else refuse_asyncio)(client, name, "client")
         prefix, permits = options.key_prefix, options.max_permits
         return RedisStore(client, prefix, permits, clock, fencing=options.fencing)
+    if found == "postgresql":
+        check_postgres_names(options.table_name, options.table_origin, options.schema_name)
+        face = postgres_method(client) or "execute"
+        (refuse_sync if asynchronous else refuse_asyncio)(client, face, "client")
+        fencing = options.fencing is not False
+        table, schema, permits = options.table_name, options.schema_name, options.max_permits
+        return PostgresStore(
+            client, table, permits, clock, schema=schema, asynchronous=asynchronous, fencing=fencing
+        )
     check_db_name(options.db_name)
     check_collection_name(options.collection_name, options.collection_origin, options.db_name)
     database = method(client, "get_database")(options.db_name)

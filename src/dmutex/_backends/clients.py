@@ -20,13 +20,22 @@ __all__ = [
     "AsyncMongoClientLike",
     "AsyncMongoCollectionLike",
     "AsyncMongoDatabaseLike",
+    "AsyncPsycopgConnectionLike",
+    "AsyncPsycopgCursorLike",
+    "AsyncPsycopgPoolLike",
     "AsyncRedisCommandClient",
     "AsyncRedisSetEvalClient",
+    "AsyncpgLike",
     "MongoClientLike",
     "MongoCollectionLike",
     "MongoDatabaseLike",
     "MongoDeleteResultLike",
     "MongoUpdateResultLike",
+    "PsycopgConnectionInfoLike",
+    "PsycopgConnectionLike",
+    "PsycopgConnectionStateLike",
+    "PsycopgCursorLike",
+    "PsycopgPoolLike",
     "RedisArg",
     "RedisCommandClient",
     "RedisReply",
@@ -200,7 +209,6 @@ class AsyncMongoClientLike(Protocol):
 
 
 # --- PostgreSQL: psycopg 3 ----------------------------------------------------
-# Not in __all__ (so not public names of dmutex) until the PostgreSQL backend is.
 
 
 class PsycopgCursorLike(Protocol):

@@ -6,7 +6,13 @@ One contract each:
   so a ``__getattr__`` that answers any name, like pymongo's, cannot fool it);
 - :func:`method`: the bound method to call, or :class:`UnsupportedClientError`;
 - :func:`detect`: which backend contract a client meets, or an error saying
-  what each contract needs;
+  what each contract needs. A PostgreSQL client is known by what psycopg 3
+  and asyncpg have and no other client (``sqlite3.Connection`` included)
+  does: a psycopg connection's ``info`` beside ``execute``, a psycopg
+  pool's ``getconn`` beside ``connection``, asyncpg's ``fetchrow`` beside
+  ``fetch``;
+- :func:`postgres_method`: the method of a PostgreSQL client whose face
+  tells sync from asyncio;
 - :func:`is_cluster_client`: whether a Redis client routes by hash slot;
 - :func:`refuse_asyncio`: an asyncio object given to a sync class, refused
   before any call;
@@ -25,15 +31,28 @@ from .._validate import BackendName
 from .memory import InMemoryBackend
 from .sqlite import SQLiteBackend
 
-Found = Literal["memory", "mongodb", "redis", "sqlite"]
+Found = Literal["memory", "mongodb", "postgresql", "redis", "sqlite"]
 
 _NEEDS: dict[BackendName, str] = {
     "mongodb": "get_database(name)",
+    "postgresql": (
+        "execute(query, params) and info (a psycopg 3 connection), getconn() and "
+        "connection() (a psycopg_pool pool), or fetch(query, *args) and fetchrow() "
+        "(an asyncpg connection or pool)"
+    ),
     "redis": (
         "execute_command(*args), or both set(name, value, px=..., nx=...) "
         "and eval(script, numkeys, *keys_and_args)"
     ),
 }
+_LABELS: dict[BackendName, str] = {
+    "mongodb": "MongoDB",
+    "postgresql": "PostgreSQL",
+    "redis": "Redis",
+}
+# Per PostgreSQL client kind: the two names that tell it, the first one the
+# method whose face (coroutine function or not) tells sync from asyncio.
+_POSTGRES_SHAPES = (("fetch", "fetchrow"), ("getconn", "connection"), ("execute", "info"))
 
 
 def _described(target: object) -> str:
@@ -62,7 +81,20 @@ def _shapes(client: object) -> set[BackendName]:
         shapes.add("mongodb")
     if defines(client, "execute_command") or (defines(client, "set") and defines(client, "eval")):
         shapes.add("redis")
+    if postgres_method(client) is not None:
+        shapes.add("postgresql")
     return shapes
+
+
+def postgres_method(client: object) -> str | None:
+    """The method that tells a PostgreSQL client's face (``fetch``, ``getconn``, ``execute``).
+
+    None if ``client`` has none of the PostgreSQL shapes.
+    """
+    for name, beside in _POSTGRES_SHAPES:
+        if defines(client, name) and defines(client, beside):
+            return name
+    return None
 
 
 def detect(client: object, backend: BackendName | None) -> Found:
@@ -84,15 +116,19 @@ def detect(client: object, backend: BackendName | None) -> Found:
             )
         return backend
     if len(shapes) > 1:
+        found = sorted(shapes)
+        labels = " and the ".join(_LABELS[name] for name in found)
+        choices = " or ".join(f"backend={name!r}" for name in found)
+        both = "both " if len(found) == 2 else ""
         raise AmbiguousClientError(
-            f"{_described(client)} matches both the MongoDB and the Redis contract; "
-            "pass backend='mongodb' or backend='redis'"
+            f"{_described(client)} matches {both}the {labels} contract; pass {choices}"
         )
     if shapes:
         return shapes.pop()
     raise UnsupportedClientError(
         f"{_described(client)} is not a client dmutex can use. A MongoDB client needs "
-        f"{_NEEDS['mongodb']}; a Redis client needs {_NEEDS['redis']}; "
+        f"{_NEEDS['mongodb']}; a Redis client needs {_NEEDS['redis']}; a PostgreSQL "
+        f"client needs {_NEEDS['postgresql']}; "
         "or pass a dmutex.SQLiteBackend or dmutex.InMemoryBackend"
     )
 
@@ -112,11 +148,12 @@ def refuse_asyncio(target: object, name: str, what: str) -> None:
     """Refuse an asyncio ``target`` (a client or a collection) for a sync class.
 
     Known before any call when ``target.name`` is a coroutine function
-    (redis.asyncio, pymongo's async API) or ``target`` is a motor object
-    (every one has ``get_io_loop``; motor starts its request before it returns
-    a Future, so this must be caught here). The other direction cannot be told
-    from the object: a sync-looking method may return an awaitable, so the
-    async driver checks the first reply (:func:`wrong_face`).
+    (redis.asyncio, pymongo's async API, psycopg's and asyncpg's) or
+    ``target`` is a motor object (every one has ``get_io_loop``; motor starts
+    its request before it returns a Future, so this must be caught here).
+    The other direction cannot be told from the object: a sync-looking
+    method may return an awaitable, so the async driver checks the first
+    reply (:func:`wrong_face`).
     """
     if inspect.iscoroutinefunction(getattr(target, name, None)) or defines(target, "get_io_loop"):
         raise UnsupportedClientError(
@@ -125,8 +162,9 @@ def refuse_asyncio(target: object, name: str, what: str) -> None:
 
 
 # Packages whose plain (non-coroutine) client methods do their I/O before they
-# return: redis-py, valkey-py and pymongo, outside their asyncio modules.
-_SYNC_PACKAGES = ("redis", "valkey", "pymongo")
+# return: redis-py, valkey-py, pymongo and psycopg (with psycopg_pool),
+# outside their asyncio modules.
+_SYNC_PACKAGES = ("redis", "valkey", "pymongo", "psycopg", "psycopg_pool")
 _ASYNC_MODULES = ("asyncio", "asynchronous")
 
 
@@ -134,9 +172,9 @@ def refuse_sync(target: object, name: str, what: str) -> None:
     """Refuse a sync ``target`` (a client or a collection) for an asyncio class.
 
     Known before any call when ``target.name`` is a plain function of
-    redis-py, valkey-py or pymongo outside their asyncio modules: such a call
-    sends its request before it returns, so the reply check would come too
-    late. Other clients are judged by their first reply (:func:`wrong_face`).
+    redis-py, valkey-py, pymongo or psycopg outside their asyncio modules:
+    such a call sends its request before it returns, so the reply check
+    would come too late. Other clients are judged by their first reply (:func:`wrong_face`).
     """
     fn = getattr(type(target), name, None)
     # motor wraps pymongo's sync methods (their __module__ is pymongo's) into
@@ -147,7 +185,8 @@ def refuse_sync(target: object, name: str, what: str) -> None:
     if parts[0] in _SYNC_PACKAGES and not set(parts) & set(_ASYNC_MODULES):
         raise UnsupportedClientError(
             f"{_described(target)} is a sync {what}: use DMutex / DSemaphore, or pass "
-            "its asyncio counterpart (redis.asyncio, valkey.asyncio, pymongo.AsyncMongoClient)"
+            "its asyncio counterpart (redis.asyncio, valkey.asyncio, pymongo.AsyncMongoClient, "
+            "psycopg.AsyncConnection, psycopg_pool.AsyncConnectionPool, asyncpg)"
         )
 
 

@@ -15,6 +15,9 @@ from typing import TypeAlias, TypeVar, cast
 
 from .._backends.clients import (
     AsyncMongoClientLike,
+    AsyncpgLike,
+    AsyncPsycopgConnectionLike,
+    AsyncPsycopgPoolLike,
     AsyncRedisCommandClient,
     AsyncRedisSetEvalClient,
 )
@@ -47,6 +50,9 @@ AsyncClient: TypeAlias = (
     | AsyncMongoClientLike
     | AsyncRedisCommandClient
     | AsyncRedisSetEvalClient
+    | AsyncPsycopgConnectionLike
+    | AsyncPsycopgPoolLike
+    | AsyncpgLike
 )
 """Any client an asyncio class accepts."""
 

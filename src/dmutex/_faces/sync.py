@@ -14,7 +14,13 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TypeAlias, TypeVar, cast
 
-from .._backends.clients import MongoClientLike, RedisCommandClient, RedisSetEvalClient
+from .._backends.clients import (
+    MongoClientLike,
+    PsycopgConnectionLike,
+    PsycopgPoolLike,
+    RedisCommandClient,
+    RedisSetEvalClient,
+)
 from .._backends.memory import InMemoryBackend
 from .._backends.sqlite import SQLiteBackend
 from .._core.engine import Engine
@@ -33,7 +39,13 @@ H = TypeVar("H", bound="_SyncHandle")
 Self = TypeVar("Self", bound="_SyncHandle")
 
 SyncClient: TypeAlias = (
-    InMemoryBackend | SQLiteBackend | MongoClientLike | RedisCommandClient | RedisSetEvalClient
+    InMemoryBackend
+    | SQLiteBackend
+    | MongoClientLike
+    | RedisCommandClient
+    | RedisSetEvalClient
+    | PsycopgConnectionLike
+    | PsycopgPoolLike
 )
 """Any client a sync class accepts."""
 
@@ -220,8 +232,8 @@ class _SyncFace(Wrapping[H]):
 class DSemaphore(_SyncFace[DSemaphorePermit], SemaphoreBase[SyncClient]):
     """A distributed semaphore: at most ``max_permits`` holders per key.
 
-    Each permit is a token-protected lease with a TTL, kept in MongoDB, Redis
-    or an :class:`SQLiteBackend` file (or an :class:`InMemoryBackend`). A
+    Each permit is a token-protected lease with a TTL, kept in MongoDB, Redis,
+    PostgreSQL or an :class:`SQLiteBackend` file (or an :class:`InMemoryBackend`). A
     holder that stops without releasing loses its permit when the TTL runs out.
     All callers of one key must use the same ``max_permits``.
     """
@@ -240,8 +252,8 @@ class DSemaphore(_SyncFace[DSemaphorePermit], SemaphoreBase[SyncClient]):
 class DMutex(_SyncFace[DMutexLock], MutexBase[SyncClient]):
     """A distributed mutex: one holder per key at a time (a one-permit semaphore).
 
-    The lock is a token-protected lease with a TTL, kept in MongoDB, Redis or
-    an :class:`SQLiteBackend` file (or an :class:`InMemoryBackend`). A holder
+    The lock is a token-protected lease with a TTL, kept in MongoDB, Redis,
+    PostgreSQL or an :class:`SQLiteBackend` file (or an :class:`InMemoryBackend`). A holder
     that stops without releasing loses the lock when the TTL runs out; one that
     outlives its TTL must ``extend()`` or it may find another holder in its
     place.

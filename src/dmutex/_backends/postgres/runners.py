@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TypeAlias, cast
 
-from ..._errors import DMutexError
+from ..._errors import DMutexError, UnsupportedClientError
 from ..clients import (
     AsyncpgLike,
     AsyncPsycopgConnectionLike,
@@ -35,7 +35,7 @@ from ..clients import (
     PsycopgConnectionStateLike,
     PsycopgPoolLike,
 )
-from ..shapes import defines, method
+from ..shapes import method, postgres_method
 from .statements import Statement
 
 __all__ = ["Params", "Row", "Runner", "runner"]
@@ -149,14 +149,17 @@ def _asyncpg(client: object) -> Callable[[Statement, Params], Awaitable[list[Row
 def runner(client: object, *, asynchronous: bool) -> Runner:
     """The runner of ``client``: a psycopg pool or connection, or an asyncpg connection or pool.
 
-    By shape: ``fetch`` is asyncpg's (asyncio only), ``getconn`` a psycopg
-    pool's (a psycopg connection has a ``connection`` property too), else a
-    psycopg connection's ``execute``.
+    By shape (``shapes.postgres_method``): ``fetch`` is asyncpg's (asyncio
+    only), ``getconn`` a psycopg pool's (a psycopg connection has a
+    ``connection`` property too), else a psycopg connection's ``execute``.
     """
-    if defines(client, "fetch"):
+    kind = postgres_method(client)
+    if kind == "fetch":
         if not asynchronous:
-            raise DMutexError("asyncpg is an asyncio client: use it with the asyncio classes")
+            raise UnsupportedClientError(
+                "asyncpg is an asyncio client: use AsyncDMutex / AsyncDSemaphore"
+            )
         return _asyncpg(client)
-    if defines(client, "getconn"):
+    if kind == "getconn":
         return _psycopg_pool_async(client) if asynchronous else _psycopg_pool(client)
     return _psycopg_async(client) if asynchronous else _psycopg(client)
