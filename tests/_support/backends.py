@@ -20,16 +20,21 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
 
+import asyncpg
 import fakeredis
 import mongomock
+import psycopg
+import psycopg_pool
 import pymongo
 import redis
+from psycopg import sql
 
 from dmutex import InMemoryBackend, ManualClock, SQLiteBackend
 from dmutex._core.lease import now_ms
 from tests._support.faces import Face, FaceName, Kind, LoopThread
 from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
 from tests._support.mongo_servers import AsyncRedirectedClient, RedirectedClient, Session
+from tests._support.postgres_servers import Session as PostgresSession
 from tests._support.redis_clients import SERVER_VARIANTS, Made, close_made
 
 Runner = Callable[[Awaitable[object]], object]
@@ -354,6 +359,147 @@ class RealMongo:
         self._async.clear()
 
 
+# The PostgreSQL clients the suites run on: how each reaches the test schema.
+POSTGRES_VARIANTS = ("psycopg", "psycopg-pool", "asyncpg", "psycopg-pgbouncer")
+
+
+class Postgres:
+    """A real PostgreSQL server through one client package, in real time; the schema emptied first.
+
+    Every variant works in the session's test schema, each reaching it its own
+    way, so that each way is exercised: ``psycopg`` and ``psycopg-pool`` put
+    it on the search path (``options=-csearch_path=`` in the URL), asyncpg in
+    its ``server_settings``, and psycopg through PgBouncer in transaction
+    mode (which passes no such startup parameter on) names it with
+    ``schema_name=`` (:attr:`options`), with ``prepare_threshold=None``. Leases
+    are 30 s and more, so none runs out during a test; force-expiry sets
+    ``expired_at`` to the server's now and leaves the row stored, so takeover
+    of a stored row is what gets exercised.
+    """
+
+    clock: ManualClock | None = None
+    ttls: tuple[float, ...] = (30.0, 61.5, 90.001)
+
+    def __init__(self, session: PostgresSession, variant: str = "psycopg") -> None:
+        assert variant in POSTGRES_VARIANTS, variant
+        server = session.fresh()
+        self.schema = server.schema
+        self.variant = variant
+        self.url = self._direct = server.url
+        self.options: dict[str, object] = {}
+        if variant == "psycopg-pgbouncer":
+            self.url = session.bouncer().url
+            self.options["schema_name"] = self.schema
+        self.loop: LoopThread | None = None
+        """The rig's loop, where asyncio clients are made (and must be used)."""
+        self._inspector = server.connect()
+        self._closers: list[Callable[[], object]] = []
+        self._async_closers: list[Callable[[], Awaitable[object]]] = []
+
+    def _search_path_url(self, url: str | None = None) -> str:
+        url = self.url if url is None else url
+        joiner = "&" if "?" in url else "?"
+        return f"{url}{joiner}options=-csearch_path%3D{self.schema}"
+
+    def client(self, asynchronous: bool) -> object:
+        if asynchronous:
+            assert self.loop is not None, "the rig gives its loop first"
+            return self.loop.run(self._async_client())
+        if self.variant == "psycopg":
+            conn = psycopg.connect(self._search_path_url(), autocommit=True)
+            self._closers.append(conn.close)
+            return conn
+        if self.variant == "psycopg-pool":
+            pool = psycopg_pool.ConnectionPool(
+                self._search_path_url(), min_size=1, max_size=4, open=True
+            )
+            self._closers.append(pool.close)
+            return pool
+        if self.variant == "psycopg-pgbouncer":
+            conn = psycopg.connect(self.url, autocommit=True, prepare_threshold=None)
+            self._closers.append(conn.close)
+            return conn
+        raise AssertionError(f"{self.variant} has no sync client")
+
+    async def _async_client(self) -> object:
+        if self.variant == "psycopg":
+            conn = await psycopg.AsyncConnection.connect(self._search_path_url(), autocommit=True)
+            self._async_closers.append(conn.close)
+            return conn
+        if self.variant == "psycopg-pool":
+            pool = psycopg_pool.AsyncConnectionPool(
+                self._search_path_url(), min_size=1, max_size=4, open=False
+            )
+            await pool.open()
+            self._async_closers.append(pool.close)
+            return pool
+        if self.variant == "asyncpg":
+            made = await asyncpg.connect(self.url, server_settings={"search_path": self.schema})
+            self._async_closers.append(made.close)
+            return made
+        conn = await psycopg.AsyncConnection.connect(
+            self.url, autocommit=True, prepare_threshold=None
+        )
+        self._async_closers.append(conn.close)
+        return conn
+
+    def status_client(self) -> object:
+        """A sync psycopg connection to the server with the test schema on its search path.
+
+        What ``dmutex status`` is given (it names no schema): any variant's
+        storage, read by default table names, whichever way its clients reach
+        the schema (PgBouncer passes no search path on, asyncpg has no sync client).
+        """
+        conn = psycopg.connect(self._search_path_url(self._direct), autocommit=True)
+        self._closers.append(conn.close)
+        return conn
+
+    def _tables(self) -> list[str]:
+        found = self._inspector.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = %s", (self.schema,)
+        )
+        return [str(name) for (name,) in found.fetchall()]
+
+    def _table(self, name: str) -> sql.Composable:
+        return sql.Identifier(self.schema, name)
+
+    def force_expire(self, key: str, slot: int | None = None) -> None:
+        for table in self._tables():
+            self._inspector.execute(
+                sql.SQL(
+                    'UPDATE {} SET "expired_at" = statement_timestamp() '
+                    'WHERE "key" ~ %s AND "expired_at" > statement_timestamp()'
+                ).format(self._table(table)),
+                (slot_pattern(key, slot),),
+            )
+
+    def active(self, prefix: str) -> dict[str, str]:
+        # The tests use the default tables: the Redis-style prefix without
+        # its colon (_dmutex_svc, _dsemaphore_svc), as for SQLite.
+        table = prefix.rstrip(":")
+        if table not in self._tables():
+            return {}
+        found = self._inspector.execute(
+            sql.SQL(
+                'SELECT "key", "value" FROM {} '
+                'WHERE "key" LIKE \'permit:%%\' AND "expired_at" > statement_timestamp()'
+            ).format(self._table(table))
+        )
+        return {f"{prefix}{name}": str(token) for name, token in found.fetchall()}
+
+    def close(self, run: Runner | None) -> None:
+        if self._async_closers and run is None:
+            raise RuntimeError("async clients need the rig's loop to close on")
+        for close in self._async_closers:
+            assert run is not None
+            run(close())
+        self._async_closers.clear()
+        for close_sync in self._closers:
+            close_sync()
+        self._closers.clear()
+        self._inspector.close()
+
+
 class Rig:
     """One backend through one face: makes instances, moves or forces time, cleans up."""
 
@@ -361,6 +507,8 @@ class Rig:
         self.backend = backend
         self.face = face
         self.loop = LoopThread() if face == "async" else None
+        if isinstance(backend, Postgres):
+            backend.loop = self.loop  # asyncpg's and psycopg's clients belong to their loop
         self.client = backend.client(face == "async")
 
     @property
@@ -371,6 +519,9 @@ class Rig:
         """A DMutex/DSemaphore of this face over the rig's client (sync methods either way)."""
         if self.clock is not None:
             options.setdefault("clock", self.clock)
+        if isinstance(self.backend, Postgres):
+            for name, value in self.backend.options.items():
+                options.setdefault(name, value)
         return Face(self.face, kind, self.client, loop=self.loop, **options)
 
     def settle(self, face: Face) -> None:

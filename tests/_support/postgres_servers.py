@@ -499,6 +499,12 @@ def _discovered_once() -> tuple[servers.Discovery[Source], servers.Discovery[PgB
     return discover(), discover_pgbouncer()
 
 
+def postgres_label() -> str:
+    """The label of the session's server, or ``no-server``, for test ids (nothing is started)."""
+    server, _ = _discovered_once()
+    return server.labels[0] if server.labels else "no-server"
+
+
 def header() -> list[str]:
     """The run's header lines: the server and the pooler found, and what was passed over."""
     server, pooler = _discovered_once()

@@ -7,6 +7,10 @@ this folder do not change.
 Redis cases: every client package of ``tests/_support/redis_clients.py`` on
 the newest server found, fakeredis, and redis-py on every other server
 version found (see ``tests/_support/redis_servers.py``).
+
+PostgreSQL cases (``tests/_support/postgres_servers.py``): psycopg 3 and a
+psycopg_pool pool on each face, asyncpg (asyncio only), and psycopg through
+PgBouncer in transaction mode on each face.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from tests._support.backends import (
     FakeRedis,
     Memory,
     Mongomock,
+    Postgres,
     RealMongo,
     RealRedis,
     Rig,
@@ -29,6 +34,8 @@ from tests._support.backends import (
 from tests._support.faces import FaceName
 from tests._support.mongo_servers import Session as MongoSession
 from tests._support.mongo_servers import mongo_label
+from tests._support.postgres_servers import Session as PostgresSession
+from tests._support.postgres_servers import postgres_label
 from tests._support.redis_clients import SERVER_VARIANTS
 from tests._support.redis_servers import Pool, discovered, server_or_skip
 
@@ -39,6 +46,7 @@ class Servers:
 
     redis: Pool
     mongo: MongoSession
+    postgres: PostgresSession
 
 
 Case = Callable[[Servers], Backend]
@@ -49,6 +57,17 @@ def _redis_case(label: str, variant: str) -> Case:
         return RealRedis(server_or_skip(servers.redis, label).url, variant)
 
     return make
+
+
+def _postgres_case(variant: str) -> Case:
+    return lambda servers: Postgres(servers.postgres, variant)
+
+
+# PostgreSQL clients per face: asyncpg has no sync client.
+POSTGRES_CASES: dict[FaceName, tuple[str, ...]] = {
+    "sync": ("psycopg", "psycopg-pool", "psycopg-pgbouncer"),
+    "async": ("psycopg", "psycopg-pool", "asyncpg", "psycopg-pgbouncer"),
+}
 
 
 def _cases() -> dict[str, tuple[FaceName, Case]]:
@@ -67,6 +86,8 @@ def _cases() -> dict[str, tuple[FaceName, Case]]:
             cases[f"{variant}-{face}@{label}"] = (face, _redis_case(newest, variant))
         for label in others:
             cases[f"redis-py-{face}@{label}"] = (face, _redis_case(label, "redis-py"))
+        for variant in POSTGRES_CASES[face]:
+            cases[f"{variant}-{face}@{postgres_label()}"] = (face, _postgres_case(variant))
     return cases
 
 
@@ -91,10 +112,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture
 def env(
-    request: pytest.FixtureRequest, redis_pool: Pool, mongo_session: MongoSession
+    request: pytest.FixtureRequest,
+    redis_pool: Pool,
+    mongo_session: MongoSession,
+    postgres_session: PostgresSession,
 ) -> Iterator[Rig]:
     face, case = CASES[request.param]
-    rig = Rig(case(Servers(redis_pool, mongo_session)), face)
+    rig = Rig(case(Servers(redis_pool, mongo_session, postgres_session)), face)
     try:
         yield rig
     finally:

@@ -16,7 +16,7 @@ import pytest
 from dmutex import LeaseLostError
 from dmutex._cli.holders import read_holders
 from dmutex._core.fences import US_PER_S, clock_us, next_fence
-from tests._support.backends import Memory, Mongomock, RealMongo, Rig, SQLite
+from tests._support.backends import Memory, Mongomock, Postgres, RealMongo, Rig, SQLite
 from tests._support.faces import Face, Handle, Kind
 
 # A 3 s lease is renewed every 0.9-1.0 s; the tests step the clock by a quarter second.
@@ -82,7 +82,9 @@ def stored_fence(env: Rig, kind: Kind, key: str) -> int | None:
     Read as ``dmutex status`` reads it, through a sync client of the same storage.
     """
     limit = 1 if kind == "mutex" else 2
-    return read_holders(env.backend.client(False), service="svc", limit=limit, key=key).fence
+    backend = env.backend
+    client = backend.status_client() if isinstance(backend, Postgres) else backend.client(False)
+    return read_holders(client, service="svc", limit=limit, key=key).fence
 
 
 def granted(env: Rig, lock: Face, key: str, previous: int) -> int:
