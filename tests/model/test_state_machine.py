@@ -35,8 +35,9 @@ from hypothesis.stateful import (
 )
 
 from dmutex._core.lease import EPOCH
-from tests._support.backends import Backend, Memory, Mongomock, RealRedis, Rig, SQLite
+from tests._support.backends import Backend, Memory, Mongomock, Postgres, RealRedis, Rig, SQLite
 from tests._support.faces import FaceName, Handle, Kind
+from tests._support.postgres_servers import Session as PostgresSession
 from tests.model.model import Model
 
 KEYS = ("a", "b")
@@ -341,3 +342,12 @@ def test_mongomock(face: FaceName, kind: Kind, max_permits: int) -> None:
 def test_sqlite(face: FaceName, kind: Kind, max_permits: int) -> None:
     """The same machine on the SQLite store, over a temporary file."""
     check_machine(SQLite, face, kind, max_permits)
+
+
+@pytest.mark.parametrize(("face", "kind", "max_permits"), CONFIGS)
+def test_postgresql(
+    postgres_session: PostgresSession, face: FaceName, kind: Kind, max_permits: int
+) -> None:
+    """The same machine against a real PostgreSQL server: psycopg (sync), asyncpg (asyncio)."""
+    variant = "psycopg" if face == "sync" else "asyncpg"
+    check_machine(lambda: Postgres(postgres_session, variant), face, kind, max_permits)
