@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sqlite3
 from collections.abc import Callable
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
+import psycopg_pool
 import pytest
 
 from dmutex import (
@@ -30,9 +32,13 @@ from dmutex import (
 from tests._support.doubles import (
     AnsweringRedis,
     AsyncAnsweringRedis,
+    AsyncRecordingPsycopg,
+    RecordingAsyncpg,
     RecordingBoth,
     RecordingMongo,
+    RecordingPsycopg,
     RecordingRedis,
+    RecordingRedisPsycopg,
 )
 
 CLASSES: list[Any] = [DMutex, DSemaphore, AsyncDMutex, AsyncDSemaphore]
@@ -154,7 +160,7 @@ def test_invalid_mongodb_names(cls: Any, options: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("cls", CLASSES)
-@pytest.mark.parametrize("value", ["mysql", "Redis", "", 1, True])
+@pytest.mark.parametrize("value", ["mysql", "Redis", "", 1, True, "postgres", "PostgreSQL"])
 def test_backend_name(cls: Any, value: object) -> None:
     client = RecordingRedis()
     check_error(ValueError, lambda: make(cls, client, backend=value), client.calls)
@@ -190,10 +196,140 @@ def test_backend_naming_an_unmet_contract(cls: Any, client: Any, backend: str) -
 
 
 @pytest.mark.parametrize("cls", CLASSES)
-@pytest.mark.parametrize("option", ["db_name", "collection_prefix", "key_prefix"])
+@pytest.mark.parametrize(
+    "option", ["db_name", "collection_prefix", "key_prefix", "table_prefix", "schema_name"]
+)
 def test_option_types(cls: Any, option: str) -> None:
     client = RecordingRedis()
     check_error(TypeError, lambda: make(cls, client, **{option: 5}), client.calls)
+
+
+# --- PostgreSQL ---------------------------------------------------------------------
+
+SYNC_CLASSES: list[Any] = [DMutex, DSemaphore]
+ASYNC_CLASSES: list[Any] = [AsyncDMutex, AsyncDSemaphore]
+
+
+def recording_psycopg(cls: Any) -> RecordingPsycopg:
+    """A psycopg-shaped double of ``cls``'s face that records any call."""
+    return AsyncRecordingPsycopg() if cls in ASYNC_CLASSES else RecordingPsycopg()
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize(
+    ("options", "error", "said"),
+    [
+        ({"table_name": ""}, ValueError, "table_name"),
+        ({"table_name": "a\x00b"}, ValueError, "NUL"),
+        ({"table_name": 5}, TypeError, "table_name"),
+        ({"schema_name": ""}, ValueError, "schema_name"),
+        ({"schema_name": "s\x00"}, ValueError, "NUL"),
+        ({"schema_name": 5}, TypeError, "schema_name"),
+        ({"schema_name": b"s"}, TypeError, "schema_name"),
+        ({"schema_name": "a\ud800"}, ValueError, "UTF-8"),
+        # PostgreSQL would cut a name over 63 bytes short.
+        ({"schema_name": "s" * 64}, ValueError, "64 bytes"),
+        ({"schema_name": "é" * 32}, ValueError, "64 bytes"),
+        # The index "<table>_expired_at_idx" must fit in 63 bytes too: 48 for the table.
+        ({"table_name": "t" * 49}, ValueError, "at most 48 bytes"),
+        ({"table_name": "é" * 25}, ValueError, "at most 48 bytes"),
+        ({"table_prefix": "p" * 49}, ValueError, "table_prefix"),
+        ({"service_name": "s" * 41}, ValueError, "service_name"),
+    ],
+)
+def test_invalid_postgresql_names(
+    cls: Any, options: dict[str, Any], error: type[Exception], said: str
+) -> None:
+    client = recording_psycopg(cls)
+    options = dict(options)
+    service = options.pop("service_name", "svc")
+    extra: dict[str, Any] = {"max_permits": 1} if cls in (DSemaphore, AsyncDSemaphore) else {}
+    with pytest.raises(error, match=said):
+        cls(service, client, **options, **extra)
+    check_error(error, lambda: cls(service, client, **options, **extra), client.calls)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_longest_postgresql_names_are_accepted(cls: Any) -> None:
+    """The limits are the server's: a 48-byte table and a 63-byte schema build, with no call."""
+    client = recording_psycopg(cls)
+    made = make(cls, client, table_name="t" * 48, schema_name="s" * 63)
+    assert isinstance(made, cls)
+    assert client.calls == []
+
+
+def asyncio_postgres_clients() -> list[Any]:
+    """asyncio PostgreSQL clients that no call may reach: doubles, and real pools never opened."""
+    return [
+        AsyncRecordingPsycopg(),
+        RecordingAsyncpg(),
+        psycopg_pool.AsyncConnectionPool("postgresql://nobody@127.0.0.1:1/none", open=False),
+    ]
+
+
+@pytest.mark.parametrize("cls", SYNC_CLASSES)
+@pytest.mark.parametrize("index", range(3))
+def test_asyncio_postgresql_client_refused_by_sync_classes(cls: Any, index: int) -> None:
+    """Its face is known from its type: refused at construction, before any call."""
+    client = asyncio_postgres_clients()[index]
+    with pytest.raises(UnsupportedClientError, match="use AsyncDMutex / AsyncDSemaphore"):
+        make(cls, client)
+    assert getattr(client, "calls", []) == []
+
+
+@pytest.mark.parametrize("cls", ASYNC_CLASSES)
+def test_sync_postgresql_pool_refused_by_async_classes(cls: Any) -> None:
+    """psycopg's sync API does its I/O before it returns: refused at construction."""
+    client = psycopg_pool.ConnectionPool("postgresql://nobody@127.0.0.1:1/none", open=False)
+    with pytest.raises(UnsupportedClientError, match="use DMutex / DSemaphore"):
+        make(cls, client)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_sqlite3_connection_is_not_a_postgresql_client(cls: Any) -> None:
+    """It has ``execute`` (and ``autocommit`` on 3.12+), but not psycopg's ``info``."""
+    conn = sqlite3.connect(":memory:")
+    try:
+        with pytest.raises(UnsupportedClientError, match="SQLiteBackend") as raised:
+            make(cls, conn)
+        assert "a PostgreSQL client needs" in str(raised.value)
+        with pytest.raises(UnsupportedClientError, match="backend='postgresql'"):
+            make(cls, conn, backend="postgresql")
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize(
+    ("client", "backend"),
+    [(RecordingRedis(), "postgresql"), (RecordingMongo(), "postgresql")],
+)
+def test_backend_postgresql_naming_an_unmet_contract(cls: Any, client: Any, backend: str) -> None:
+    client.calls.clear()
+    check_error(UnsupportedClientError, lambda: make(cls, client, backend=backend), client.calls)
+    with pytest.raises(UnsupportedClientError, match="fetch"):
+        make(cls, client, backend=backend)
+
+
+@pytest.mark.parametrize("cls", SYNC_CLASSES)
+def test_client_matching_the_redis_and_the_postgresql_contract(cls: Any) -> None:
+    """Ambiguous without ``backend=``, which the error names; either choice builds, with no call."""
+    client = RecordingRedisPsycopg()
+    check_error(AmbiguousClientError, lambda: make(cls, client), client.calls)
+    with pytest.raises(AmbiguousClientError, match="backend='postgresql' or backend='redis'"):
+        make(cls, client)
+    for backend in ("postgresql", "redis"):
+        assert isinstance(make(cls, client, backend=backend), cls)
+    assert client.calls == []
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_postgresql_names_are_not_judged_for_other_backends(cls: Any) -> None:
+    """A table or schema name PostgreSQL would refuse is ignored by Redis, as the README says."""
+    client = RecordingRedis()
+    made = make(cls, client, table_name="t" * 100, schema_name="s" * 100)
+    assert isinstance(made, cls)
+    assert client.calls == []
 
 
 # --- operation rows ---------------------------------------------------------------

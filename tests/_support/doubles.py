@@ -38,6 +38,69 @@ class RecordingBoth(RecordingRedis):
         raise AssertionError("no call should reach the client")
 
 
+class _NoInfo:
+    """A connection's ``info``: reading it is a call, and is recorded."""
+
+    def __init__(self, calls: list[tuple[object, ...]]) -> None:
+        self._calls = calls
+
+    @property
+    def transaction_status(self) -> int:
+        self._calls.append(("info.transaction_status",))
+        raise AssertionError("no call should reach the client")
+
+
+class RecordingPsycopg:
+    """psycopg-shaped and sync (``execute`` beside ``info``): records every call, answers none."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+        self.info = _NoInfo(self.calls)
+
+    @property
+    def autocommit(self) -> bool:
+        self.calls.append(("autocommit",))
+        raise AssertionError("no call should reach the client")
+
+    def execute(self, query: str, params: object = None, **options: object) -> Any:
+        self.calls.append(("execute", query))
+        raise AssertionError("no statement should reach the client")
+
+    def transaction(self) -> Any:
+        self.calls.append(("transaction",))
+        raise AssertionError("no call should reach the client")
+
+
+class AsyncRecordingPsycopg(RecordingPsycopg):
+    """psycopg-shaped and asyncio: ``execute`` is a coroutine function."""
+
+    async def execute(self, query: str, params: object = None, **options: object) -> Any:
+        self.calls.append(("execute", query))
+        raise AssertionError("no statement should reach the client")
+
+
+class RecordingAsyncpg:
+    """asyncpg-shaped (``fetch`` beside ``fetchrow``, coroutine functions): records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+
+    async def fetch(self, query: str, *args: object) -> Any:
+        self.calls.append(("fetch", query))
+        raise AssertionError("no statement should reach the client")
+
+    async def fetchrow(self, query: str, *args: object) -> Any:
+        self.calls.append(("fetchrow", query))
+        raise AssertionError("no statement should reach the client")
+
+
+class RecordingRedisPsycopg(RecordingRedis, RecordingPsycopg):
+    """Matches the Redis and the PostgreSQL (psycopg) contracts."""
+
+    def __init__(self) -> None:
+        RecordingPsycopg.__init__(self)
+
+
 class AnsweringRedis:
     """Redis-shaped and sync: records every command and answers as a free server would.
 
