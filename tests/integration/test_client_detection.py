@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import sqlite3
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import asyncpg
 import fakeredis
 import mongomock
 import motor.motor_asyncio
+import psycopg
+import psycopg_pool
 import pymongo
 import pytest
 import redis
@@ -195,3 +199,74 @@ def test_set_and_eval_path_is_redis_shaped() -> None:
     assert detect(SetEvalOnly(), None) == "redis"
     with pytest.raises(UnsupportedClientError):
         detect(SetOnly(), None)
+
+
+# --- PostgreSQL: real connections (they connect when made) and pools --------------
+
+POSTGRES_SYNC = ("psycopg.Connection", "psycopg_pool.ConnectionPool")
+POSTGRES_ASYNC = (
+    "psycopg.AsyncConnection",
+    "psycopg_pool.AsyncConnectionPool",
+    "asyncpg.Connection",
+    "asyncpg.Pool",
+)
+
+
+async def postgres_client(name: str, url: str) -> Any:
+    """A real client of ``name`` on the server at ``url`` (pools opened: a real one has conns)."""
+    if name == "psycopg.Connection":
+        return psycopg.connect(url, autocommit=True)
+    if name == "psycopg_pool.ConnectionPool":
+        return psycopg_pool.ConnectionPool(url, min_size=1, open=True)
+    if name == "psycopg.AsyncConnection":
+        return await psycopg.AsyncConnection.connect(url, autocommit=True)
+    if name == "psycopg_pool.AsyncConnectionPool":
+        pool = psycopg_pool.AsyncConnectionPool(url, min_size=1, open=False)
+        await pool.open()
+        return pool
+    if name == "asyncpg.Connection":
+        return await asyncpg.connect(url)
+    return await asyncpg.create_pool(url, min_size=1, max_size=1)
+
+
+async def close_postgres(client: Any) -> None:
+    result = client.close()
+    if inspect.isawaitable(result):
+        await result
+
+
+@pytest.mark.parametrize("name", POSTGRES_SYNC + POSTGRES_ASYNC)
+def test_postgresql_clients_detected_and_faces_told_apart(postgres_server: str, name: str) -> None:
+    """Each is detected as PostgreSQL, built by its own face, refused by the other before I/O."""
+    is_async = name in POSTGRES_ASYNC
+
+    async def check() -> None:
+        client = await postgres_client(name, postgres_server)
+        try:
+            assert detect(client, None) == "postgresql"
+            assert detect(client, "postgresql") == "postgresql"
+            for other in ("mongodb", "redis"):
+                with pytest.raises(UnsupportedClientError, match=f"backend='{other}'"):
+                    detect(client, other)
+            for cls in ASYNC if is_async else SYNC:
+                assert isinstance(make(cls, client), cls)
+            face = (
+                "use DMutex / DSemaphore" if not is_async else "use AsyncDMutex / AsyncDSemaphore"
+            )
+            for cls in SYNC if is_async else ASYNC:
+                with pytest.raises(UnsupportedClientError, match=face):
+                    make(cls, client)
+        finally:
+            await close_postgres(client)
+
+    asyncio.run(check())
+
+
+def test_sqlite3_connection_is_detected_as_nothing() -> None:
+    """``execute`` (and ``autocommit`` on Python 3.12+) without psycopg's ``info``."""
+    conn = sqlite3.connect(":memory:")
+    try:
+        with pytest.raises(UnsupportedClientError, match="a PostgreSQL client needs"):
+            detect(conn, None)
+    finally:
+        conn.close()

@@ -17,8 +17,13 @@ construction.
 
 from __future__ import annotations
 
+import sqlite3
+
+import asyncpg
 import fakeredis
 import mongomock
+import psycopg
+import psycopg_pool
 import pymongo
 import redis.asyncio
 import valkey.asyncio
@@ -40,6 +45,23 @@ def sync_clients_to_async_classes() -> None:
     AsyncDSemaphore("svc", pymongo.MongoClient(), max_permits=2)  # type: ignore[arg-type]  # negative
 
 
+def postgresql_clients_of_the_other_face(
+    conn: psycopg.Connection[tuple[object, ...]],
+    aconn: psycopg.AsyncConnection[tuple[object, ...]],
+    pool: psycopg_pool.ConnectionPool,
+    apool: psycopg_pool.AsyncConnectionPool,
+    apg: asyncpg.Connection,
+    apg_pool: asyncpg.Pool,
+) -> None:
+    DMutex("svc", aconn)  # type: ignore[arg-type]  # negative
+    DMutex("svc", apool)  # type: ignore[arg-type]  # negative
+    DMutex("svc", apg)  # type: ignore[arg-type]  # negative
+    DSemaphore("svc", apg_pool, max_permits=2)  # type: ignore[arg-type]  # negative
+    AsyncDMutex("svc", conn)  # type: ignore[arg-type]  # negative
+    AsyncDSemaphore("svc", pool, max_permits=2)  # type: ignore[arg-type]  # negative
+
+
 def not_clients() -> None:
     DMutex("svc", "redis://localhost:6379")  # type: ignore[arg-type]  # negative
     AsyncDMutex("svc", object())  # type: ignore[arg-type]  # negative
+    DMutex("svc", sqlite3.connect(":memory:"))  # type: ignore[arg-type]  # negative
