@@ -360,7 +360,13 @@ class RealMongo:
 
 
 # The PostgreSQL clients the suites run on: how each reaches the test schema.
-POSTGRES_VARIANTS = ("psycopg", "psycopg-pool", "asyncpg", "psycopg-pgbouncer")
+POSTGRES_VARIANTS = (
+    "psycopg",
+    "psycopg-pool",
+    "asyncpg",
+    "psycopg-pgbouncer",
+    "asyncpg-pgbouncer",
+)
 
 
 class Postgres:
@@ -369,9 +375,10 @@ class Postgres:
     Every variant works in the session's test schema, each reaching it its own
     way, so that each way is exercised: ``psycopg`` and ``psycopg-pool`` put
     it on the search path (``options=-csearch_path=`` in the URL), asyncpg in
-    its ``server_settings``, and psycopg through PgBouncer in transaction
-    mode (which passes no such startup parameter on) names it with
-    ``schema_name=`` (:attr:`options`), with ``prepare_threshold=None``. Leases
+    its ``server_settings``, and psycopg and asyncpg through PgBouncer in
+    transaction mode (which passes no such startup parameter on) name it
+    with ``schema_name=`` (:attr:`options`), psycopg with
+    ``prepare_threshold=None``, asyncpg with ``statement_cache_size=0``. Leases
     are 30 s and more, so none runs out during a test; force-expiry sets
     ``expired_at`` to the server's now and leaves the row stored, so takeover
     of a stored row is what gets exercised.
@@ -387,7 +394,7 @@ class Postgres:
         self.variant = variant
         self.url = self._direct = server.url
         self.options: dict[str, object] = {}
-        if variant == "psycopg-pgbouncer":
+        if variant.endswith("-pgbouncer"):
             self.url = session.bouncer().url
             self.options["schema_name"] = self.schema
         self.loop: LoopThread | None = None
@@ -435,6 +442,10 @@ class Postgres:
             return pool
         if self.variant == "asyncpg":
             made = await asyncpg.connect(self.url, server_settings={"search_path": self.schema})
+            self._async_closers.append(made.close)
+            return made
+        if self.variant == "asyncpg-pgbouncer":
+            made = await asyncpg.connect(self.url, statement_cache_size=0)
             self._async_closers.append(made.close)
             return made
         conn = await psycopg.AsyncConnection.connect(
