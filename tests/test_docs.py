@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import mongomock
+import psycopg
 import pytest
 import redis
+from psycopg import sql
 
 import dmutex
 from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
@@ -46,7 +48,12 @@ BLOCKS = [
 ]
 RUNNABLE = [(where, block) for where, block in BLOCKS if NOT_RUN not in block]
 REDIS = [(where, block) for where, block in RUNNABLE if "import redis" in block]
-LOCAL = [(where, block) for where, block in RUNNABLE if (where, block) not in REDIS]
+POSTGRES = [
+    (where, block)
+    for where, block in RUNNABLE
+    if "import psycopg" in block or "import asyncpg" in block
+]
+LOCAL = [(where, block) for where, block in RUNNABLE if (where, block) not in REDIS + POSTGRES]
 
 
 def ids(blocks: list[tuple[str, str]]) -> list[str]:
@@ -66,6 +73,7 @@ def test_the_docs_have_examples() -> None:
         assert text.count("```python") == len(FENCE.findall(text)), page
     assert len(LOCAL) >= 11
     assert len(REDIS) >= 3
+    assert len(POSTGRES) >= 2
     readme = [where for where, _ in RUNNABLE if where.startswith("README.md:")]
     assert len(readme) >= 2, "the README's taste of the API runs"
 
@@ -74,7 +82,9 @@ def test_every_example_says_what_it_needs() -> None:
     """An example that needs a server says so in a comment on its import line."""
     for where, block in BLOCKS:
         for line in block.splitlines():
-            if line.startswith(("import redis", "import pymongo")):
+            if line.startswith(
+                ("import redis", "import pymongo", "import psycopg", "import asyncpg")
+            ):
                 assert "# needs a " in line, (where, line)
 
 
@@ -117,6 +127,32 @@ def test_redis_example_runs(where: str, block: str, redis_url: str) -> None:
     run(where, block.replace("redis://localhost:6379", redis_url), {})
     with redis.Redis.from_url(redis_url) as server:
         assert server.keys("*permit:*") == [], "an example left a lock behind"
+
+
+@pytest.mark.parametrize(("where", "block"), POSTGRES, ids=ids(POSTGRES))
+def test_postgresql_example_runs(
+    where: str, block: str, postgres_server: str, postgres_schema: str
+) -> None:
+    """The PostgreSQL examples, on the test server, their tables in the run's schema."""
+    here = "postgresql://localhost:5432/app"
+    assert here in block
+    joiner = "&" if "?" in postgres_server else "?"
+    url = f"{postgres_server}{joiner}options=-csearch_path%3D{postgres_schema}"
+    run(where, block.replace(here, url), {})
+    with psycopg.connect(url, autocommit=True) as conn:
+        tables = conn.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = %s AND tablename LIKE %s",
+            (postgres_schema, "\\_d%"),
+        ).fetchall()
+        assert tables, "the example made its table in the run's schema"
+        for (table,) in tables:
+            held = conn.execute(
+                sql.SQL(
+                    "SELECT count(*) FROM {} WHERE key LIKE 'permit:%%' "
+                    "AND expired_at > statement_timestamp()"
+                ).format(sql.Identifier(postgres_schema, table))
+            ).fetchone()
+            assert held == (0,), f"an example left a lock behind in {table}"
 
 
 API = DOCS / "api.md"

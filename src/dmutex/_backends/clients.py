@@ -300,12 +300,20 @@ class PsycopgPoolLike(Protocol):
         """A connection of the pool for the block, given back at its end."""
         ...
 
+    def getconn(self) -> object:
+        """Never called: beside ``connection`` it tells a pool from a connection."""
+        ...
+
 
 class AsyncPsycopgPoolLike(Protocol):
     """An asyncio psycopg pool (``psycopg_pool.AsyncConnectionPool``)."""
 
     def connection(self) -> AbstractAsyncContextManager[AsyncPsycopgConnectionLike]:
         """A connection of the pool for the block, given back at its end."""
+        ...
+
+    def getconn(self) -> Awaitable[object]:
+        """Never called: beside ``connection`` it tells a pool from a connection."""
         ...
 
 
@@ -322,4 +330,8 @@ class AsyncpgLike(Protocol):
 
     def fetch(self, query: str, /, *args: object) -> Awaitable[Sequence[object]]:
         """Run one statement; the awaitable gives its rows (records)."""
+        ...
+
+    def fetchrow(self, query: str, /, *args: object) -> Awaitable[object]:
+        """Never called: beside ``fetch`` it tells asyncpg from other clients."""
         ...
