@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import sqlite3
 
-import asyncpg
 import fakeredis
 import mongomock
-import psycopg
-import psycopg_pool
 import pymongo
 import redis.asyncio
 import valkey.asyncio
 
 from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore
+from tests.typing.postgres_clients import PostgresClients
 
 
 def asyncio_clients_to_sync_classes() -> None:
@@ -45,20 +43,13 @@ def sync_clients_to_async_classes() -> None:
     AsyncDSemaphore("svc", pymongo.MongoClient(), max_permits=2)  # type: ignore[arg-type]  # negative
 
 
-def postgresql_clients_of_the_other_face(
-    conn: psycopg.Connection[tuple[object, ...]],
-    aconn: psycopg.AsyncConnection[tuple[object, ...]],
-    pool: psycopg_pool.ConnectionPool,
-    apool: psycopg_pool.AsyncConnectionPool,
-    apg: asyncpg.Connection,
-    apg_pool: asyncpg.Pool,
-) -> None:
-    DMutex("svc", aconn)  # type: ignore[arg-type]  # negative
-    DMutex("svc", apool)  # type: ignore[arg-type]  # negative
-    DMutex("svc", apg)  # type: ignore[arg-type]  # negative
-    DSemaphore("svc", apg_pool, max_permits=2)  # type: ignore[arg-type]  # negative
-    AsyncDMutex("svc", conn)  # type: ignore[arg-type]  # negative
-    AsyncDSemaphore("svc", pool, max_permits=2)  # type: ignore[arg-type]  # negative
+def postgresql_clients_of_the_other_face(c: PostgresClients) -> None:
+    DMutex("svc", c.aconn)  # type: ignore[arg-type]  # negative
+    DMutex("svc", c.apool)  # type: ignore[arg-type]  # negative
+    DMutex("svc", c.apg)  # type: ignore[arg-type]  # negative
+    DSemaphore("svc", c.apg_pool, max_permits=2)  # type: ignore[arg-type]  # negative
+    AsyncDMutex("svc", c.conn)  # type: ignore[arg-type]  # negative
+    AsyncDSemaphore("svc", c.pool, max_permits=2)  # type: ignore[arg-type]  # negative
 
 
 def not_clients() -> None:

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import asyncpg
 import fakeredis
 import mongomock
 import motor.motor_asyncio
-import psycopg
-import psycopg_pool
 import pymongo
 import redis
 import redis.asyncio
@@ -28,6 +25,7 @@ from dmutex import (
     DSemaphore,
     InMemoryBackend,
 )
+from tests.typing.postgres_clients import PostgresClients
 
 
 def recognised(make: Callable[[], object]) -> None:
@@ -62,25 +60,14 @@ def test_asyncio_clients_are_accepted_by_async_classes() -> None:
     recognised(lambda: AsyncDSemaphore("svc", fakeredis.FakeAsyncRedis(), max_permits=3))
 
 
-def postgresql_clients_are_accepted_by_their_face(
-    conn: psycopg.Connection[tuple[object, ...]],
-    aconn: psycopg.AsyncConnection[tuple[object, ...]],
-    pool: psycopg_pool.ConnectionPool,
-    apool: psycopg_pool.AsyncConnectionPool,
-    apg: asyncpg.Connection,
-    apg_pool: asyncpg.Pool,
-) -> None:
-    """Static only (the type checker's half): building them needs a server.
-
-    ``tests/integration/test_client_detection.py`` builds each against the
-    test server and checks that detection agrees.
-    """
-    recognised(lambda: DMutex("svc", conn))
-    recognised(lambda: DSemaphore("svc", pool, max_permits=3))
-    recognised(lambda: AsyncDMutex("svc", aconn))
-    recognised(lambda: AsyncDSemaphore("svc", apool, max_permits=3))
-    recognised(lambda: AsyncDMutex("svc", apg))
-    recognised(lambda: AsyncDSemaphore("svc", apg_pool, max_permits=3))
+def postgresql_clients_are_accepted_by_their_face(c: PostgresClients) -> None:
+    """Static only: see ``postgres_clients.py``."""
+    recognised(lambda: DMutex("svc", c.conn))
+    recognised(lambda: DSemaphore("svc", c.pool, max_permits=3))
+    recognised(lambda: AsyncDMutex("svc", c.aconn))
+    recognised(lambda: AsyncDSemaphore("svc", c.apool, max_permits=3))
+    recognised(lambda: AsyncDMutex("svc", c.apg))
+    recognised(lambda: AsyncDSemaphore("svc", c.apg_pool, max_permits=3))
 
 
 def test_in_memory_backend_is_accepted_everywhere() -> None:
