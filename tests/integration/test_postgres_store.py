@@ -1,9 +1,10 @@
 """The PostgreSQL store on a real server, driven through the engine by both drivers.
 
-The store is not public yet: these tests build a ``PostgresStore`` on a
-psycopg 3 connection (sync, or asyncio on a loop of its own) and run the
-engine's steps with ``SyncDriver`` / ``AsyncDriver``, as the public classes
-will. Each face's connection records the statements it executes, so that
+Below the public classes (whose behaviour the contract suite checks), these
+tests build a ``PostgresStore`` on a psycopg 3 connection (sync, or asyncio
+on a loop of its own) and run the engine's steps with ``SyncDriver`` /
+``AsyncDriver``, as the public classes
+do. Each face's connection records the statements it executes, so that
 "one statement per operation" is counted, not assumed. A second, plain
 connection reads and writes the table behind the store's back: the layout
 byte for byte, expiry moved by the server's clock, rows the TypeScript
