@@ -43,10 +43,24 @@ Rules of the statements:
    here; :class:`Statement` also carries asyncpg's ``$n`` form and the order
    of its arguments. That conversion is the one place where the drivers'
    styles differ.
+7. A release notifies in its own statement: ``pg_notify(channel, key)`` in
+   the ``SELECT`` over the ``DELETE``'s returned rows, so once for each row
+   it removed and never when it removed none (an expired lease, another's
+   token). The notification leaves with the commit, as the row does. The
+   channel is one per table (:func:`channel`), the payload the lock's key
+   (at most ``MAX_KEY_LENGTH`` characters, far below the payload's limit of
+   8000 bytes), so a listener of one table never hears another's. Cost: a
+   transaction that notified takes PostgreSQL's notification-queue lock at
+   commit, which serializes notifying commits cluster-wide; only releases
+   that removed a row pay it, and a cycle measured no slower (the figure in
+   ``benchmarks/``, if any, says by how much). Expiry notifies nobody: a
+   waiter's wait already ends when the lease in its way expires
+   (``waiting.py``, rule 2; the acquire reports that expiry).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -60,6 +74,7 @@ __all__ = [
     "PRIMARY_KEY",
     "Statement",
     "Statements",
+    "channel",
     "qualified",
     "quote",
 ]
@@ -105,6 +120,26 @@ def qualified(table: str, schema: str | None) -> str:
     """The table as statements name it: ``"schema"."table"``, or ``"table"`` on the search path."""
     name = quote(table)
     return name if schema is None else f"{quote(schema, 'schema_name')}.{name}"
+
+
+# A channel name is an identifier: at most NAMEDATALEN - 1 bytes.
+_CHANNEL_BYTES = 63
+
+
+def channel(table: str) -> str:
+    """The notification channel of the table ``qualified()`` names: ``dmutex "schema"."table"``.
+
+    That text itself while it fits an identifier (63 bytes), else
+    ``dmutex `` and the first 56 hex digits of its SHA-256: the two forms
+    never meet, since a qualified name begins with a double quote. A table
+    named without a schema is one channel wherever the search path finds
+    it: two such tables of one name in two schemas wake each other's
+    waiters, which then try and wait again (a signal is a hint).
+    """
+    named = f"dmutex {table}"
+    if len(named.encode()) <= _CHANNEL_BYTES:
+        return named
+    return "dmutex " + hashlib.sha256(table.encode()).hexdigest()[: _CHANNEL_BYTES - 7]
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +199,7 @@ class Statements:
 
     table: str
     index_name: str
+    channel: str
     shape: Statement
     create_table: Statement
     create_index: Statement
@@ -173,6 +209,8 @@ class Statements:
     extend: Statement
     extend_many: Statement
     holders: Statement
+    listen: Statement
+    unlisten: Statement
 
     @classmethod
     def of(cls, table: str, schema: str | None = None, *, fencing: bool = True) -> Statements:
@@ -181,9 +219,11 @@ class Statements:
         # Identifiers may hold "%", which psycopg would read as a placeholder.
         t = _escape(named)
         index = f"{table}_expired_at_idx"
+        heard = channel(named)
         return cls(
             table=named,
             index_name=index,
+            channel=heard,
             shape=Statement.of(_SHAPE),
             create_table=Statement.of(
                 f"CREATE TABLE IF NOT EXISTS {t} (\n"
@@ -198,9 +238,12 @@ class Statements:
             acquire_mutex=Statement.of(_acquire(t, fencing, semaphore=False)),
             acquire_semaphore=Statement.of(_acquire(t, fencing, semaphore=True)),
             release=Statement.of(
-                f'DELETE FROM {t}\nWHERE "key" = ANY({_SLOT_ARRAY})\n'
+                f'WITH gone AS (DELETE FROM {t}\nWHERE "key" = ANY({_SLOT_ARRAY})\n'
                 f'  AND "value" = %(token)s::text AND "expired_at" > {_NOW}\n'
-                'RETURNING "key"'
+                'RETURNING "key")\n'
+                # The payload is the lock's key, read back from the row's.
+                f"SELECT \"key\", pg_notify('{_escape(_in_literal(heard))}',\n"
+                "  regexp_replace(\"key\", '^permit:[0-9]+:', '')) FROM gone"
             ),
             extend=Statement.of(
                 f'UPDATE {t} SET "expired_at" = {_EXPIRY}\n'
@@ -232,6 +275,8 @@ class Statements:
                 f'FROM slot JOIN {t} AS t ON t."key" = slot.name\n'
                 f'WHERE t."expired_at" > {_NOW}'
             ),
+            listen=Statement.of(f"LISTEN {_escape(quote(heard, 'channel'))}"),
+            unlisten=Statement.of(f"UNLISTEN {_escape(quote(heard, 'channel'))}"),
         )
 
 
