@@ -197,6 +197,17 @@ def listening(raw: psycopg.Connection[Any], table: str, within: float = 20) -> N
     raise AssertionError(f"no waiter of {table} listened within {within} s")
 
 
+def polls(waiting: Waiting, holder: Holder, lease: Lease) -> None:
+    """The waiter of a store that does not listen gets the lock by polling once it is released."""
+    store = waiting.watched()
+    assert not store.listens
+    assert store.waiting.wait(20), "its first attempt failed"
+    holder.give(lease)
+    assert waiting.result(within=20) is not None
+    assert store.attempts >= 2
+    assert not any(store.waits), "polled within retry_delay: no wait was woken"
+
+
 # --- the clients that listen -------------------------------------------------------------
 
 
@@ -355,13 +366,7 @@ def test_a_single_psycopg_connection_never_blocks_and_its_waiters_poll(
         timeout=20,
         retry_delay=0.2,
     )
-    store = waiting.watched()
-    assert not store.listens
-    assert store.waiting.wait(20)
-    holder.give(lease)
-    assert waiting.result(within=20) is not None
-    assert store.attempts >= 2
-    assert not any(store.waits), "polled: no wait was woken"
+    polls(waiting, holder, lease)
 
 
 @pytest.mark.parametrize("kind", ["psycopg-pool", "asyncpg-pool"])
@@ -395,13 +400,7 @@ def test_behind_pgbouncer_in_transaction_mode_waiters_poll_and_get_the_lock(
     waiting = Waiting(
         make, open_client, close, asynchronous=asynchronous, key="job", timeout=20, retry_delay=0.2
     )
-    store = waiting.watched()
-    assert not store.listens
-    assert store.waiting.wait(20)
-    holder.give(lease)
-    assert waiting.result(within=20) is not None
-    assert store.attempts >= 2
-    assert not any(store.waits), "polled within retry_delay: no wait was woken"
+    polls(waiting, holder, lease)
 
 
 def test_channels_are_identifiers_one_per_table() -> None:

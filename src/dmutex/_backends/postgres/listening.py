@@ -140,9 +140,9 @@ def _psycopg_pool(pool: _Pool, sql: Statements, permits: int) -> Listen | None:
         return None
 
     def listen(key: str, seconds: float) -> bool | None:
-        deadline = time.monotonic() + seconds
         if not blockers.take():
             return None
+        deadline = time.monotonic() + seconds
         try:
             with pool.connection(timeout=seconds) as conn:
                 run = _psycopg(conn)
@@ -164,37 +164,46 @@ def _psycopg_pool(pool: _Pool, sql: Statements, permits: int) -> Listen | None:
     return listen
 
 
-def _psycopg_pool_async(pool: _AsyncPool, sql: Statements, permits: int) -> Listen | None:
-    blockers = _budget(pool, pool.max_size)
+def _budgeted(
+    blockers: Blockers | None, wait: Callable[[str, float], Awaitable[bool]]
+) -> Listen | None:
+    """``wait`` on a connection lent by a pool, within the pool's budget (rule 1)."""
     if blockers is None:
         return None
+    budget = blockers
 
     async def listen(key: str, seconds: float) -> bool | None:
-        deadline = time.monotonic() + seconds
-        if not blockers.take():
+        if not budget.take():
             return None
         try:
-            async with pool.connection(timeout=seconds) as conn:
-                run = _psycopg_async(conn)
-                await run(sql.listen, {})
-                try:
-                    rows = await run(sql.holders, {"key": key, "permits": permits})
-                    if _free(rows, permits):
-                        return True
-                    heard = cast(_AsyncListeningConnection, conn)
-                    while (left := deadline - time.monotonic()) > 0:
-                        notes = heard.notifies(timeout=left, stop_after=1)
-                        async with aclosing(notes):  # type: ignore[type-var]  # an async generator
-                            async for note in notes:
-                                if note.payload == key:
-                                    return True
-                    return False
-                finally:
-                    await run(sql.unlisten, {})
+            return await wait(key, seconds)
         finally:
-            blockers.give()
+            budget.give()
 
     return listen
+
+
+def _psycopg_pool_async(pool: _AsyncPool, sql: Statements, permits: int) -> Listen | None:
+    async def lent(key: str, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        async with pool.connection(timeout=seconds) as conn:
+            run = _psycopg_async(conn)
+            await run(sql.listen, {})
+            try:
+                if _free(await run(sql.holders, {"key": key, "permits": permits}), permits):
+                    return True
+                heard = cast(_AsyncListeningConnection, conn)
+                while (left := deadline - time.monotonic()) > 0:
+                    notes = heard.notifies(timeout=left, stop_after=1)
+                    async with aclosing(notes):  # type: ignore[type-var]  # an async generator
+                        async for note in notes:
+                            if note.payload == key:
+                                return True
+                return False
+            finally:
+                await run(sql.unlisten, {})
+
+    return _budgeted(_budget(pool, pool.max_size), lent)
 
 
 async def _asyncpg_wait(
@@ -223,22 +232,13 @@ async def _asyncpg_wait(
 
 
 def _asyncpg_pool(pool: _AsyncpgPool, sql: Statements, permits: int) -> Listen | None:
-    blockers = _budget(pool, pool.get_max_size())
-    if blockers is None:
-        return None
-
-    async def listen(key: str, seconds: float) -> bool | None:
+    async def lent(key: str, seconds: float) -> bool:
         deadline = time.monotonic() + seconds
-        if not blockers.take():
-            return None
-        try:
-            async with pool.acquire(timeout=seconds) as conn:
-                left = deadline - time.monotonic()
-                return left > 0 and await _asyncpg_wait(conn, key, left, sql, permits)
-        finally:
-            blockers.give()
+        async with pool.acquire(timeout=seconds) as conn:
+            left = deadline - time.monotonic()
+            return left > 0 and await _asyncpg_wait(conn, key, left, sql, permits)
 
-    return listen
+    return _budgeted(_budget(pool, pool.get_max_size()), lent)
 
 
 def listener(client: object, sql: Statements, permits: int, *, asynchronous: bool) -> Listen | None:
