@@ -43,19 +43,26 @@ Rules of the statements:
    here; :class:`Statement` also carries asyncpg's ``$n`` form and the order
    of its arguments. That conversion is the one place where the drivers'
    styles differ.
-7. A release notifies in its own statement: ``pg_notify(channel, key)`` in
-   the ``SELECT`` over the ``DELETE``'s returned rows, so once for each row
-   it removed and never when it removed none (an expired lease, another's
-   token). The notification leaves with the commit, as the row does. The
-   channel is one per table (:func:`channel`), the payload the lock's key
-   (at most ``MAX_KEY_LENGTH`` characters, far below the payload's limit of
-   8000 bytes), so a listener of one table never hears another's. Cost: a
-   transaction that notified takes PostgreSQL's notification-queue lock at
-   commit, which serializes notifying commits cluster-wide; only releases
-   that removed a row pay it, and a cycle measured no slower (the figure in
-   ``benchmarks/``, if any, says by how much). Expiry notifies nobody: a
-   waiter's wait already ends when the lease in its way expires
-   (``waiting.py``, rule 2; the acquire reports that expiry).
+7. A release notifies only when someone may wait, in its own statement:
+   ``pg_notify(channel, key)`` in the ``SELECT`` over the ``DELETE``'s
+   returned rows, so at most once for each row it removed, never when it
+   removed none (an expired lease, another's token), and only while the
+   key's waiters mark is active: the row ``waiters:{key}``, value
+   :data:`WAITERS`, which a failed attempt of a listening waiter writes in
+   its own statement (``%(waiting)s`` ms from now, 0: none), so that no
+   release after it misses the waiter. A row of that key with another
+   value is never written nor heeded (its waiters poll). The notification
+   leaves with the commit, as the deletion does. The channel is one per
+   table (:func:`channel`), the payload the lock's key (at most
+   ``MAX_KEY_LENGTH`` characters, far below the payload's limit of 8000
+   bytes), so a listener of one table never hears another's. Why only
+   then: a transaction that notified takes PostgreSQL's notification
+   queue lock at commit, which serializes notifying commits cluster-wide
+   (``benchmarks/postgres_handoff.py``: 4 threads cycling on their own keys
+   made about 18% fewer cycles when every release notified; one cycle
+   alone, 4% slower at the median). Expiry notifies nobody: a waiter's
+   wait already ends when the lease in its way expires (``waiting.py``,
+   rule 2; the acquire reports that expiry).
 """
 
 from __future__ import annotations
@@ -72,6 +79,7 @@ __all__ = [
     "FOREIGN",
     "FOREVER",
     "PRIMARY_KEY",
+    "WAITERS",
     "Statement",
     "Statements",
     "channel",
@@ -88,6 +96,10 @@ FOREIGN = "holds a value dmutex did not write"
 COLUMNS = "key text NOT NULL, value text NOT NULL, expired_at timestamp with time zone NOT NULL"
 PRIMARY_KEY = "key"
 
+# The value of a key's waiters mark (rule 7).
+WAITERS = "dmutex-waiters"
+# The lock's key of a released slot's row (rule 7).
+_KEY_OF_ROW = "regexp_replace(gone.\"key\", '^permit:[0-9]+:', '')"
 # A fence row's expiry (rule 4).
 FOREVER = "9999-01-01 00:00:00+00"
 _FOREVER = f"'{FOREVER}'::timestamptz"
@@ -241,9 +253,13 @@ class Statements:
                 f'WITH gone AS (DELETE FROM {t}\nWHERE "key" = ANY({_SLOT_ARRAY})\n'
                 f'  AND "value" = %(token)s::text AND "expired_at" > {_NOW}\n'
                 'RETURNING "key")\n'
-                # The payload is the lock's key, read back from the row's.
-                f"SELECT \"key\", pg_notify('{_escape(_in_literal(heard))}',\n"
-                "  regexp_replace(\"key\", '^permit:[0-9]+:', '')) FROM gone"
+                # The lock's key, read back from the row's (rule 7).
+                'SELECT "key", CASE WHEN EXISTS (SELECT 1 FROM '
+                f"{t} AS w\n"
+                f"  WHERE w.\"key\" = 'waiters:' || {_KEY_OF_ROW}\n"
+                f'    AND w."value" = \'{WAITERS}\' AND w."expired_at" > {_NOW})\n'
+                f"  THEN pg_notify('{_escape(_in_literal(heard))}', {_KEY_OF_ROW}) END\n"
+                "FROM gone"
             ),
             extend=Statement.of(
                 f'UPDATE {t} SET "expired_at" = {_EXPIRY}\n'
@@ -317,6 +333,18 @@ def _acquire(t: str, fencing: bool, *, semaphore: bool) -> str:
         )
         slot = "(SELECT 0 FROM taken)"
         raced = "false"
+    # Rule 7: a failed attempt that waits marks the key's waiters.
+    ctes += (
+        ",\nmarked AS (\n"
+        f'  INSERT INTO {t} AS t ("key", "value", "expired_at")\n'
+        f"  SELECT 'waiters:' || %(key)s::text, '{WAITERS}',\n"
+        f"    {_NOW} + %(waiting)s::bigint * interval '1 millisecond'\n"
+        "  WHERE %(waiting)s::bigint > 0 AND NOT EXISTS (SELECT 1 FROM taken)\n"
+        '  ON CONFLICT ("key") DO UPDATE\n'
+        '  SET "expired_at" = greatest(t."expired_at", EXCLUDED."expired_at")\n'
+        f"  WHERE t.\"value\" = '{WAITERS}'\n"
+        ")"
+    )
     fence = "NULL::bigint"
     foreign = "NULL::int"
     if fencing:

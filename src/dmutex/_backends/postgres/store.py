@@ -38,18 +38,22 @@ Rules of this module:
    shape (columns, types, NOT NULL, primary key), is refused with what was
    found and what dmutex needs. A role that may not create tables can use
    a table that exists with its index: then ready() is one read.
-5. A release notifies the table's channel in its own statement
-   (``statements.py``, rule 7), and a waiter listens for it during its
-   wait where its client can (``listening.py``): a pool lends it a
-   connection, an asyncpg connection listens itself; a single psycopg
-   connection, a store made with ``listen=False`` (behind a pooler in
-   transaction mode) and a clock other than the system's sleep the wait
-   out instead, and so poll within ``retry_delay`` (``waiting.py``, rule 3).
-   Either way a failed attempt learns from its own statement when the
-   first lease in its way ends, and the wait ends then at the latest:
-   expiry notifies nobody. A wait that fails (the connection, the budget
-   of lent connections) sleeps the rest; a woken waiter that then lost the
-   race pauses before it listens again (``waiting.py``, rule 4).
+5. A release notifies the table's channel in its own statement when the
+   key's waiters are marked (``statements.py``, rule 7), and a waiter
+   listens for it during its wait where its client can
+   (``listening.py``): a pool lends it a connection, an asyncpg
+   connection listens itself. Its failed attempts mark the key's waiters
+   in their own statement (the first, then at most once a second, for
+   ``retry_delay`` + 2 s), so that a release after the attempt notifies.
+   A single psycopg connection, a store made with ``listen=False``
+   (behind a pooler in transaction mode) and a clock other than the
+   system's neither mark nor listen: their waiters sleep the wait out,
+   and so poll within ``retry_delay`` (``waiting.py``, rule 3). Either way
+   a failed attempt learns from its own statement when the first lease in
+   its way ends, and the wait ends then at the latest: expiry notifies
+   nobody. A wait that fails (the connection, the budget of lent
+   connections) sleeps the rest; a woken waiter that then lost the race
+   pauses before it listens again (``waiting.py``, rule 4).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from ..._core.effects import Call, Sleep, Steps
 from ..._core.lease import MAX_EXPIRY_MS, Lease
 from ..._core.waiting import Waiter, lost_pause
 from ..._errors import DMutexError
+from ..redis.waits import REFRESH
 from .listening import listener
 from .runners import Params, Row, runner
 from .statements import COLUMNS, FOREIGN, PRIMARY_KEY, Statement, Statements
@@ -198,7 +203,17 @@ class PostgresStore:
             "token": token,
             "ttl": ttl_ms,
             "permits": self._permits,
+            "waiting": 0,
         }
+        started = self._clock.monotonic()
+        # Mark the key's waiters (statements.py, rule 7), again once a second.
+        if (
+            waiter is not None
+            and self._listen is not None
+            and not waiter.last
+            and (not waiter.registered or started - waiter.registered_at >= REFRESH)
+        ):
+            params["waiting"] = waiter.window_ms
         while True:
             try:
                 rows = yield from self._call(self._acquire, params)
@@ -212,10 +227,14 @@ class PostgresStore:
             if slot is not None:
                 lease = Lease(key, token, _int(slot, "slot"), _int(expires, "expiry"))
                 lease.fence = _maybe_int(fence, "fence")
+                if waiter is not None:
+                    waiter.registered = False
                 return lease
             if raced is not True:
                 break
         if waiter is not None:
+            if params["waiting"]:
+                waiter.registered, waiter.registered_at = True, started
             end, at = _maybe_int(ends, "expiry"), _int(now, "time")
             waiter.expires_in = None if end is None else max(end - at, 0) / 1000
         return None
