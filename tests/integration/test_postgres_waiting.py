@@ -463,3 +463,48 @@ def test_channels_are_identifiers_one_per_table() -> None:
     assert len(channel('"' + "é" * 40 + '"').encode()) <= 63, "bytes, not characters"
     assert Statements.of("t", "a").channel != Statements.of("t", "b").channel
     assert Statements.of("t").listen.psycopg == 'LISTEN "dmutex ""t"""'
+
+
+@pytest.mark.parametrize("kind", ["psycopg-async-pool", "asyncpg-pool"])
+def test_a_cancelled_wait_gives_its_connection_back(
+    kind: str, postgres_server: str, postgres_schema: str, raw: psycopg.Connection[Any], table: str
+) -> None:
+    holder = Holder(raw, table, postgres_schema)
+    lease = holder.take("job")
+    _, open_client, close = _kinds(postgres_server)[kind]
+
+    async def main() -> tuple[bool, Lease | None, list[bool]]:
+        pool = await _awaited(open_client())
+        try:
+            store = Watched(pool, table, 1, SYSTEM_CLOCK, schema=postgres_schema, asynchronous=True)
+            engine = Engine(store, default_ttl=60)
+            drive = AsyncDriver(SYSTEM_CLOCK, store.ready)
+
+            async def waiter() -> asyncio.Future[Lease | None]:
+                """A retrying acquire in a task of its own, once it listens."""
+                store.waiting.clear()
+                task = asyncio.ensure_future(drive(engine.acquire_with_retry("job", None, 20, 30)))
+                while not store.waiting.is_set():
+                    await asyncio.sleep(0.01)
+                await asyncio.to_thread(listening, raw, table)
+                return task
+
+            first = await waiter()
+            first.cancel()
+            try:
+                await asyncio.wait_for(first, 10)
+            except asyncio.CancelledError:
+                cancelled = True
+            else:
+                cancelled = False
+            # The pool and its budget serve the next wait, which a release still wakes.
+            second = await waiter()
+            await asyncio.to_thread(holder.give, lease)
+            return cancelled, await asyncio.wait_for(second, LONG_DELAY / 2), store.waits
+        finally:
+            await _awaited(close(pool))
+
+    cancelled, again, waits = asyncio.run(main())
+    assert cancelled
+    assert again is not None
+    assert waits == [True], "the cancelled wait recorded nothing; the next was woken"

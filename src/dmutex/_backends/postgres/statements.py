@@ -58,9 +58,11 @@ Rules of the statements:
    bytes), so a listener of one table never hears another's. Why only
    then: a transaction that notified takes PostgreSQL's notification
    queue lock at commit, which serializes notifying commits cluster-wide
-   (``benchmarks/postgres_handoff.py``: 4 threads cycling on their own keys
-   made about 18% fewer cycles when every release notified; one cycle
-   alone, 4% slower at the median). Expiry notifies nobody: a waiter's
+   (``benchmarks/postgres_handoff.py``, fsync off, a loaded 2-core host:
+   4 threads cycling on their own keys made 6-18% fewer cycles when every
+   release notified than with the bare DELETE). Open question: on that
+   host the mark's read measured no cheaper than always notifying; to be
+   measured again on a quiet machine. Expiry notifies nobody: a waiter's
    wait already ends when the lease in its way expires (``waiting.py``,
    rule 2; the acquire reports that expiry).
 """
