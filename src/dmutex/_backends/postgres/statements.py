@@ -43,10 +43,33 @@ Rules of the statements:
    here; :class:`Statement` also carries asyncpg's ``$n`` form and the order
    of its arguments. That conversion is the one place where the drivers'
    styles differ.
+7. A release notifies only when someone may wait, in its own statement:
+   ``pg_notify(channel, key)`` in the ``SELECT`` over the ``DELETE``'s
+   returned rows, so at most once for each row it removed, never when it
+   removed none (an expired lease, another's token), and only while the
+   key's waiters mark is active: the row ``waiters:{key}``, value
+   :data:`WAITERS`, which a failed attempt of a listening waiter writes in
+   its own statement (``%(waiting)s`` ms from now, 0: none), so that no
+   release after it misses the waiter. A row of that key with another
+   value is never written nor heeded (its waiters poll). The notification
+   leaves with the commit, as the deletion does. The channel is one per
+   table (:func:`channel`), the payload the lock's key (at most
+   ``MAX_KEY_LENGTH`` characters, far below the payload's limit of 8000
+   bytes), so a listener of one table never hears another's. Why only
+   then: a transaction that notified takes PostgreSQL's notification
+   queue lock at commit, which serializes notifying commits cluster-wide
+   (``benchmarks/postgres_handoff.py``, fsync off, a loaded 2-core host:
+   4 threads cycling on their own keys made 6-18% fewer cycles when every
+   release notified than with the bare DELETE). Open question: on that
+   host the mark's read measured no cheaper than always notifying; to be
+   measured again on a quiet machine. Expiry notifies nobody: a waiter's
+   wait already ends when the lease in its way expires (``waiting.py``,
+   rule 2; the acquire reports that expiry).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -58,8 +81,10 @@ __all__ = [
     "FOREIGN",
     "FOREVER",
     "PRIMARY_KEY",
+    "WAITERS",
     "Statement",
     "Statements",
+    "channel",
     "qualified",
     "quote",
 ]
@@ -73,6 +98,10 @@ FOREIGN = "holds a value dmutex did not write"
 COLUMNS = "key text NOT NULL, value text NOT NULL, expired_at timestamp with time zone NOT NULL"
 PRIMARY_KEY = "key"
 
+# The value of a key's waiters mark (rule 7).
+WAITERS = "dmutex-waiters"
+# The lock's key of a released slot's row (rule 7).
+_KEY_OF_ROW = "regexp_replace(gone.\"key\", '^permit:[0-9]+:', '')"
 # A fence row's expiry (rule 4).
 FOREVER = "9999-01-01 00:00:00+00"
 _FOREVER = f"'{FOREVER}'::timestamptz"
@@ -105,6 +134,26 @@ def qualified(table: str, schema: str | None) -> str:
     """The table as statements name it: ``"schema"."table"``, or ``"table"`` on the search path."""
     name = quote(table)
     return name if schema is None else f"{quote(schema, 'schema_name')}.{name}"
+
+
+# A channel name is an identifier: at most NAMEDATALEN - 1 bytes.
+_CHANNEL_BYTES = 63
+
+
+def channel(table: str) -> str:
+    """The notification channel of the table ``qualified()`` names: ``dmutex "schema"."table"``.
+
+    That text itself while it fits an identifier (63 bytes), else
+    ``dmutex `` and the first 56 hex digits of its SHA-256: the two forms
+    never meet, since a qualified name begins with a double quote. A table
+    named without a schema is one channel wherever the search path finds
+    it: two such tables of one name in two schemas wake each other's
+    waiters, which then try and wait again (a signal is a hint).
+    """
+    named = f"dmutex {table}"
+    if len(named.encode()) <= _CHANNEL_BYTES:
+        return named
+    return "dmutex " + hashlib.sha256(table.encode()).hexdigest()[: _CHANNEL_BYTES - 7]
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +213,7 @@ class Statements:
 
     table: str
     index_name: str
+    channel: str
     shape: Statement
     create_table: Statement
     create_index: Statement
@@ -173,6 +223,8 @@ class Statements:
     extend: Statement
     extend_many: Statement
     holders: Statement
+    listen: Statement
+    unlisten: Statement
 
     @classmethod
     def of(cls, table: str, schema: str | None = None, *, fencing: bool = True) -> Statements:
@@ -181,9 +233,11 @@ class Statements:
         # Identifiers may hold "%", which psycopg would read as a placeholder.
         t = _escape(named)
         index = f"{table}_expired_at_idx"
+        heard = channel(named)
         return cls(
             table=named,
             index_name=index,
+            channel=heard,
             shape=Statement.of(_SHAPE),
             create_table=Statement.of(
                 f"CREATE TABLE IF NOT EXISTS {t} (\n"
@@ -198,9 +252,16 @@ class Statements:
             acquire_mutex=Statement.of(_acquire(t, fencing, semaphore=False)),
             acquire_semaphore=Statement.of(_acquire(t, fencing, semaphore=True)),
             release=Statement.of(
-                f'DELETE FROM {t}\nWHERE "key" = ANY({_SLOT_ARRAY})\n'
+                f'WITH gone AS (DELETE FROM {t}\nWHERE "key" = ANY({_SLOT_ARRAY})\n'
                 f'  AND "value" = %(token)s::text AND "expired_at" > {_NOW}\n'
-                'RETURNING "key"'
+                'RETURNING "key")\n'
+                # The lock's key, read back from the row's (rule 7).
+                'SELECT "key", CASE WHEN EXISTS (SELECT 1 FROM '
+                f"{t} AS w\n"
+                f"  WHERE w.\"key\" = 'waiters:' || {_KEY_OF_ROW}\n"
+                f'    AND w."value" = \'{WAITERS}\' AND w."expired_at" > {_NOW})\n'
+                f"  THEN pg_notify('{_escape(_in_literal(heard))}', {_KEY_OF_ROW}) END\n"
+                "FROM gone"
             ),
             extend=Statement.of(
                 f'UPDATE {t} SET "expired_at" = {_EXPIRY}\n'
@@ -232,6 +293,8 @@ class Statements:
                 f'FROM slot JOIN {t} AS t ON t."key" = slot.name\n'
                 f'WHERE t."expired_at" > {_NOW}'
             ),
+            listen=Statement.of(f"LISTEN {_escape(quote(heard, 'channel'))}"),
+            unlisten=Statement.of(f"UNLISTEN {_escape(quote(heard, 'channel'))}"),
         )
 
 
@@ -272,6 +335,18 @@ def _acquire(t: str, fencing: bool, *, semaphore: bool) -> str:
         )
         slot = "(SELECT 0 FROM taken)"
         raced = "false"
+    # Rule 7: a failed attempt that waits marks the key's waiters.
+    ctes += (
+        ",\nmarked AS (\n"
+        f'  INSERT INTO {t} AS t ("key", "value", "expired_at")\n'
+        f"  SELECT 'waiters:' || %(key)s::text, '{WAITERS}',\n"
+        f"    {_NOW} + %(waiting)s::bigint * interval '1 millisecond'\n"
+        "  WHERE %(waiting)s::bigint > 0 AND NOT EXISTS (SELECT 1 FROM taken)\n"
+        '  ON CONFLICT ("key") DO UPDATE\n'
+        '  SET "expired_at" = greatest(t."expired_at", EXCLUDED."expired_at")\n'
+        f"  WHERE t.\"value\" = '{WAITERS}'\n"
+        ")"
+    )
     fence = "NULL::bigint"
     foreign = "NULL::int"
     if fencing:

@@ -38,9 +38,22 @@ Rules of this module:
    shape (columns, types, NOT NULL, primary key), is refused with what was
    found and what dmutex needs. A role that may not create tables can use
    a table that exists with its index: then ready() is one read.
-5. Nothing here signals a release: waiters poll (``waiting.py``, rule 3),
-   and a failed attempt learns from its own statement when the first lease
-   in its way ends.
+5. A release notifies the table's channel in its own statement when the
+   key's waiters are marked (``statements.py``, rule 7), and a waiter
+   listens for it during its wait where its client can
+   (``listening.py``): a pool lends it a connection, an asyncpg
+   connection listens itself. Its failed attempts mark the key's waiters
+   in their own statement (the first, then at most once a second, for
+   ``retry_delay`` + 2 s), so that a release after the attempt notifies.
+   A single psycopg connection, a store made with ``listen=False``
+   (behind a pooler in transaction mode) and a clock other than the
+   system's neither mark nor listen: their waiters sleep the wait out,
+   and so poll within ``retry_delay`` (``waiting.py``, rule 3). Either way
+   a failed attempt learns from its own statement when the first lease in
+   its way ends, and the wait ends then at the latest: expiry notifies
+   nobody. A wait that fails (the connection, the budget of lent
+   connections) sleeps the rest; a woken waiter that then lost the race
+   pauses before it listens again (``waiting.py``, rule 4).
 """
 
 from __future__ import annotations
@@ -48,12 +61,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
-from ..._clock import Clock
-from ..._core.abc import Holder, Inspection, Renewed, sleep
-from ..._core.effects import Call, Steps
+from ..._clock import Clock, SystemClock
+from ..._core.abc import Holder, Inspection, Renewed
+from ..._core.effects import Call, Sleep, Steps
 from ..._core.lease import MAX_EXPIRY_MS, Lease
-from ..._core.waiting import Waiter
+from ..._core.waiting import Waiter, lost_pause
 from ..._errors import DMutexError
+from ..redis.waits import REFRESH
+from .listening import listener
 from .runners import Params, Row, runner
 from .statements import COLUMNS, FOREIGN, PRIMARY_KEY, Statement, Statements
 
@@ -86,6 +101,8 @@ class PostgresStore:
 
     ``client`` is a psycopg 3 connection or pool (sync or asyncio, as
     ``asynchronous`` says) or an asyncpg connection or pool (asyncio).
+    ``listen=False``: waiters never ``LISTEN`` (behind a pooler in
+    transaction mode) and poll instead (rule 5).
     """
 
     max_expiry_ms = MAX_EXPIRY_MS
@@ -100,10 +117,16 @@ class PostgresStore:
         schema: str | None = None,
         asynchronous: bool,
         fencing: bool = True,
+        listen: bool = True,
     ) -> None:
         self._sql = Statements.of(table, schema, fencing=fencing)
         self._index = self._sql.index_name
         self._run = runner(client, asynchronous=asynchronous)
+        self._listen = (
+            listener(client, self._sql, max_permits, asynchronous=asynchronous)
+            if listen and isinstance(clock, SystemClock)
+            else None
+        )
         self._permits = max_permits
         self._clock = clock
         self._acquire = self._sql.acquire_mutex if max_permits == 1 else self._sql.acquire_semaphore
@@ -180,7 +203,17 @@ class PostgresStore:
             "token": token,
             "ttl": ttl_ms,
             "permits": self._permits,
+            "waiting": 0,
         }
+        started = self._clock.monotonic()
+        # Mark the key's waiters (statements.py, rule 7), again once a second.
+        if (
+            waiter is not None
+            and self._listen is not None
+            and not waiter.last
+            and (not waiter.registered or started - waiter.registered_at >= REFRESH)
+        ):
+            params["waiting"] = waiter.window_ms
         while True:
             try:
                 rows = yield from self._call(self._acquire, params)
@@ -194,10 +227,14 @@ class PostgresStore:
             if slot is not None:
                 lease = Lease(key, token, _int(slot, "slot"), _int(expires, "expiry"))
                 lease.fence = _maybe_int(fence, "fence")
+                if waiter is not None:
+                    waiter.registered = False
                 return lease
             if raced is not True:
                 break
         if waiter is not None:
+            if params["waiting"]:
+                waiter.registered, waiter.registered_at = True, started
             end, at = _maybe_int(ends, "expiry"), _int(now, "time")
             waiter.expires_in = None if end is None else max(end - at, 0) / 1000
         return None
@@ -256,6 +293,28 @@ class PostgresStore:
                 found.append(Holder(_int(slot, "slot"), str(value), _int(expires, "expiry")))
         return Inspection(sorted(found), fence, now)
 
+    @property
+    def listens(self) -> bool:
+        """Whether its waiters listen for releases (rule 5); else they poll."""
+        return self._listen is not None
+
     def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
-        """Sleep: nothing here signals a release yet (rule 5)."""
-        return sleep(seconds)
+        """Listen for a release of ``key`` up to ``seconds``, else sleep (rule 5); never raises."""
+        if waiter.woken:
+            waiter.woken = False
+            yield Sleep(lost_pause(seconds))
+            return
+        if self._listen is None or seconds <= 0:
+            yield Sleep(seconds)
+            return
+        started = self._clock.monotonic()
+        try:
+            woken = yield Call(self._listen, (key, seconds))
+        except Exception:  # noqa: BLE001 - the wait degrades to sleeping, rule 3 of waiting.py
+            woken = None
+        if woken is None:
+            rest = seconds - (self._clock.monotonic() - started)
+            if rest > 0:
+                yield Sleep(rest)
+            return
+        waiter.woken = woken is True
