@@ -200,12 +200,12 @@ def listening(raw: psycopg.Connection[Any], table: str, within: float = 20) -> N
 def polls(waiting: Waiting, holder: Holder, lease: Lease) -> None:
     """The waiter of a store that does not listen gets the lock by polling once it is released."""
     store = waiting.watched()
-    assert not store.listens
     assert store.waiting.wait(20), "its first attempt failed"
     holder.give(lease)
     assert waiting.result(within=20) is not None
     assert store.attempts >= 2
     assert not any(store.waits), "polled within retry_delay: no wait was woken"
+    assert not store.listens
 
 
 # --- the clients that listen -------------------------------------------------------------
@@ -290,6 +290,7 @@ def test_a_release_wakes_a_listening_waiter(
     got = waiting.result(within=LONG_DELAY / 2)
     assert got is not None, "woken: the next poll would have come after the timeout"
     assert (store.attempts, store.waits) == (2, [True]), "one wait, ended by the notification"
+    assert store.listens, "the check that finds a pooler (rule 4) did not take the server for one"
 
 
 def test_a_release_before_the_listen_is_not_missed(
@@ -402,7 +403,7 @@ def test_a_single_psycopg_connection_never_blocks_and_its_waiters_poll(
 
 
 @pytest.mark.parametrize(
-    ("kind", "listen"), [("psycopg-pool", False), ("asyncpg-pool", False), ("psycopg-pool", True)]
+    ("kind", "listen"), [*((kind, True) for kind in KINDS), ("psycopg-pool", False)]
 )
 def test_behind_pgbouncer_in_transaction_mode_waiters_poll_and_get_the_lock(
     kind: str,
@@ -412,19 +413,22 @@ def test_behind_pgbouncer_in_transaction_mode_waiters_poll_and_get_the_lock(
     raw: psycopg.Connection[Any],
     table: str,
 ) -> None:
-    # listen=False, as behind such a pooler one should: the waiter polls.
-    # Left on by mistake, the LISTEN lands on a server connection that the
-    # waiter may not keep: it still gets the lock, when its wait times out.
+    # The first wait finds the pooler (its session's pid is not the one the
+    # connection reported) and the store stops listening: its waiter polls.
+    # listen=False skips even that check.
     holder = Holder(raw, table, postgres_schema)
     lease = holder.take("job")
     asynchronous, open_client, close = _kinds(pgbouncer_url)[kind]
-    if kind == "asyncpg-pool":
+    if kind.startswith("asyncpg"):
+        pooled = kind == "asyncpg-pool"
 
         async def open_asyncpg() -> object:
             # Unnamed statements only, as a pooler in transaction mode needs.
-            return await asyncpg.create_pool(
-                pgbouncer_url, min_size=1, max_size=4, statement_cache_size=0
-            )
+            if pooled:
+                return await asyncpg.create_pool(
+                    pgbouncer_url, min_size=1, max_size=4, statement_cache_size=0
+                )
+            return await asyncpg.connect(pgbouncer_url, statement_cache_size=0)
 
         open_client = open_asyncpg
 
@@ -442,15 +446,9 @@ def test_behind_pgbouncer_in_transaction_mode_waiters_poll_and_get_the_lock(
     waiting = Waiting(
         make, open_client, close, asynchronous=asynchronous, key="job", timeout=20, retry_delay=0.2
     )
-    if not listen:
-        polls(waiting, holder, lease)
-        return
     store = waiting.watched()
-    assert store.listens
-    assert store.waiting.wait(20), "its first attempt failed"
-    holder.give(lease)
-    assert waiting.result(within=20) is not None
-    assert store.attempts >= 2
+    assert store.listens is listen
+    polls(waiting, holder, lease)
 
 
 def test_channels_are_identifiers_one_per_table() -> None:

@@ -28,16 +28,20 @@ Rules of this module:
    otherwise. A release of a semaphore's permit wakes all of that key's
    waiters: one wins, the others pause and wait again (``waiting.py``, rule 4).
 4. A pooler in transaction mode (PgBouncer) hands the ``LISTEN`` to a server
-   connection that the next transaction may give to another client, and a
-   release's notification never reaches the waiter; no statement tells
-   such a pooler from a server. So listening is the store's option
-   (``listen``, on by default): behind such a pooler, turn it off and
-   waiters poll within ``retry_delay``. Left on, they still get the lock
-   by polling, as the wait times out; only the stray ``LISTEN`` remains on
-   the pooler's server connections.
+   connection that the next transaction may give to another client, so a
+   release's notification would never reach the waiter. Such a pooler is
+   told from a server by the process id: a server's session reports its own
+   (``pg_backend_pid()``) at connection start, a pooler reports one of its
+   own making. The first wait on a pool (or asyncpg connection) compares the
+   two, once (one statement, remembered per pool); where they differ, the
+   wait answers :data:`POOLED` and the store stops listening and marking for
+   good: its waiters poll within ``retry_delay``. A pooler in session mode
+   is taken for one too (its waiters poll, as they would on any pooler).
+   ``listen=False`` on the store skips even that one statement.
 5. A wait answers True when it ended early (a notification for its key, or
    a free permit when it began), False when its time ran out, None when it
-   could not listen (the budget was spent): the store then sleeps the rest.
+   could not listen (the budget was spent): the store then sleeps the rest;
+   :data:`POOLED` behind a pooler (rule 4).
    Errors propagate to the store, which sleeps the rest (``Store.wait``
    never raises).
 """
@@ -54,18 +58,24 @@ from contextlib import (
     AbstractContextManager,
     aclosing,
     closing,
+    suppress,
 )
 from typing import Protocol, TypeAlias, cast
 
 from ..redis.waits import Blockers
 from ..shapes import defines
 from .runners import Row, _asyncpg, _psycopg, _psycopg_async
-from .statements import Statements
+from .statements import Statement, Statements
 
-__all__ = ["Listen", "listener"]
+__all__ = ["POOLED", "Listen", "listener"]
 
 Listen: TypeAlias = Callable[[str, float], object]
 """``listen(key, seconds)``: rule 5's answer (sync), or an awaitable of it (asyncio)."""
+
+POOLED = "pooled"
+"""A wait's answer behind a pooler: never listen on this client again (rule 4)."""
+
+_PID = Statement.of("SELECT pg_backend_pid()")
 
 
 class _Notify(Protocol):
@@ -107,6 +117,8 @@ class _Asyncpg(Protocol):
 
     def remove_listener(self, channel: str, callback: _Listener, /) -> Awaitable[None]: ...
 
+    def get_server_pid(self) -> int: ...
+
 
 class _AsyncpgPool(Protocol):
     def get_max_size(self) -> int: ...
@@ -134,18 +146,54 @@ def _budget(pool: object, size: object) -> Blockers | None:
             return Blockers(size // 2)
 
 
+class _Info(Protocol):
+    @property
+    def backend_pid(self) -> int: ...
+
+
+class _Described(Protocol):
+    @property
+    def info(self) -> _Info: ...
+
+
+_VERDICTS: weakref.WeakKeyDictionary[object, bool] = weakref.WeakKeyDictionary()
+
+
+def _known(owner: object) -> bool | None:
+    """Whether ``owner`` was found behind a pooler (rule 4); None: not checked yet."""
+    with _POOLS_LOCK:
+        try:
+            return _VERDICTS.get(owner)
+        except TypeError:  # takes no weak reference: checked at every wait
+            return None
+
+
+def _judge(owner: object, reported: object, rows: Sequence[Row]) -> bool:
+    """Rule 4's verdict on ``owner`` from the pid its session reported and ``_PID``'s rows."""
+    pooled = not rows or rows[0][0] != reported
+    with _POOLS_LOCK, suppress(TypeError):  # takes no weak reference: checked at every wait
+        _VERDICTS[owner] = pooled
+    return pooled
+
+
 def _psycopg_pool(pool: _Pool, sql: Statements, permits: int) -> Listen | None:
     blockers = _budget(pool, pool.max_size)
     if blockers is None:
         return None
 
-    def listen(key: str, seconds: float) -> bool | None:
+    def listen(key: str, seconds: float) -> bool | str | None:
         if not blockers.take():
             return None
         deadline = time.monotonic() + seconds
         try:
             with pool.connection(timeout=seconds) as conn:
                 run = _psycopg(conn)
+                pooled = _known(pool)
+                if pooled is None:
+                    reported = cast(_Described, conn).info.backend_pid
+                    pooled = _judge(pool, reported, run(_PID, {}))
+                if pooled:
+                    return POOLED
                 run(sql.listen, {})
                 try:
                     if _free(run(sql.holders, {"key": key, "permits": permits}), permits):
@@ -165,14 +213,14 @@ def _psycopg_pool(pool: _Pool, sql: Statements, permits: int) -> Listen | None:
 
 
 def _budgeted(
-    blockers: Blockers | None, wait: Callable[[str, float], Awaitable[bool]]
+    blockers: Blockers | None, wait: Callable[[str, float], Awaitable[bool | str]]
 ) -> Listen | None:
     """``wait`` on a connection lent by a pool, within the pool's budget (rule 1)."""
     if blockers is None:
         return None
     budget = blockers
 
-    async def listen(key: str, seconds: float) -> bool | None:
+    async def listen(key: str, seconds: float) -> bool | str | None:
         if not budget.take():
             return None
         try:
@@ -184,10 +232,16 @@ def _budgeted(
 
 
 def _psycopg_pool_async(pool: _AsyncPool, sql: Statements, permits: int) -> Listen | None:
-    async def lent(key: str, seconds: float) -> bool:
+    async def lent(key: str, seconds: float) -> bool | str:
         deadline = time.monotonic() + seconds
         async with pool.connection(timeout=seconds) as conn:
             run = _psycopg_async(conn)
+            pooled = _known(pool)
+            if pooled is None:
+                reported = cast(_Described, conn).info.backend_pid
+                pooled = _judge(pool, reported, await run(_PID, {}))
+            if pooled:
+                return POOLED
             await run(sql.listen, {})
             try:
                 if _free(await run(sql.holders, {"key": key, "permits": permits}), permits):
@@ -207,9 +261,18 @@ def _psycopg_pool_async(pool: _AsyncPool, sql: Statements, permits: int) -> List
 
 
 async def _asyncpg_wait(
-    conn: object, key: str, seconds: float, sql: Statements, permits: int
-) -> bool:
-    """Rule 2 on an asyncpg connection: listen, read the holders, await the key's notification."""
+    conn: object, key: str, seconds: float, sql: Statements, permits: int, owner: object
+) -> bool | str:
+    """Rule 2 on an asyncpg connection: listen, read the holders, await the key's notification.
+
+    ``owner`` (the pool, or the connection itself) keeps rule 4's verdict.
+    """
+    pooled = _known(owner)
+    if pooled is None:
+        reported = cast(_Asyncpg, conn).get_server_pid()
+        pooled = _judge(owner, reported, await _asyncpg(conn)(_PID, {}))
+    if pooled:
+        return POOLED
     woken = asyncio.Event()
 
     def heard(_conn: object, _pid: int, _channel: str, payload: str) -> None:
@@ -232,11 +295,11 @@ async def _asyncpg_wait(
 
 
 def _asyncpg_pool(pool: _AsyncpgPool, sql: Statements, permits: int) -> Listen | None:
-    async def lent(key: str, seconds: float) -> bool:
+    async def lent(key: str, seconds: float) -> bool | str:
         deadline = time.monotonic() + seconds
         async with pool.acquire(timeout=seconds) as conn:
             left = deadline - time.monotonic()
-            return left > 0 and await _asyncpg_wait(conn, key, left, sql, permits)
+            return left > 0 and await _asyncpg_wait(conn, key, left, sql, permits, pool)
 
     return _budgeted(_budget(pool, pool.get_max_size()), lent)
 
@@ -254,8 +317,8 @@ def listener(client: object, sql: Statements, permits: int, *, asynchronous: boo
         if not defines(client, "add_listener"):
             return None
 
-        def listen(key: str, seconds: float) -> Awaitable[bool]:
-            return _asyncpg_wait(client, key, seconds, sql, permits)
+        def listen(key: str, seconds: float) -> Awaitable[bool | str]:
+            return _asyncpg_wait(client, key, seconds, sql, permits, client)
 
         return listen
     if defines(client, "getconn"):

@@ -68,7 +68,7 @@ from ..._core.lease import MAX_EXPIRY_MS, Lease
 from ..._core.waiting import Waiter, lost_pause
 from ..._errors import DMutexError
 from ..redis.waits import REFRESH
-from .listening import listener
+from .listening import POOLED, listener
 from .runners import Params, Row, runner
 from .statements import COLUMNS, FOREIGN, PRIMARY_KEY, Statement, Statements
 
@@ -311,6 +311,9 @@ class PostgresStore:
         try:
             woken = yield Call(self._listen, (key, seconds))
         except Exception:  # noqa: BLE001 - the wait degrades to sleeping, rule 3 of waiting.py
+            woken = None
+        if woken == POOLED:  # behind a pooler: poll from now on (listening.py, rule 4)
+            self._listen = None
             woken = None
         if woken is None:
             rest = seconds - (self._clock.monotonic() - started)
