@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import asyncpg
 import psycopg
@@ -26,6 +26,7 @@ import psycopg_pool
 import pytest
 
 from dmutex._backends.postgres import PostgresStore
+from dmutex._backends.postgres.listening import PID_CHECK
 from dmutex._backends.postgres.statements import Statements, channel
 from dmutex._clock import SYSTEM_CLOCK
 from dmutex._core.effects import Steps
@@ -506,3 +507,61 @@ def test_a_cancelled_wait_gives_its_connection_back(
     assert cancelled
     assert again is not None
     assert waits == [True], "the cancelled wait recorded nothing; the next was woken"
+
+
+class Counted(psycopg.Connection[Any]):
+    """A psycopg connection that records every statement it sends."""
+
+    sent: ClassVar[list[object]] = []
+
+    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        Counted.sent.append(query)
+        return super().execute(query, params, **kwargs)
+
+
+def test_a_listening_wait_costs_its_budget_of_statements(
+    postgres_server: str, postgres_schema: str, raw: psycopg.Connection[Any], table: str
+) -> None:
+    # docs/usage/postgresql.md's budget: LISTEN, the holders read and UNLISTEN
+    # per wait, and the pooler check once per pool (the first wait's); the
+    # marks ride on the acquires' own statements.
+    holder = Holder(raw, table, postgres_schema)
+
+    def make(client: object) -> Watched:
+        return Watched(client, table, 1, SYSTEM_CLOCK, schema=postgres_schema, asynchronous=False)
+
+    with psycopg_pool.ConnectionPool(
+        postgres_server,
+        min_size=1,
+        max_size=4,
+        connection_class=Counted,
+        kwargs={"autocommit": True},
+    ) as pool:
+        for check in ([PID_CHECK.psycopg], []):
+            lease = holder.take("job")
+            Counted.sent.clear()
+            waiting = Waiting(
+                make,
+                lambda: pool,
+                lambda _: None,
+                asynchronous=False,
+                key="job",
+                timeout=20,
+                retry_delay=5,
+            )
+            store = waiting.watched()
+            listening(raw, table)
+            holder.give(lease)
+            got = waiting.result(within=10)
+            assert got is not None
+            assert store.waits == [True]
+            sql = store.statements
+            assert [text for text in Counted.sent if text != sql.shape.psycopg] == [
+                sql.acquire_mutex.psycopg,
+                *check,
+                sql.listen.psycopg,
+                sql.holders.psycopg,
+                sql.unlisten.psycopg,
+                sql.acquire_mutex.psycopg,
+            ]
+            holder.give(got)

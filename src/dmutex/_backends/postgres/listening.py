@@ -75,7 +75,7 @@ Listen: TypeAlias = Callable[[str, float], object]
 POOLED = "pooled"
 """A wait's answer behind a pooler: never listen on this client again (rule 4)."""
 
-_PID = Statement.of("SELECT pg_backend_pid()")
+PID_CHECK = Statement.of("SELECT pg_backend_pid()")
 
 
 class _Notify(Protocol):
@@ -169,7 +169,7 @@ def _known(owner: object) -> bool | None:
 
 
 def _judge(owner: object, reported: object, rows: Sequence[Row]) -> bool:
-    """Rule 4's verdict on ``owner`` from the pid its session reported and ``_PID``'s rows."""
+    """Rule 4's verdict on ``owner`` from the pid its session reported and ``PID_CHECK``'s rows."""
     pooled = not rows or rows[0][0] != reported
     with _POOLS_LOCK, suppress(TypeError):  # takes no weak reference: checked at every wait
         _VERDICTS[owner] = pooled
@@ -191,7 +191,7 @@ def _psycopg_pool(pool: _Pool, sql: Statements, permits: int) -> Listen | None:
                 pooled = _known(pool)
                 if pooled is None:
                     reported = cast(_Described, conn).info.backend_pid
-                    pooled = _judge(pool, reported, run(_PID, {}))
+                    pooled = _judge(pool, reported, run(PID_CHECK, {}))
                 if pooled:
                     return POOLED
                 run(sql.listen, {})
@@ -239,7 +239,7 @@ def _psycopg_pool_async(pool: _AsyncPool, sql: Statements, permits: int) -> List
             pooled = _known(pool)
             if pooled is None:
                 reported = cast(_Described, conn).info.backend_pid
-                pooled = _judge(pool, reported, await run(_PID, {}))
+                pooled = _judge(pool, reported, await run(PID_CHECK, {}))
             if pooled:
                 return POOLED
             await run(sql.listen, {})
@@ -270,7 +270,7 @@ async def _asyncpg_wait(
     pooled = _known(owner)
     if pooled is None:
         reported = cast(_Asyncpg, conn).get_server_pid()
-        pooled = _judge(owner, reported, await _asyncpg(conn)(_PID, {}))
+        pooled = _judge(owner, reported, await _asyncpg(conn)(PID_CHECK, {}))
     if pooled:
         return POOLED
     woken = asyncio.Event()
