@@ -9,9 +9,8 @@ Rules of this module:
 1. A wait listens on a server session of its own for its length, and never
    blocks a connection that anyone else may need: a psycopg pool (sync or
    asyncio) or an asyncpg pool lends one connection for the wait, at most
-   half the pool's ``max_size`` at once (:class:`~..redis.waits.Blockers`,
-   shared by every store on the pool), and it is lent for no longer than
-   the wait (``connection(timeout=...)``); an asyncpg connection listens
+   half the pool's ``max_size`` at once (``..blocking``, rule 1), and it is
+   lent for no longer than the wait (``connection(timeout=...)``); an asyncpg connection listens
    itself (``add_listener``), since asyncpg reads notifications as they come
    without holding the connection, and stays free for other statements
    meanwhile. A single psycopg connection cannot: it delivers notifications
@@ -62,7 +61,7 @@ from contextlib import (
 )
 from typing import Protocol, TypeAlias, cast
 
-from ..redis.waits import Blockers
+from ..blocking import Blockers, pool_budget
 from ..shapes import defines
 from .runners import Row, _asyncpg, _psycopg, _psycopg_async
 from .statements import Statement, Statements
@@ -131,19 +130,11 @@ def _free(rows: Sequence[Row], permits: int) -> bool:
     return sum(1 for row in rows if row[0] is not None) < permits
 
 
-_POOLS: weakref.WeakKeyDictionary[object, Blockers] = weakref.WeakKeyDictionary()
-_POOLS_LOCK = threading.Lock()
-
-
 def _budget(pool: object, size: object) -> Blockers | None:
     """The waits' budget on ``pool``: half its ``size``, shared by its stores (rule 1)."""
     if isinstance(size, bool) or not isinstance(size, int) or size // 2 < 1:
         return None
-    with _POOLS_LOCK:
-        try:
-            return _POOLS.setdefault(pool, Blockers(size // 2))
-        except TypeError:  # a pool that takes no weak reference: a budget per store
-            return Blockers(size // 2)
+    return pool_budget(pool, size // 2)
 
 
 class _Info(Protocol):
@@ -157,11 +148,12 @@ class _Described(Protocol):
 
 
 _VERDICTS: weakref.WeakKeyDictionary[object, bool] = weakref.WeakKeyDictionary()
+_VERDICTS_LOCK = threading.Lock()
 
 
 def _known(owner: object) -> bool | None:
     """Whether ``owner`` was found behind a pooler (rule 4); None: not checked yet."""
-    with _POOLS_LOCK:
+    with _VERDICTS_LOCK:
         try:
             return _VERDICTS.get(owner)
         except TypeError:  # takes no weak reference: checked at every wait
@@ -171,7 +163,7 @@ def _known(owner: object) -> bool | None:
 def _judge(owner: object, reported: object, rows: Sequence[Row]) -> bool:
     """Rule 4's verdict on ``owner`` from the pid its session reported and ``PID_CHECK``'s rows."""
     pooled = not rows or rows[0][0] != reported
-    with _POOLS_LOCK, suppress(TypeError):  # takes no weak reference: checked at every wait
+    with _VERDICTS_LOCK, suppress(TypeError):  # takes no weak reference: checked at every wait
         _VERDICTS[owner] = pooled
     return pooled
 

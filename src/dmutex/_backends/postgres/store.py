@@ -67,7 +67,7 @@ from ..._core.effects import Call, Sleep, Steps
 from ..._core.lease import MAX_EXPIRY_MS, Lease
 from ..._core.waiting import Waiter, lost_pause
 from ..._errors import DMutexError
-from ..redis.waits import REFRESH
+from ..blocking import REFRESH
 from .listening import POOLED, listener
 from .runners import Params, Row, runner
 from .statements import COLUMNS, FOREIGN, PRIMARY_KEY, Statement, Statements

@@ -51,6 +51,7 @@ from ..._core.effects import Call, Sleep, Steps
 from ..._core.lease import MAX_EXPIRY_MS, Lease, now_ms
 from ..._core.waiting import Waiter, lost_pause
 from ..._errors import DMutexError, InvalidArgumentError
+from ..blocking import REFRESH, Blockers
 from ..cluster import hash_slot, same_hash_slot
 from ..shapes import defines, is_cluster_client, method
 from .scripts import (
@@ -64,7 +65,7 @@ from .scripts import (
     RENEW_BATCH,
     Script,
 )
-from .waits import MIN_BLOCK, REFRESH, TICK, Blockers, block_budget
+from .waits import MIN_BLOCK, TICK, block_budget
 
 __all__ = ["RedisStore"]
 
