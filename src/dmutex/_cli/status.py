@@ -92,6 +92,7 @@ def status(args: StatusArgs, env: Mapping[str, str], stdout: TextIO) -> int:
                     limit=args.limit,
                     key=args.key,
                     db_name=backend.db_name,
+                    schema_name=target.schema,
                 )
         except (InvalidArgumentError, ArgumentTypeError) as error:
             raise Failure(USAGE, one_line(error)) from None
