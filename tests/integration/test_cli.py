@@ -620,6 +620,28 @@ def test_postgresql_url_parameters_besides_schema_go_to_libpq(
         found.close()
 
 
+def test_postgresql_through_pgbouncer_in_transaction_mode_with_schema(
+    postgres_server: str, postgres_schema: str, pgbouncer_url: str, env: dict[str, str]
+) -> None:
+    found = cli.postgres_store(postgres_server, postgres_schema)
+    try:
+        url = with_param(pgbouncer_url, "schema", postgres_schema)  # no search path through it
+        holder = DMutex(cli.SERVICE, found.client).acquire(KEY, 30)
+        assert holder is not None
+        held = cli.run(["run", "--backend", url, "-n", KEY, "--", "true"], env)
+        assert held.status == 75, held.stderr
+        assert holder.release()
+        script = "import os; print(os.environ['DMUTEX_TOKEN'])"
+        done = cli.run(
+            ["run", "--backend", url, "-n", KEY, "--", sys.executable, "-c", script], env
+        )
+        assert done.status == 0, done.stderr
+        assert done.stdout.strip()
+        assert is_free(found)
+    finally:
+        found.close()
+
+
 def test_postgresql_connections_get_timeouts_that_fit_the_request_unless_set() -> None:
     assert postgres_timeouts({}, request_timeout(2.0), {}) == {
         "connect_timeout": 2,  # libpq's least
