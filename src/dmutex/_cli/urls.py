@@ -184,6 +184,8 @@ def _postgres_target(url: str) -> Target:
             check_postgres_schema(schema, f"the {SCHEMA_PARAM}= parameter of {shown}")
         except InvalidArgumentError as error:
             raise Failure(USAGE, one_line(error)) from None
+    scheme, _, rest = head.partition(":")
+    head = f"{scheme.lower()}:{rest}"  # libpq knows its schemes in lower case only
     libpq = f"{head}?{'&'.join(kept)}" if kept else head
     return Target("postgresql", libpq, shown, schema=schema)
 
