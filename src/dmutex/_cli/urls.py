@@ -12,7 +12,8 @@ PostgreSQL (``postgresql://`` or ``postgres://``, as libpq takes them):
    schema of the lock tables (the library's ``schema_name``), checked by
    :func:`parse`; every other parameter is libpq's, and libpq's URL parser
    (psycopg's ``conninfo_to_dict``, no I/O) refuses what it does not know,
-   with status 64. A port out of 1-65535 is refused there too.
+   with status 64. A port out of 1-65535 is refused there too. libpq's
+   messages may quote the URL back: the URL's password is cut from them.
 2. Requests are bounded where libpq can bound them: ``connect_timeout``
    (at most 5 s) and ``tcp_user_timeout`` (the request timeout) are set
    unless the URL (or ``PGCONNECT_TIMEOUT``) names them;
