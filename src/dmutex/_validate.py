@@ -247,6 +247,14 @@ def check_postgres_names(table: str, origin: str, schema: str | None) -> None:
         )
 
 
+def check_postgres_schema(schema: str, origin: str) -> None:
+    """Refuse a PostgreSQL schema name as :func:`check_postgres_names` does.
+
+    ``origin`` says where the name came from.
+    """
+    _check_postgres_identifier(schema, origin, "schema name")
+
+
 def _check_postgres_identifier(value: str, origin: str, what: str) -> None:
     if not value or "\0" in value:
         raise InvalidArgumentError(

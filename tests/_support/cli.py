@@ -6,7 +6,8 @@
 - :data:`CHILD` and :class:`Child`: a Python child that reports its pid, its
   ``DMUTEX_*`` variables and every signal it receives, through files;
 - :class:`Store`: a backend seen from the test: its URL, a library client on
-  it, and how to delete a lease from under its holder.
+  it, and how to delete a lease from under its holder; :func:`sqlite_store`,
+  :func:`redis_store` and :func:`postgres_store` make one.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+from urllib.parse import quote
 
+import psycopg
 import pytest
 import redis
+from psycopg import sql
 
 from dmutex import SQLiteBackend, SyncClient
 from tests._support.sampling import until
@@ -189,6 +193,8 @@ class Store:
     client: SyncClient
     sqlite_path: Path | None = None
     redis_client: redis.Redis | None = None
+    postgres_schema: str | None = None
+    """PostgreSQL: the schema of the tables; ``client`` has it first on its search path."""
 
     def delete_lease(self, key: str, slot: int = 0, service: str = SERVICE) -> None:
         """Delete the mutex lease of ``key`` from storage, under its holder; fails if none."""
@@ -197,6 +203,9 @@ class Store:
                 deleted = conn.execute(
                     f'DELETE FROM "_dmutex_{service}" WHERE key = ?', (f"permit:{slot}:{key}",)
                 ).rowcount
+        elif isinstance(self.client, psycopg.Connection):
+            query = sql.SQL("DELETE FROM {} WHERE key = %s").format(self._table(service))
+            deleted = self.client.execute(query, (f"permit:{slot}:{key}",)).rowcount
         else:
             assert self.redis_client is not None
             deleted = self.redis_client.delete(f"_dmutex_{service}:permit:{slot}:{key}")
@@ -211,13 +220,22 @@ class Store:
                     (f"permit:{slot}:{key}",),
                 ).fetchone()
             return None if row is None else str(row[0])
+        if isinstance(self.client, psycopg.Connection):
+            query = sql.SQL("SELECT value FROM {} WHERE key = %s").format(self._table(service))
+            found = self.client.execute(query, (f"permit:{slot}:{key}",)).fetchone()
+            return None if found is None else str(found[0])
         assert self.redis_client is not None
         value = self.redis_client.get(f"_dmutex_{service}:permit:{slot}:{key}")
         return None if value is None else value.decode() if isinstance(value, bytes) else value
 
+    def _table(self, service: str, prefix: str = "_dmutex_") -> sql.Identifier:
+        """The PostgreSQL table of ``service``'s locks, in the store's schema."""
+        assert self.postgres_schema is not None
+        return sql.Identifier(self.postgres_schema, f"{prefix}{service}")
+
     def close(self) -> None:
         """Close the test's clients."""
-        if isinstance(self.client, SQLiteBackend):
+        if isinstance(self.client, (SQLiteBackend, psycopg.Connection)):
             self.client.close()
         if self.redis_client is not None:
             self.redis_client.close()
@@ -233,3 +251,24 @@ def redis_store(url: str) -> Store:
     """The (emptied) Redis database at ``url``."""
     client = redis.Redis.from_url(url)
     return Store("redis", url, client, redis_client=client)
+
+
+def postgres_store(server_url: str, schema: str) -> Store:
+    """The PostgreSQL server at ``server_url``, in ``schema``, its lock tables dropped.
+
+    The command's URL names the schema with its own ``schema=`` parameter;
+    the library's client, a connection in autocommit, has it first on its
+    search path, so that both reach one table.
+    """
+    joiner = "&" if "?" in server_url else "?"
+    path = quote(f"-csearch_path={schema}")
+    client = psycopg.connect(f"{server_url}{joiner}options={path}", autocommit=True)
+    store = Store(
+        "postgresql",
+        f"{server_url}{joiner}schema={quote(schema)}",
+        client,
+        postgres_schema=schema,
+    )
+    for prefix in ("_dmutex_", "_dsemaphore_"):
+        client.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(store._table(SERVICE, prefix)))
+    return store

@@ -3,7 +3,9 @@
 Every test asserts exit statuses. Each uses its own SQLite file in
 ``tmp_path`` and sets ``XDG_STATE_HOME`` there (the default file never
 touches ``~``); the Redis tests use the newest discovered server, its
-database emptied first. Leases are short (``--ttl`` 1.5-3 s) and so is
+database emptied first; the PostgreSQL tests the session's server, in the
+session's schema (named by the URL's ``schema=``), the lock tables dropped
+first. Leases are short (``--ttl`` 1.5-3 s) and so is
 ``--kill-grace``, so that a lost lease is found and acted on in about a
 second. Every wait is a poll with a generous deadline; durations are
 measured on the monotonic clock and bounded loosely (at least the
@@ -23,14 +25,19 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
+import psycopg
+import psycopg_pool
 import pytest
 
 from dmutex import DMutex, DMutexLock, SQLiteBackend
+from dmutex._backends.postgres.listening import listener
+from dmutex._backends.postgres.statements import Statements
+from dmutex._cli import urls
 from dmutex._cli.holders import read_holders
 from dmutex._cli.run import request_timeout
-from dmutex._cli.urls import mongodb_timeouts
+from dmutex._cli.urls import mongodb_timeouts, postgres_timeouts
 from tests._support import cli, mongo_servers
 from tests._support.cli import Child, Store
 from tests._support.redis_servers import Pool, flushed, newest
@@ -49,13 +56,16 @@ def redis_cli_url(redis_pool: Pool) -> str:
     return flushed(newest(redis_pool).url)
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=["sqlite", "redis", "postgresql"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     """Each backend the command must interoperate with the library on."""
     if request.param == "sqlite":
         found = cli.sqlite_store(tmp_path)
-    else:
+    elif request.param == "redis":
         found = cli.redis_store(request.getfixturevalue("redis_cli_url"))
+    else:
+        server = request.getfixturevalue("postgres_server")
+        found = cli.postgres_store(server, request.getfixturevalue("postgres_schema"))
     try:
         yield found
     finally:
@@ -138,7 +148,7 @@ def test_child_runs_holding_the_lock_and_it_is_released_when_the_child_is_killed
     assert variables["DMUTEX_TOKEN"] == token
     fence = variables["DMUTEX_FENCE"]
     assert isinstance(fence, str)
-    assert fence.isdigit()  # both SQLite and Redis keep a fence
+    assert fence.isdigit()  # every backend keeps a fence
     assert int(fence) >= 1
     assert variables["DMUTEX_SLOT"] == "0"  # a mutex: its one permit
 
@@ -162,6 +172,7 @@ def test_child_runs_holding_the_lock_and_it_is_released_when_the_child_is_killed
     assert "held" in shown.stdout
     assert token[:8] in shown.stdout
     assert token not in shown.stdout
+    assert f"fence: {fence} " in shown.stdout
 
     os.kill(child.pid, signal.SIGKILL)
     done = cli.finish(process, started)
@@ -332,8 +343,8 @@ def test_without_dashdash_everything_after_key_is_the_command(
 # -- semaphores ---------------------------------------------------------------
 
 
-def test_limit_makes_a_semaphore(sqlite: Store, env: dict[str, str], tmp_path: Path) -> None:
-    base = ["run", "--backend", sqlite.url, "--ttl", "3", "--limit", "2", KEY, "--"]
+def test_limit_makes_a_semaphore(store: Store, env: dict[str, str], tmp_path: Path) -> None:
+    base = ["run", "--backend", store.url, "--ttl", "3", "--limit", "2", KEY, "--"]
     children = [child_folder(tmp_path, f"child{i}") for i in range(2)]
     processes = [cli.start([*base, *cli.child_command(c.folder, "plain")], env) for c in children]
     started = time.monotonic()
@@ -347,12 +358,12 @@ def test_limit_makes_a_semaphore(sqlite: Store, env: dict[str, str], tmp_path: P
     assert len(tokens) == 2
     assert slots == {"0", "1"}  # each child knows its own permit
 
-    third = cli.run(["run", "--backend", sqlite.url, "--limit", "2", "-n", KEY, "--", "true"], env)
+    third = cli.run(["run", "--backend", store.url, "--limit", "2", "-n", KEY, "--", "true"], env)
     assert third.status == 75, third.stderr
     # As a mutex (--limit 1) the key is another lock: the semaphore's permits do not hold it.
-    assert cli.run(["run", "--backend", sqlite.url, "-n", KEY, "--", "true"], env).status == 0
+    assert cli.run(["run", "--backend", store.url, "-n", KEY, "--", "true"], env).status == 0
 
-    shown = cli.run(["status", "--backend", sqlite.url, "--limit", "2", "--json", KEY], env)
+    shown = cli.run(["status", "--backend", store.url, "--limit", "2", "--json", KEY], env)
     assert shown.status == 0, shown.stderr
     document = json.loads(shown.stdout)
     assert document["held"] is True
@@ -366,7 +377,7 @@ def test_limit_makes_a_semaphore(sqlite: Store, env: dict[str, str], tmp_path: P
         os.kill(child.pid, signal.SIGTERM)
     for process in processes:
         assert cli.finish(process, started).status == 128 + signal.SIGTERM
-    free = cli.run(["status", "--backend", sqlite.url, "--limit", "2", KEY], env)
+    free = cli.run(["status", "--backend", store.url, "--limit", "2", KEY], env)
     assert free.status == 1, free.stderr
 
 
@@ -454,7 +465,12 @@ def test_dmutex_backend_variable_picks_the_backend(store: Store, env: dict[str, 
         ["run", "--ttl", "nan", KEY, "--", "true"],
         ["run", "-w", "-1", KEY, "--", "true"],
         ["run", "-E", "256", KEY, "--", "true"],
-        ["run", "--backend", "postgres://db/x", KEY, "--", "true"],
+        ["run", "--backend", "postgresql://127.0.0.1:99999/x", KEY, "--", "true"],
+        ["status", "--backend", "POSTGRES://127.0.0.1/x?no_such_parameter=1", KEY],
+        ["status", "--backend", "postgresql://127.0.0.1/x?schema=", KEY],
+        ["run", "--backend", "postgresql://127.0.0.1/x?schema=a&schema=b", KEY, "--", "true"],
+        ["run", "--backend", "postgresql://127.0.0.1/x?schema=" + "s" * 64, KEY, "--", "true"],
+        ["run", "--backend", "http://127.0.0.1/x", KEY, "--", "true"],
         ["run", "--backend", "sqlite://host/x.db", KEY, "--", "true"],
         ["status"],
         ["status", "--limit", "x", KEY],
@@ -512,6 +528,7 @@ def test_an_unreachable_backend_exits_69_naming_it_without_its_password(
     urls = [
         f"redis://:hunter2@127.0.0.1:{port}/0",
         f"mongodb://user:hunter2@127.0.0.1:{port}/?serverSelectionTimeoutMS=300",
+        f"postgres://user:hunter2@127.0.0.1:{port}/db?schema=locks",
         f"sqlite://{tmp_path / 'no-such-dir' / 'locks.sqlite3'}",
     ]
     for url in urls:
@@ -532,6 +549,7 @@ def test_an_unreachable_backend_exits_69_naming_it_without_its_password(
     [
         ("redis", "redis://127.0.0.1:1/0", "dmutex[redis]"),
         ("pymongo", "mongodb://127.0.0.1:1/", "dmutex[mongodb]"),
+        ("psycopg", "postgresql://127.0.0.1:1/x", "dmutex[postgresql]"),
     ],
 )
 def test_a_missing_client_package_exits_69_naming_the_extra(
@@ -573,6 +591,119 @@ def test_mongodb_interoperates_with_the_library_and_fences_its_grants(
         assert DMutex(service, client, db_name=server.db_name).acquire(KEY, 1) is not None
     finally:
         client.close()
+
+
+# -- PostgreSQL: the URL and the connection the command makes ------------------
+
+
+def with_param(url: str, name: str, value: str) -> str:
+    """``url`` with one more query parameter, its value percent-encoded."""
+    return f"{url}{'&' if '?' in url else '?'}{name}={quote(value, safe='')}"
+
+
+def test_postgresql_url_parameters_besides_schema_go_to_libpq(
+    postgres_server: str, postgres_schema: str, env: dict[str, str]
+) -> None:
+    found = cli.postgres_store(postgres_server, postgres_schema)
+    try:
+        holder = DMutex(cli.SERVICE, found.client).acquire(KEY, 30)
+        assert holder is not None
+        # No schema=: libpq's own options= puts the schema on the search path.
+        url = with_param(postgres_server, "options", f"-csearch_path={postgres_schema}")
+        held = cli.run(["run", "--backend", url, "-n", KEY, "--", "true"], env)
+        assert held.status == 75, held.stderr
+        shown = cli.run(["status", "--backend", url, KEY], env)
+        assert shown.status == 0, shown.stderr
+        assert holder.token[:8] in shown.stdout
+        assert holder.release()
+    finally:
+        found.close()
+
+
+def test_postgresql_through_pgbouncer_in_transaction_mode_with_schema(
+    postgres_server: str, postgres_schema: str, pgbouncer_url: str, env: dict[str, str]
+) -> None:
+    found = cli.postgres_store(postgres_server, postgres_schema)
+    try:
+        url = with_param(pgbouncer_url, "schema", postgres_schema)  # no search path through it
+        holder = DMutex(cli.SERVICE, found.client).acquire(KEY, 30)
+        assert holder is not None
+        held = cli.run(["run", "--backend", url, "-n", KEY, "--", "true"], env)
+        assert held.status == 75, held.stderr
+        assert holder.release()
+        script = "import os; print(os.environ['DMUTEX_TOKEN'])"
+        done = cli.run(
+            ["run", "--backend", url, "-n", KEY, "--", sys.executable, "-c", script], env
+        )
+        assert done.status == 0, done.stderr
+        assert done.stdout.strip()
+        assert is_free(found)
+    finally:
+        found.close()
+
+
+def test_postgresql_connections_get_timeouts_that_fit_the_request_unless_set() -> None:
+    assert postgres_timeouts({}, request_timeout(2.0), {}) == {
+        "connect_timeout": 2,  # libpq's least
+        "tcp_user_timeout": 1000,
+        "fallback_application_name": "dmutex",
+    }
+    assert postgres_timeouts({}, request_timeout(60.0), {})["connect_timeout"] == 5
+    named = {"tcp_user_timeout": "250", "application_name": "mine"}
+    assert postgres_timeouts(named, 10.0, {"PGCONNECT_TIMEOUT": "7"}) == {
+        "fallback_application_name": "dmutex"  # only a fallback: application_name wins
+    }
+
+
+def test_run_gets_a_pool_that_wakes_waiters_and_status_one_connection(
+    postgres_server: str, postgres_schema: str
+) -> None:
+    target = urls.parse(with_param(postgres_server, "schema", postgres_schema), {})
+    assert target.schema == postgres_schema
+    assert "schema=" not in target.url  # the command's own: libpq would refuse it
+    statements = Statements.of("t", postgres_schema, fencing=True)
+    waiting = urls.connect(target, timeout=2.0, waits=True)
+    try:
+        assert isinstance(waiting.client, psycopg_pool.ConnectionPool)
+        assert waiting.client.max_size == urls.POOL_SIZE
+        assert listener(waiting.client, statements, 1, asynchronous=False) is not None
+        with waiting.client.connection() as conn:
+            assert conn.autocommit
+            assert conn.info.get_parameters()["tcp_user_timeout"] == "2000"
+            assert conn.info.parameter_status("application_name") == "dmutex"
+    finally:
+        waiting.close()
+    reading = urls.connect(target, timeout=2.0)
+    try:
+        assert isinstance(reading.client, psycopg.Connection)
+        assert reading.client.autocommit
+    finally:
+        reading.close()
+
+
+def test_without_psycopg_pool_run_shares_one_connection_and_polls(
+    postgres_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "psycopg_pool", None)  # its import raises ImportError
+    backend = urls.connect(urls.parse(postgres_server, {}), timeout=2.0, waits=True)
+    try:
+        assert isinstance(backend.client, psycopg.Connection)
+        assert backend.client.autocommit
+        statements = Statements.of("t", None, fencing=True)
+        assert listener(backend.client, statements, 1, asynchronous=False) is None
+    finally:
+        backend.close()
+
+
+def test_a_malformed_postgresql_url_is_a_usage_error_that_hides_its_password(
+    env: dict[str, str],
+) -> None:
+    # libpq quotes a malformed token back: here the password itself.
+    done = cli.run(["status", "--backend", "postgresql://user:hunter%zz2@127.0.0.1/x", KEY], env)
+    assert done.status == 64, done.stderr
+    assert "percent-encoded" in done.stderr
+    assert "hunter" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
 
 
 def test_status_never_exits_1_for_an_error_it_does_not_know(

@@ -36,7 +36,9 @@ BACKEND_ENV = "DMUTEX_BACKEND"
 
 _BACKEND_HELP = (
     "where the locks live: sqlite:///PATH, redis://..., rediss://..., mongodb://..., "
-    f"mongodb+srv://... (default: ${BACKEND_ENV}, else the SQLite file "
+    "mongodb+srv://..., postgresql://... or postgres://... (?schema=NAME: the tables' "
+    "schema; other parameters go to libpq) "
+    f"(default: ${BACKEND_ENV}, else the SQLite file "
     "$XDG_STATE_HOME/dmutex/locks.sqlite3, else ~/.local/state/dmutex/locks.sqlite3)"
 )
 
@@ -60,6 +62,7 @@ examples:
   dmutex run --limit 4 --backend redis://cache:6379/0 gpu -- train.py
                                                    # at most 4 at a time, across hosts
   DMUTEX_BACKEND=mongodb://db/ops dmutex run migrate -- ./migrate.sh
+  dmutex run --backend 'postgresql://app@db/ops?schema=locks' report -- ./report.sh
 """
 
 _STATUS_EPILOG = """\
@@ -165,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dmutex",
         description="Run commands under distributed locks (mutexes and semaphores) "
-        "kept in SQLite, Redis or MongoDB.",
+        "kept in SQLite, Redis, MongoDB or PostgreSQL.",
         epilog=_MAIN_EPILOG,
         formatter_class=_Formatter,
     )

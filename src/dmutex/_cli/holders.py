@@ -3,8 +3,8 @@
 It sits with the command (``dmutex._cli``), its only user, since it drives a
 store's effects (``dmutex._runtime.drivers``), which a backend does not.
 
-Sync clients only. The store is prepared first (SQLite: its table created
-if missing, MongoDB: its index), as before any operation.
+Sync clients only. The store is prepared first (SQLite and PostgreSQL: its
+table created if missing, MongoDB: its index), as before any operation.
 """
 
 from __future__ import annotations
@@ -19,12 +19,19 @@ __all__ = ["Holder", "Inspection", "read_holders"]
 
 
 def read_holders(
-    client: object, *, service: str, limit: int, key: str, db_name: str = "dmutex"
+    client: object,
+    *,
+    service: str,
+    limit: int,
+    key: str,
+    db_name: str = "dmutex",
+    schema_name: str | None = None,
 ) -> Inspection:
     """The active permits of ``key`` for ``service``'s lock of ``limit`` permits, and its fence.
 
     ``limit`` 1 reads a :class:`~dmutex.DMutex`'s records, more a
-    :class:`~dmutex.DSemaphore`'s, under the default names for ``service``.
+    :class:`~dmutex.DSemaphore`'s, under the default names for ``service``
+    (PostgreSQL: in ``schema_name``, None for the search path's).
     Raises what the client raises; bad arguments raise before any request.
     """
     key = check_key(key)
@@ -38,6 +45,7 @@ def read_holders(
         db_name=db_name,
         collection_prefix=prefix,
         table_prefix=prefix,
+        schema_name=schema_name,
     )
     store = open_store(client, options, asynchronous=False)
     drive = SyncDriver(store.clock, store.ready)

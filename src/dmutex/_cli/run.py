@@ -50,9 +50,17 @@ def _lock(args: RunArgs, backend: Backend) -> DMutex | DSemaphore:
     environment then always has a fence.
     """
     service, client, ttl, db_name = args.service, backend.client, args.ttl, backend.db_name
+    schema = backend.target.schema
     try:
         if args.limit == 1:
-            return DMutex(service, client, default_ttl_seconds=ttl, db_name=db_name, fencing=True)
+            return DMutex(
+                service,
+                client,
+                default_ttl_seconds=ttl,
+                db_name=db_name,
+                fencing=True,
+                schema_name=schema,
+            )
         return DSemaphore(
             service,
             client,
@@ -60,6 +68,7 @@ def _lock(args: RunArgs, backend: Backend) -> DMutex | DSemaphore:
             default_ttl_seconds=ttl,
             db_name=db_name,
             fencing=True,
+            schema_name=schema,
         )
     except (InvalidArgumentError, ArgumentTypeError) as error:
         raise Failure(USAGE, one_line(error)) from None
@@ -100,7 +109,7 @@ def run(args: RunArgs, env: Mapping[str, str], stderr: TextIO) -> int:
     signals = sup.Signals()
     signals.install()
     try:
-        backend = connect(target, timeout=request_timeout(args.ttl))
+        backend = connect(target, timeout=request_timeout(args.ttl), waits=True)
         try:
             return _run(args, env, stderr, backend, signals)
         finally:
@@ -123,6 +132,7 @@ def _run(
             limit=args.limit,
             key=args.key,
             db_name=backend.db_name,
+            schema_name=backend.target.schema,
         )
 
     progress = Progress(

@@ -8,8 +8,8 @@ shown where the backend keeps one.
 
 Caveats: what it shows was true when it was read. A SQLite file that does
 not exist (in a directory that does, or the default file) is reported free
-and is not created; reading an existing one creates the lock table if it
-is missing, as any operation does.
+and is not created; reading an existing one, or a PostgreSQL database,
+creates the lock table if it is missing, as any operation does.
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ def status(args: StatusArgs, env: Mapping[str, str], stdout: TextIO) -> int:
                     limit=args.limit,
                     key=args.key,
                     db_name=backend.db_name,
+                    schema_name=target.schema,
                 )
         except (InvalidArgumentError, ArgumentTypeError) as error:
             raise Failure(USAGE, one_line(error)) from None

@@ -6,15 +6,40 @@ client package only for its own scheme, and turns a missing package into
 status 69 naming the extra to install. Every URL shown to the user is
 :func:`redact`-ed: a password never reaches stderr.
 
+PostgreSQL (``postgresql://`` or ``postgres://``, as libpq takes them):
+
+1. The command reads one query parameter itself, ``schema=NAME``: the
+   schema of the lock tables (the library's ``schema_name``), checked by
+   :func:`parse`; every other parameter is libpq's, and libpq's URL parser
+   (psycopg's ``conninfo_to_dict``, no I/O) refuses what it does not know,
+   with status 64. A port out of 1-65535 is refused there too. libpq's
+   messages may quote the URL back: the URL's password is cut from them.
+2. Requests are bounded where libpq can bound them: ``connect_timeout``
+   (at most 5 s) and ``tcp_user_timeout`` (the request timeout) are set
+   unless the URL (or ``PGCONNECT_TIMEOUT``) names them;
+   ``fallback_application_name`` is ``dmutex``.
+3. One connection is opened first, in autocommit: libpq's own message says
+   why a server cannot be reached (status 69). ``status`` reads through it.
+   ``run`` then uses a ``psycopg_pool.ConnectionPool`` of two connections
+   (:data:`POOL_SIZE`): the renewer thread and the release never wait for
+   each other, and a waiter ``LISTEN``s on one of them, so it wakes on the
+   holder's release. Without ``psycopg_pool``, ``run`` keeps the one
+   connection, shared by the threads, and its waits poll.
+
 Caveats: ``sqlite:`` URLs follow ``file:`` URLs, not SQLAlchemy's:
 ``sqlite:///var/x.db`` is the absolute path ``/var/x.db``; a relative path
 is written ``sqlite:x.db``. Redis and MongoDB URLs are passed to their
-client packages as given, which validate them.
+client packages as given, which validate them. A PostgreSQL server that
+accepts a request and never answers it (a paused server) holds it until it
+answers: libpq has no reply timeout. ``run`` still stops the command by the
+lease's deadline, which does not wait for a renewal to answer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import os
 import re
 import sqlite3
@@ -26,6 +51,7 @@ from urllib.parse import unquote, urlsplit
 
 from .._errors import InvalidArgumentError
 from .._faces.sync import SyncClient
+from .._validate import check_postgres_schema
 from .errors import UNAVAILABLE, USAGE, Failure, one_line
 
 __all__ = [
@@ -35,10 +61,11 @@ __all__ = [
     "default_sqlite_path",
     "make_private_dirs",
     "parse",
+    "postgres_timeouts",
     "redact",
 ]
 
-Kind = Literal["sqlite", "redis", "mongodb"]
+Kind = Literal["sqlite", "redis", "mongodb", "postgresql"]
 
 _SCHEMES: dict[str, Kind] = {
     "sqlite": "sqlite",
@@ -46,14 +73,21 @@ _SCHEMES: dict[str, Kind] = {
     "rediss": "redis",
     "mongodb": "mongodb",
     "mongodb+srv": "mongodb",
+    "postgresql": "postgresql",
+    "postgres": "postgresql",
 }
 _EXTRA: dict[Kind, tuple[str, str]] = {
     "redis": ("redis", "dmutex[redis]"),
     "mongodb": ("pymongo", "dmutex[mongodb]"),
+    "postgresql": ("psycopg", "dmutex[postgresql]"),
 }
+SCHEMA_PARAM = "schema"  # the PostgreSQL query parameter the command reads itself (rule 1)
+POOL_SIZE = 2  # run's pool: a waiter may LISTEN on half of it (listening.py, rule 1)
 # userinfo "user:password@" in the authority of scheme://authority/...
-_USERINFO = re.compile(r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/?#@:]*):[^/?#]*@")
-_SECRET_PARAM = re.compile(r"(?i)([?&](?:password|pass|pwd)=)[^&#]*")
+_USERINFO = re.compile(
+    r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/?#@:]*):(?P<secret>[^/?#]*)@"
+)
+_SECRET_PARAM = re.compile(r"(?i)([?&](?:password|pass|pwd)=)(?P<secret>[^&#]*)")
 
 
 def redact(url: str) -> str:
@@ -99,13 +133,18 @@ class Target:
 
     kind: Kind
     url: str
-    """The URL as given (``sqlite:///...`` for the default), with secrets: never print it."""
+    """The URL as given (``sqlite:///...`` for the default; PostgreSQL: less ``schema=``).
+
+    With its secrets: never print it.
+    """
     shown: str
     """The URL with any password hidden, for messages."""
     path: Path | None = None
     """SQLite: the database file."""
     default: bool = False
     """SQLite: the per-user default file, whose directory is created on first use."""
+    schema: str | None = None
+    """PostgreSQL: the ``schema=`` parameter, which :attr:`url` no longer has."""
 
 
 def parse(url: str | None, env: Mapping[str, str]) -> Target:
@@ -119,11 +158,37 @@ def parse(url: str | None, env: Mapping[str, str]) -> Target:
         raise Failure(
             USAGE,
             f"unsupported backend URL {redact(url)!r}: use sqlite:///PATH, redis://, rediss://, "
-            "mongodb:// or mongodb+srv://",
+            "mongodb://, mongodb+srv://, postgresql:// or postgres://",
         )
+    if kind == "postgresql":
+        return _postgres_target(url)
     if kind != "sqlite":
         return Target(kind, url, redact(url))
     return Target("sqlite", url, url, _sqlite_path(url))
+
+
+def _postgres_target(url: str) -> Target:
+    """``url`` less its ``schema=`` parameter, and that schema, checked (rule 1)."""
+    shown = redact(url)
+    head, _, query = url.partition("?")
+    kept: list[str] = []
+    schema: str | None = None
+    for item in query.split("&") if query else []:
+        name, _, value = item.partition("=")
+        if unquote(name) != SCHEMA_PARAM:
+            kept.append(item)
+            continue
+        if schema is not None:
+            raise Failure(USAGE, f"{SCHEMA_PARAM}= is given twice in {shown}")
+        schema = unquote(value)
+        try:
+            check_postgres_schema(schema, f"the {SCHEMA_PARAM}= parameter of {shown}")
+        except InvalidArgumentError as error:
+            raise Failure(USAGE, one_line(error)) from None
+    scheme, _, rest = head.partition(":")
+    head = f"{scheme.lower()}:{rest}"  # libpq knows its schemes in lower case only
+    libpq = f"{head}?{'&'.join(kept)}" if kept else head
+    return Target("postgresql", libpq, shown, schema=schema)
 
 
 def _sqlite_path(url: str) -> Path:
@@ -162,18 +227,23 @@ class Backend:
             self.closer()
 
 
-def connect(target: Target, *, timeout: float) -> Backend:
+def connect(target: Target, *, timeout: float, waits: bool = False) -> Backend:
     """A client for ``target``; network clients time out requests after ``timeout`` seconds.
 
     Raises :class:`Failure`: 64 for a URL the client package refuses, 69 for a
     missing package or a backend that cannot be opened (an SQLite file that
-    cannot be created or is not a database). Redis and MongoDB connect on
-    first use, so an unreachable server surfaces at the first request.
+    cannot be created or is not a database, a PostgreSQL server that cannot
+    be connected to). Redis and MongoDB connect on first use, so an
+    unreachable server surfaces at the first request. ``waits``: the client
+    will wait for locks, from more than one thread (PostgreSQL: a pool where
+    ``psycopg_pool`` is installed, rule 3).
     """
     if target.kind == "sqlite":
         return _connect_sqlite(target, timeout)
     if target.kind == "redis":
         return _connect_redis(target, timeout)
+    if target.kind == "postgresql":
+        return _connect_postgres(target, timeout, waits)
     return _connect_mongodb(target, timeout)
 
 
@@ -248,3 +318,94 @@ def _connect_mongodb(target: Target, timeout: float) -> Backend:
     return Backend(
         target, client, (pymongo.errors.PyMongoError, OSError), db_name, closer=client.close
     )
+
+
+def postgres_timeouts(
+    named: Mapping[str, str], timeout: float, env: Mapping[str, str]
+) -> dict[str, int | str]:
+    """The libpq parameters a connection gets for ``timeout`` seconds a request (rule 2).
+
+    Less those the URL names (``named``: its parameters) or the
+    environment sets (``PGCONNECT_TIMEOUT``): a keyword would override them.
+    libpq takes ``connect_timeout`` in whole seconds, 2 at the least.
+    """
+    wanted: dict[str, int | str] = {
+        "connect_timeout": max(2, math.ceil(min(timeout, 5.0))),
+        "tcp_user_timeout": round(timeout * 1000),
+        "fallback_application_name": "dmutex",
+    }
+    if env.get("PGCONNECT_TIMEOUT"):
+        del wanted["connect_timeout"]
+    return {name: value for name, value in wanted.items() if name not in named}
+
+
+def _scrubbed(text: str, url: str) -> str:
+    """``text`` without any password of ``url``: libpq may quote a malformed one back."""
+    found = [_USERINFO.search(url), *_SECRET_PARAM.finditer(url)]
+    for secret in (match.group("secret") for match in found if match is not None):
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
+def _ports(params: Mapping[str, str]) -> str | None:
+    """The first port of ``params`` (one per host, comma-separated) outside 1-65535."""
+    for port in params.get("port", "").split(","):
+        if port and not (port.isdigit() and 1 <= int(port) <= 65535):
+            return port
+    return None
+
+
+def _connect_postgres(target: Target, timeout: float, waits: bool) -> Backend:
+    try:
+        import psycopg
+        import psycopg.conninfo
+    except ImportError:
+        raise _missing(target) from None
+    try:
+        found = psycopg.conninfo.conninfo_to_dict(target.url)
+    except psycopg.Error as error:
+        text = _scrubbed(one_line(error), target.url)
+        raise Failure(USAGE, f"bad PostgreSQL URL {target.shown}: {text}") from None
+    params = {name: str(value) for name, value in found.items() if value is not None}
+    port = _ports(params)
+    if port is not None:
+        raise Failure(USAGE, f"bad PostgreSQL URL {target.shown}: port {port!r} is not 1-65535")
+    conninfo = psycopg.conninfo.make_conninfo(
+        target.url, **postgres_timeouts(params, timeout, os.environ)
+    )
+    errors = (psycopg.Error, OSError)
+    try:
+        first = psycopg.connect(conninfo, autocommit=True)
+    except errors as error:
+        text = _scrubbed(one_line(error), target.url)
+        raise Failure(UNAVAILABLE, f"cannot connect to {target.shown}: {text}") from None
+    if not waits:
+        return Backend(target, first, errors, closer=first.close)
+    try:
+        import psycopg_pool
+    except ImportError:  # one connection, shared by the threads: waits poll (rule 3)
+        return Backend(target, first, errors, closer=first.close)
+    first.close()
+    # The pool's own reconnection warnings would add lines to stderr: its
+    # failures reach the command as errors of the requests that wait for it.
+    quiet = logging.getLogger("psycopg.pool")
+    if not quiet.handlers:
+        quiet.addHandler(logging.NullHandler())
+    pool = psycopg_pool.ConnectionPool(
+        conninfo,
+        kwargs={"autocommit": True},
+        min_size=1,
+        max_size=POOL_SIZE,
+        open=False,
+        timeout=timeout,
+        num_workers=1,
+        name="dmutex",
+    )
+    try:
+        pool.open(wait=True, timeout=timeout)
+    except errors as error:
+        pool.close(timeout=0)
+        text = _scrubbed(one_line(error), target.url)
+        raise Failure(UNAVAILABLE, f"cannot connect to {target.shown}: {text}") from None
+    return Backend(target, pool, errors, closer=lambda: pool.close(timeout=1.0))
