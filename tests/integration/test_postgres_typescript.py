@@ -42,7 +42,7 @@ import uuid
 import warnings
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 import asyncpg
@@ -714,16 +714,35 @@ def test_the_typescript_release_ignores_expiry_and_dmutexs_does_not(
 def test_the_typescript_acquire_has_no_lost_reply_rule(
     ts_conn: Counted, raw: Counted, service: str
 ) -> None:
-    # A TypeScript acquire whose reply was lost, sent again with its token (as
-    # a retrying client would): refused by the row it wrote itself, which
-    # then holds the key until it expires. dmutex's acquire takes back its own
-    # row (test_postgres_store.py: test_a_resent_acquire_recognises_its_own_token).
+    # A TypeScript acquire that committed but whose reply was lost: sent again
+    # with its token (a retrying driver), or tried anew (acquire() draws a new
+    # token each call), it is refused by the row it wrote itself, which holds
+    # the key, unreleasable, until it expires. dmutex's acquire takes its own
+    # row back (test_postgres_store.py: test_a_resent_acquire_recognises_its_own_token).
     ts = TypeScript.mutex(ts_conn, service)
     ts.ready()
     token, row = str(uuid.uuid4()), f"permit:0:{KEY}"
-    assert ts.store_acquire(row, token, 30) is not None
+    assert ts.store_acquire(row, token, 30) is not None  # the reply that was lost
     assert ts.store_acquire(row, token, 30) is None
+    assert ts.acquire(KEY, 30) is None
     assert rows(raw, f"_dmutex_{service}")[row][0] == token
+
+
+def test_the_typescript_stores_now_is_read_a_moment_before_statement_timestamp(
+    ts_conn: Counted,
+) -> None:
+    # node-postgres sends a statement with values as Parse, Bind and Execute
+    # at once: NOW() is the implicit transaction's start, at the Parse;
+    # dmutex's statement_timestamp() is the Execute's moment. One clock, read
+    # microseconds apart (never the other way round); without values (one
+    # simple Query message) the two are equal.
+    gaps = [
+        ts_conn.execute("SELECT statement_timestamp() - NOW(), $1::int", [n]).fetchone()
+        for n in range(10)
+    ]
+    assert all(gap is not None and timedelta(0) <= gap[0] < timedelta(seconds=5) for gap in gaps)
+    with psycopg.ClientCursor(ts_conn) as simple:
+        assert simple.execute("SELECT statement_timestamp() - NOW()").fetchone() == (timedelta(0),)
 
 
 def test_a_full_typescript_semaphore_costs_a_statement_per_slot(
