@@ -751,17 +751,28 @@ def test_a_full_typescript_semaphore_costs_a_statement_per_slot(
     permits = 5
     ts = TypeScript(ts_conn, service, max_permits=permits)
     ts.ready()
-    for _ in range(permits):
-        assert ts.acquire(KEY, 30) is not None
+    held = [ts.acquire(KEY, 30) for _ in range(permits)]
+    assert held[-1] is not None
+    assert held[-1].slot == permits - 1
     before = ts_conn.sent
     assert ts.acquire(KEY, 30) is None
     assert ts_conn.sent - before == permits, "one upsert per slot"
+    before = ts_conn.sent
+    assert ts.extend(KEY, held[-1].token, 30)
+    assert ts.release(KEY, held[-1].token)
+    assert ts_conn.sent - before == 2 * permits, "by token: one statement per slot, to the last"
+    assert ts.acquire(KEY, 30) is not None
     with connect(url, postgres_schema) as conn:
         sem = DSemaphore(service, conn, max_permits=permits)
         sem.ready()
         before = conn.sent
         assert sem.acquire(KEY, 30) is None
         assert conn.sent - before == 1, "dmutex: one statement over every slot"
+        token = rows(conn, f"_dsemaphore_{service}")[f"permit:{permits - 1}:{KEY}"][0]
+        before = conn.sent
+        assert sem.extend(KEY, token, 30)
+        assert sem.release(KEY, token)
+        assert conn.sent - before == 2, "by token: one statement each"
 
 
 def test_the_typescript_ready_needs_create_and_dmutexs_does_not(
@@ -779,8 +790,13 @@ def test_the_typescript_ready_needs_create_and_dmutexs_does_not(
         raw.execute(f'GRANT USAGE ON SCHEMA "{postgres_schema}" TO "{role}"')
         raw.execute(f'GRANT SELECT, INSERT, UPDATE, DELETE ON "{table}" TO "{role}"')
         ts_conn.execute(f'SET ROLE "{role}"')
-        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="schema"):
             TypeScript.mutex(ts_conn, service).ready()
+        # With CREATE on the schema, its CREATE INDEX still needs the table's owner.
+        raw.execute(f'GRANT CREATE ON SCHEMA "{postgres_schema}" TO "{role}"')
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="owner"):
+            TypeScript.mutex(ts_conn, service).ready()
+        raw.execute(f'REVOKE CREATE ON SCHEMA "{postgres_schema}" FROM "{role}"')
         with connect(url, postgres_schema) as conn:
             conn.execute(f'SET ROLE "{role}"')
             mutex = DMutex(service, conn)
