@@ -35,6 +35,7 @@ from dmutex._core.engine import Engine
 from dmutex._core.lease import Lease
 from dmutex._core.waiting import Waiter
 from dmutex._runtime.drivers import AsyncDriver, SyncDriver
+from tests._support.postgres_rows import age, ms, rows
 
 T = TypeVar("T")
 FACES = ["sync", "async"]
@@ -208,28 +209,6 @@ def table(raw: psycopg.Connection[Any]) -> Iterator[str]:
     raw.execute(f'DROP TABLE IF EXISTS "{name}"')
 
 
-def rows(raw: psycopg.Connection[Any], table: str) -> dict[str, tuple[str, object]]:
-    """The table's rows: key -> (value, expired_at)."""
-    found = raw.execute(f'SELECT "key", "value", "expired_at" FROM "{table}"').fetchall()
-    return {key: (value, at) for key, value, at in found}
-
-
-def ms(at: object) -> int:
-    """A timestamptz as epoch ms, rounded down, as the store reads it."""
-    assert hasattr(at, "timestamp")
-    return int(at.timestamp() * 1_000_000) // 1000
-
-
-def age(raw: psycopg.Connection[Any], table: str, key: str) -> None:
-    """Let the lease in ``key``'s row run out: its expiry a millisecond before the server's now."""
-    done = raw.execute(
-        f"""UPDATE "{table}" SET "expired_at" = statement_timestamp() - interval '1 ms'
-        WHERE "key" = %s""",
-        (key,),
-    )
-    assert done.rowcount == 1
-
-
 # --- the layout ------------------------------------------------------------------------
 
 
@@ -355,7 +334,7 @@ def test_a_grant_writes_the_slot_row_and_the_fence_row(
     assert ms(expired_at) == (lease.fence + 7_500_000) // 1000
     fence_value, fence_expiry = stored["fence:api"]
     assert fence_value == str(lease.fence)
-    assert fence_expiry.isoformat() == "9999-01-01T00:00:00+00:00"  # type: ignore[attr-defined]  # a datetime
+    assert fence_expiry.isoformat() == "9999-01-01T00:00:00+00:00"
     assert str(FOREVER).startswith("9999-01-01")
 
 

@@ -54,6 +54,7 @@ from psycopg import sql
 from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore, InvalidArgumentError
 from dmutex._backends.postgres.statements import FOREVER, WAITERS, channel
 from dmutex._cli.holders import read_holders
+from tests._support.postgres_rows import age, ms, rows
 from tests._support.sampling import until
 
 T = TypeVar("T")
@@ -318,27 +319,6 @@ def side(request: pytest.FixtureRequest, url: str, postgres_schema: str) -> Iter
     made = Python(request.param, url, postgres_schema)
     yield made
     made.close()
-
-
-def rows(raw: psycopg.Connection[Any], table: str) -> dict[str, tuple[str, datetime]]:
-    """The table's rows: key -> (value, expired_at)."""
-    found = raw.execute(f'SELECT "key", "value", "expired_at" FROM "{table}"').fetchall()
-    return {key: (value, at) for key, value, at in found}
-
-
-def ms(at: datetime) -> int:
-    """A timestamptz as epoch ms, rounded down, as dmutex reads it."""
-    return int(at.timestamp() * 1_000_000) // 1000
-
-
-def age(raw: psycopg.Connection[Any], table: str, key: str) -> None:
-    """Let the lease in ``key``'s row run out: its expiry a millisecond before the server's now."""
-    done = raw.execute(
-        f"""UPDATE "{table}" SET "expired_at" = statement_timestamp() - interval '1 ms'
-        WHERE "key" = %s""",
-        (key,),
-    )
-    assert done.rowcount == 1
 
 
 # --- exclusion ------------------------------------------------------------------------------
