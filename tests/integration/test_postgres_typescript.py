@@ -1,6 +1,7 @@
 """The TypeScript dmutex's PostgreSQL store and dmutex on one table, on a real server.
 
-The TypeScript library (0.4.0) cannot run here, so :class:`TypeScript`
+The TypeScript library (github.com/song-younghoon/dmutex, 0.4.0, commit
+fa55975) is not on npm and cannot run here, so :class:`TypeScript`
 replays what it sends: the statements of its ``src/postgres-store.ts``
 (``PostgresDMutexStore``: ``initialize``, ``acquire``, ``release``,
 ``extend``), quoted verbatim, with its way of naming and quoting the table,
@@ -29,7 +30,8 @@ What must hold:
   notifies no dmutex waiter; it lets PostgreSQL cut an index name dmutex
   refuses.
 
-No test sleeps for time to pass: a lease runs out by rewriting ``expired_at``.
+A lease runs out by rewriting ``expired_at``, except where waiting for an
+expiry or a renewal is the point (TTLs of 0.3 and 0.6 s).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class TypeScript:
     """The TypeScript ``DSemaphore`` (or ``DMutex``) on its ``PostgresDMutexStore``, replayed.
 
     ``conn`` must be in autocommit with ``RawCursor`` (node-postgres's ``$n``
-    parameters); :func:`connect` makes one. ``sent`` counts its statements.
+    parameters): :func:`typescript_connection` makes one.
     """
 
     def __init__(
@@ -100,7 +102,6 @@ class TypeScript:
     ) -> None:
         self.conn = conn
         self.max_permits = max_permits
-        self.sent = 0
         # PostgresDMutexStore's constructor.
         self.table_name = table_name or f"{table_prefix}{service_name}"
         self.index_name = f"{self.table_name}_expired_at_idx"
@@ -116,9 +117,8 @@ class TypeScript:
         return cls(conn, service_name, max_permits=1, table_prefix="_dmutex_", **options)
 
     def query(self, text: str, values: tuple[object, ...] = ()) -> psycopg.Cursor[Any]:
-        self.sent += 1
-        # node-postgres sends each value as text, its type left to the server.
-        return self.conn.execute(text, [str(value) for value in values])
+        """``pool.query(text, values)``: each value sent as text, its type left to the server."""
+        return self.conn.execute(text, [str(value) for value in values] if values else None)
 
     # postgres-store.ts, verbatim: the text of each statement as it builds it.
 
@@ -248,7 +248,6 @@ class Python:
     """dmutex's public classes on one kind of client, each call run to its end."""
 
     def __init__(self, kind: str, url: str, schema: str) -> None:
-        self.kind = kind
         self.loop = None if kind == "psycopg" else asyncio.new_event_loop()
         self.client: Any
         if kind == "psycopg":
@@ -378,7 +377,7 @@ def test_a_race_of_both_semaphores_never_exceeds_max_permits(
     # thread, asyncpg on a loop in another) cycle on one key of two permits.
     # Each records its slot between its grant and its release: a slot held
     # twice at once, or more than two held, is an over-grant.
-    permits, rounds = 2, 20
+    permits, rounds = 2, 30
     inside: dict[int, str] = {}
     faults: list[str] = []
     cycles: dict[str, int] = {}
