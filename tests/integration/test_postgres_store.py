@@ -7,8 +7,9 @@ on a loop of its own) and run the engine's steps with ``SyncDriver`` /
 do. Each face's connection records the statements it executes, so that
 "one statement per operation" is counted, not assumed. A second, plain
 connection reads and writes the table behind the store's back: the layout
-byte for byte, expiry moved by the server's clock, rows the TypeScript
-store's SQL writes. No test sleeps: time passes by rewriting ``expired_at``.
+byte for byte, expiry moved by the server's clock (the TypeScript store's
+statements beside dmutex's: ``test_postgres_typescript.py``). No test
+sleeps: time passes by rewriting ``expired_at``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dmutex._core.engine import Engine
 from dmutex._core.lease import Lease
 from dmutex._core.waiting import Waiter
 from dmutex._runtime.drivers import AsyncDriver, SyncDriver
+from tests._support.postgres_rows import age, ms, rows
 
 T = TypeVar("T")
 FACES = ["sync", "async"]
@@ -207,28 +209,6 @@ def table(raw: psycopg.Connection[Any]) -> Iterator[str]:
     raw.execute(f'DROP TABLE IF EXISTS "{name}"')
 
 
-def rows(raw: psycopg.Connection[Any], table: str) -> dict[str, tuple[str, object]]:
-    """The table's rows: key -> (value, expired_at)."""
-    found = raw.execute(f'SELECT "key", "value", "expired_at" FROM "{table}"').fetchall()
-    return {key: (value, at) for key, value, at in found}
-
-
-def ms(at: object) -> int:
-    """A timestamptz as epoch ms, rounded down, as the store reads it."""
-    assert hasattr(at, "timestamp")
-    return int(at.timestamp() * 1_000_000) // 1000
-
-
-def age(raw: psycopg.Connection[Any], table: str, key: str) -> None:
-    """Let the lease in ``key``'s row run out: its expiry a millisecond before the server's now."""
-    done = raw.execute(
-        f"""UPDATE "{table}" SET "expired_at" = statement_timestamp() - interval '1 ms'
-        WHERE "key" = %s""",
-        (key,),
-    )
-    assert done.rowcount == 1
-
-
 # --- the layout ------------------------------------------------------------------------
 
 
@@ -260,26 +240,6 @@ def test_ready_creates_the_typescript_table_and_index(
     }
     _, again = subject.counted(subject.store.ready())
     assert again == 1, "a table of the right shape with its index: one read, nothing created"
-
-
-def test_ready_accepts_the_table_the_typescript_store_creates(
-    face: Face, raw: psycopg.Connection[Any], table: str
-) -> None:
-    # postgres-store.ts's initialize(), verbatim.
-    raw.execute(f"""
-      CREATE TABLE IF NOT EXISTS "{table}" (
-        "key" text PRIMARY KEY,
-        "value" text NOT NULL,
-        "expired_at" timestamptz NOT NULL
-      )
-    """)
-    raw.execute(f"""
-      CREATE INDEX IF NOT EXISTS "{table}_expired_at_idx"
-      ON "{table}" ("expired_at")
-    """)
-    subject = face.store(table)
-    _, statements = subject.counted(subject.store.ready())
-    assert statements == 1
 
 
 def test_ready_refuses_a_table_of_another_shape(
@@ -374,7 +334,7 @@ def test_a_grant_writes_the_slot_row_and_the_fence_row(
     assert ms(expired_at) == (lease.fence + 7_500_000) // 1000
     fence_value, fence_expiry = stored["fence:api"]
     assert fence_value == str(lease.fence)
-    assert fence_expiry.isoformat() == "9999-01-01T00:00:00+00:00"  # type: ignore[attr-defined]  # a datetime
+    assert fence_expiry.isoformat() == "9999-01-01T00:00:00+00:00"
     assert str(FOREVER).startswith("9999-01-01")
 
 
@@ -580,43 +540,6 @@ def test_holders_and_the_waiters_hint(face: Face, raw: psycopg.Connection[Any], 
     assert subject.drive(subject.store.acquire("k", str(uuid.uuid4()), 1000, waiter)) is None
     assert waiter.expires_in is not None
     assert 29.0 < waiter.expires_in <= 30.0, "the lease in the way that ends first"
-
-
-def test_the_typescript_stores_statements_and_dmutex_exclude_each_other(
-    face: Face, raw: psycopg.Connection[Any], table: str
-) -> None:
-    subject = face.store(table)
-    subject.ready()
-
-    def ts_acquire(key: str, token: str) -> bool:
-        # postgres-store.ts's acquire(), verbatim but for the placeholders.
-        found = raw.execute(
-            f"""
-      INSERT INTO "{table}" AS locks ("key", "value", "expired_at")
-      VALUES (%s, %s, NOW() + (%s::double precision * INTERVAL '1 second'))
-      ON CONFLICT ("key") DO UPDATE
-      SET
-        "value" = EXCLUDED."value",
-        "expired_at" = EXCLUDED."expired_at"
-      WHERE locks."expired_at" <= NOW()
-      RETURNING "expired_at"
-    """,
-            (key, token, 30),
-        ).fetchall()
-        return len(found) == 1
-
-    ts_token = str(uuid.uuid4())
-    assert ts_acquire("permit:0:shared", ts_token)
-    assert subject.acquire("shared") is None
-    found = subject.drive(subject.store.holders("shared"))
-    assert [h.token for h in found.holders] == [ts_token]
-    raw.execute(
-        f"""DELETE FROM "{table}" WHERE "key" = %s AND "value" = %s""",
-        ("permit:0:shared", ts_token),
-    )
-    ours = subject.acquire("shared")
-    assert ours is not None
-    assert not ts_acquire("permit:0:shared", str(uuid.uuid4()))
 
 
 # --- the connection ----------------------------------------------------------------------

@@ -8,13 +8,17 @@ Rules of the statements:
 1. Time is the server's, read as ``statement_timestamp()``: the moment the
    statement reached the server, the same wherever the statement reads it.
    ``now()`` is the start of the *transaction*: in autocommit (one statement,
-   one transaction) the two are equal, but a statement sent on a connection
-   that is not in autocommit runs after a ``BEGIN``, and then ``now()`` is
-   earlier, so a lease would get less than its TTL and an expiry test would
-   look into the past. ``clock_timestamp()`` moves while the statement runs,
-   so the expiry a row is compared with and the one stored beside it would
-   disagree. The TypeScript store's ``NOW()`` is the same instant in its
-   autocommit queries, so the two libraries judge a row by one clock.
+   one transaction) the two are equal or microseconds apart (below), but a
+   statement sent on a connection that is not in autocommit runs after a
+   ``BEGIN``, and then ``now()`` is earlier, so a lease would get less than
+   its TTL and an expiry test would look into the past.
+   ``clock_timestamp()`` moves while the statement runs, so the expiry a
+   row is compared with and the one stored beside it would disagree. The
+   TypeScript store's ``NOW()`` is its autocommit statement's transaction
+   start: node-postgres sends a statement with values as Parse, Bind and
+   Execute at once, so that is the Parse's moment, microseconds before the
+   Execute's ``statement_timestamp()``. The two libraries judge a row by
+   one clock, read microseconds apart.
 2. Every operation is one statement: the grant, its fence, and what a
    waiter learns of the lease in the way are common table expressions of
    the acquire's one statement; release, extend, a batch of renewals and
