@@ -129,23 +129,43 @@ def test_redis_example_runs(where: str, block: str, redis_url: str) -> None:
         assert server.keys("*permit:*") == [], "an example left a lock behind"
 
 
+# The services an example names: its tables are ``_dmutex_<name>`` and ``_dsemaphore_<name>``.
+SERVICE = re.compile(r"D(?:Mutex|Semaphore)\(\s*\"([^\"]+)\"")
+
+
 @pytest.mark.parametrize(("where", "block"), POSTGRES, ids=ids(POSTGRES))
 def test_postgresql_example_runs(
     where: str, block: str, postgres_server: str, postgres_schema: str
 ) -> None:
-    """The PostgreSQL examples, on the test server, their tables in the run's schema."""
+    """The PostgreSQL examples, on the test server, their tables in the run's schema.
+
+    The schema is the session's, where other tests keep tables of their own
+    (and may leave leases in them on purpose): the check reads only the tables
+    of the services the example names, dropped before it runs.
+    """
     here = "postgresql://localhost:5432/app"
     assert here in block
+    services = sorted(set(SERVICE.findall(block)))
+    assert services, f"{where} names no service"
+    tables = [f"{prefix}{name}" for name in services for prefix in ("_dmutex_", "_dsemaphore_")]
     joiner = "&" if "?" in postgres_server else "?"
     url = f"{postgres_server}{joiner}options=-csearch_path%3D{postgres_schema}"
+    with psycopg.connect(url, autocommit=True) as conn:
+        for table in tables:
+            conn.execute(
+                sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(postgres_schema, table))
+            )
     run(where, block.replace(here, url), {})
     with psycopg.connect(url, autocommit=True) as conn:
-        tables = conn.execute(
-            "SELECT tablename FROM pg_tables WHERE schemaname = %s AND tablename LIKE %s",
-            (postgres_schema, "\\_d%"),
-        ).fetchall()
-        assert tables, "the example made its table in the run's schema"
-        for (table,) in tables:
+        made = [
+            table
+            for (table,) in conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = %s AND tablename = ANY(%s)",
+                (postgres_schema, tables),
+            ).fetchall()
+        ]
+        assert made, "the example made its table in the run's schema"
+        for table in made:
             held = conn.execute(
                 sql.SQL(
                     "SELECT count(*) FROM {} WHERE key LIKE 'permit:%%' "
