@@ -14,7 +14,10 @@ checkpoint (60 s apart by default) was gone after a restart when tried here
 (19 documents written and acknowledged, 0 after the restart); with
 ``sync_on_commit=True`` all of them were there.
 
-Both are a :class:`~tests._support.servers.ServerProcess` that keeps its port
+For :class:`RestartablePostgres` see its docstring: ``synchronous_commit``
+on, ``fsync`` off, which a process kill does not undo.
+
+Each is a :class:`~tests._support.servers.ServerProcess` that keeps its port
 and folder across restarts, stopped by pid: :meth:`kill` sends SIGKILL and
 waits for the process; :meth:`close` stops a running one (SIGTERM, then
 SIGKILL) and removes the folder.
@@ -22,15 +25,19 @@ SIGKILL) and removes the folder.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
 
-from tests._support import mongo_servers, redis_servers, servers
+from tests._support import mongo_servers, postgres_servers, redis_servers, servers
 
 WANTED_REDIS = "7.0"
+KILL_TIMEOUT = 10.0  # seconds for a SIGKILLed process to be gone
 _R = TypeVar("_R", bound="_Restartable")
 
 
@@ -178,3 +185,91 @@ class DurableSecantusDB(_Restartable):
 
     def answer(self) -> None:
         mongo_servers.wait_until_up(self.url, timeout=0)
+
+
+class RestartablePostgres(_Restartable):
+    """A PostgreSQL cluster of its own (``initdb`` once), killed and started again on its folder.
+
+    The server runs as the harness's executable server does
+    (``postgres_servers.server_command``: as the unprivileged user when run
+    as root, superuser ``dmutex``, trust), but with ``synchronous_commit``
+    on: a commit is acknowledged once its WAL is written to the kernel.
+    ``fsync`` stays off, so nothing is flushed to the disk; a SIGKILL kills
+    processes, not the page cache, so every acknowledged commit is there
+    after the restart's crash recovery. (With the harness's
+    ``synchronous_commit=off`` the WAL of the last few hundred milliseconds
+    lives in shared memory only, and a kill loses it.) A crash of the
+    machine would lose it: the cluster is thrown away at the end.
+
+    :meth:`kill` SIGKILLs the postmaster by its pid (``postmaster.pid``),
+    then every process left of the server (its backends) by the process
+    group the harness started, or by the postmaster's children.
+    """
+
+    name = "postgres"
+    retry = postgres_servers.PING_ERRORS
+    start_timeout = postgres_servers.START_TIMEOUT
+
+    def __init__(self, bindir: Path) -> None:
+        self.bindir = bindir
+        self._process = servers.ServerProcess(
+            "fault-postgres",
+            user=postgres_servers.unprivileged_user(),
+            keep=True,
+            stop_signal=signal.SIGINT,
+        )
+        self.port = self._process.port
+        self.folder = self._process.folder
+        self.starts = 0
+        self.postmaster: int | None = None
+
+    @property
+    def url(self) -> str:
+        return postgres_servers.url_of(
+            servers.LOOPBACK, self.port, postgres_servers.SUPERUSER, postgres_servers.DATABASE
+        )
+
+    def command(self) -> list[str]:
+        return postgres_servers.server_command(
+            self.bindir, self.folder, self.port, synchronous_commit=True
+        )
+
+    def answer(self) -> None:
+        postgres_servers.server_version(self.url)
+
+    def start(self) -> None:
+        postgres_servers.make_cluster(self.bindir, self.folder, self._process.user)
+        super().start()
+        self.postmaster = postgres_servers.postmaster_pid(self.folder)
+
+    def _children(self, pid: int) -> list[int]:
+        path = Path(f"/proc/{pid}/task/{pid}/children")
+        with contextlib.suppress(OSError):
+            return [int(child) for child in path.read_text().split()]
+        return []
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster by its pid, then its backends; wait until all are gone.
+
+        Under ``runuser`` the postmaster is left to its parent to reap before
+        ``runuser`` itself is killed: a postmaster orphaned by the kill stays a
+        zombie where the container's init reaps nothing, and a new postmaster
+        takes the zombie's pid in ``postmaster.pid`` for a running server.
+        """
+        postmaster = self.postmaster
+        if postmaster is None:
+            raise RuntimeError("postgres is not running")
+        backends = self._children(postmaster)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(postmaster, signal.SIGKILL)
+        for pid in backends:  # not root: no process group of the server's own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.postmaster = None
+        if self._process.user is not None:  # runuser's child: reaped by runuser, then gone
+            deadline = time.monotonic() + KILL_TIMEOUT
+            while Path(f"/proc/{postmaster}").exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"postmaster {postmaster} still there after SIGKILL")
+                time.sleep(0.01)
+        self._process.kill()  # the group (runuser, any backend left), and the wait

@@ -141,6 +141,12 @@ def url_of(host: str, port: int, user: str, dbname: str, password: str | None = 
     return f"postgresql://{auth}@{host}:{port}/{quote(dbname, safe='')}"
 
 
+def upstream_of(url: str) -> tuple[str, int]:
+    """``(host, port)`` of a PostgreSQL URL: what a fault proxy forwards to."""
+    params = psycopg.conninfo.conninfo_to_dict(url)
+    return str(params.get("host") or LOOPBACK), int(str(params.get("port") or 5432))
+
+
 @dataclass(frozen=True)
 class Server:
     """A reachable PostgreSQL server, and the schema the tests may use on it."""
@@ -220,8 +226,18 @@ def candidate_bindirs() -> list[Path]:
     return list(dict.fromkeys(usable))
 
 
-def server_command(bindir: Path, folder: Path, port: int) -> list[str]:
-    """``postgres`` on 127.0.0.1:``port``, data in ``folder/data``, its socket in ``folder``."""
+def server_command(
+    bindir: Path, folder: Path, port: int, *, synchronous_commit: bool = False
+) -> list[str]:
+    """``postgres`` on 127.0.0.1:``port``, data in ``folder/data``, its socket in ``folder``.
+
+    ``synchronous_commit=True`` (the fault tests that SIGKILL the server): a
+    commit is acknowledged only once its WAL is written; with ``fsync`` still
+    off it is not flushed, but the kernel's page cache keeps it across the
+    death of the process. Off (the default), the WAL writer writes it up to
+    three ``wal_writer_delay`` later, from shared memory, which a SIGKILL of
+    the server loses.
+    """
     return [
         str(bindir / "postgres"),
         "-D", str(folder / "data"),
@@ -231,7 +247,7 @@ def server_command(bindir: Path, folder: Path, port: int) -> list[str]:
         "-c", "max_connections=200",
         # Speed over durability: the cluster is thrown away at the end.
         "-c", "fsync=off",
-        "-c", "synchronous_commit=off",
+        "-c", f"synchronous_commit={'on' if synchronous_commit else 'off'}",
         "-c", "full_page_writes=off",
     ]  # fmt: skip
 
@@ -248,6 +264,28 @@ def initdb_command(bindir: Path, folder: Path) -> list[str]:
         "--no-sync",
         "--no-instructions",
     ]  # fmt: skip
+
+
+def make_cluster(bindir: Path, folder: Path, user: str | None) -> None:
+    """``initdb`` into ``folder/data`` as ``user``, unless it is there already."""
+    if (folder / "data").exists():
+        return
+    done = subprocess.run(
+        servers.as_user(initdb_command(bindir, folder), user),
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        timeout=120,
+        check=False,
+    )
+    if done.returncode != 0:
+        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+        raise RuntimeError(f"initdb exited with code {done.returncode}: {tail}")
+
+
+def postmaster_pid(folder: Path) -> int:
+    """The postmaster's pid, from ``folder/data/postmaster.pid`` (under runuser, not runuser's)."""
+    return int((folder / "data" / "postmaster.pid").read_text().split()[0])
 
 
 @dataclass
@@ -275,19 +313,7 @@ class Executable:
 
     def make_cluster(self, folder: Path) -> None:
         """``initdb`` into ``folder/data`` as the server's user, unless it is there already."""
-        if (folder / "data").exists():
-            return
-        done = subprocess.run(
-            servers.as_user(initdb_command(self.bindir, folder), self.process.user),
-            capture_output=True,
-            text=True,
-            cwd=folder,
-            timeout=120,
-            check=False,
-        )
-        if done.returncode != 0:
-            tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-5:])
-            raise RuntimeError(f"initdb exited with code {done.returncode}: {tail}")
+        make_cluster(self.bindir, folder, self.process.user)
 
     def start(self, schema: str) -> Server:
         process = self.process
@@ -301,7 +327,7 @@ class Executable:
             timeout=START_TIMEOUT,
         )
         # Under runuser the process's pid is runuser's; the postmaster writes its own.
-        postmaster = int((process.folder / "data" / "postmaster.pid").read_text().split()[0])
+        postmaster = postmaster_pid(process.folder)
         return Server(f"postgresql-{version}", url, str(self.bindir), schema, postmaster)
 
     def stop(self) -> None:
