@@ -155,6 +155,14 @@ def unclear(error: BaseException) -> str | None:
 # --- the tokens each call sent ----------------------------------------------------------------
 
 SENT: ContextVar[list[str] | None] = ContextVar("SENT", default=None)
+# Tokens whose release statement completed: the server answered it, so no live row holds them.
+RELEASED: set[str] = set()
+RELEASE_TEXT = "WITH gone AS (DELETE FROM"  # how dmutex's release statement starts
+
+
+def _released(query: object, values: Sequence[object]) -> None:
+    if isinstance(query, str) and query.startswith(RELEASE_TEXT):
+        RELEASED.update(v for v in values if isinstance(v, str) and TOKEN.fullmatch(v))
 
 
 def _note(values: Sequence[object]) -> None:
@@ -175,9 +183,11 @@ class SpiedConnection(psycopg.Connection[tuple[Any, ...]]):
         prepare: bool | None = None,
         binary: bool = False,
     ) -> psycopg.Cursor[tuple[Any, ...]]:
-        if isinstance(params, Mapping):
-            _note(list(params.values()))
-        return super().execute(query, params, prepare=prepare, binary=binary)
+        values = list(params.values()) if isinstance(params, Mapping) else []
+        _note(values)
+        cursor = super().execute(query, params, prepare=prepare, binary=binary)
+        _released(query, values)
+        return cursor
 
 
 class SpiedAsyncpg(asyncpg.Connection):
@@ -186,6 +196,7 @@ class SpiedAsyncpg(asyncpg.Connection):
     async def fetch(self, query: str, *args: object, **options: Any) -> list[Any]:
         _note(args)
         found: list[Any] = await super().fetch(query, *args, **options)
+        _released(query, args)
         return found
 
 
@@ -366,6 +377,8 @@ class Run:
     overlong: list[str] = field(default_factory=list)  # leftovers that outlive their TTL
     stale: list[str] = field(default_factory=list)  # a token holding a row after its release
     took_on_none: list[str] = field(default_factory=list)  # an acquire answered None, yet holds
+    no_cleanup: list[str] = field(default_factory=list)  # an acquire raised, sent no release
+    after_release: list[str] = field(default_factory=list)  # live after its release completed
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def count(self, what: str) -> None:
@@ -376,12 +389,26 @@ class Run:
         with self._lock:
             self.exceptions[f"{what}:{type(error).__name__}"] += 1
 
+    def blocked_by_leftover(self, key: str) -> bool:
+        """Whether ``key``'s live rows are all leftovers a raise explains (then deleted)."""
+        rows = [r for r in self.inspector.live() if r.key.endswith(f":{key}")]
+        with self._lock:
+            explained = [r for r in rows if r.token in self.raised or r.token in self.abandoned]
+        if not rows or len(explained) != len(rows):
+            return False
+        with self._lock:
+            self.explained += len(rows)
+        self.inspector.delete([r.token for r in rows])
+        return True
+
     def idle_check(self) -> None:
         """Nobody holds or acquires: every live row must be explained, and end within its TTL."""
         leftovers = self.inspector.live()
         with self._lock:
             for row in leftovers:
-                if row.token in self.raised or row.token in self.abandoned:
+                if row.token in RELEASED:
+                    self.after_release.append(f"{row.key} ({row.token})")
+                elif row.token in self.raised or row.token in self.abandoned:
                     self.explained += 1
                     if row.left > TTL + 0.05:
                         self.overlong.append(f"{row.key} {row.left:.3f} s left")
@@ -414,14 +441,18 @@ class Worker:
         sent: list[str] = []
         SENT.set(sent)
         handle: Any = None
+        retrying = False
         try:
             handle = yield self.lock.acquire(self.key, ttl=TTL)
-            if handle is None:
+            if handle is None and self.solo and run.blocked_by_leftover(self.key):
+                run.count("own_key_blocked_by_leftover")
+            elif handle is None:
                 run.count("wrong_none" if self.solo else "refused")
                 if held := run.inspector.holding(sent):
                     run.took_on_none.append(f"acquire answered None, yet {held} hold its token")
                 if not self.solo:
                     sent.clear()
+                    retrying = True
                     handle = yield self.lock.acquire_with_retry(
                         self.key, ttl=TTL, timeout=RETRY_TIMEOUT, retry_delay=RETRY_DELAY
                     )
@@ -434,6 +465,10 @@ class Worker:
             run.raised.update(sent)
             if why := unclear(error):
                 run.unexpected.append(why)
+            # Sent, then failed: engine rule 6 sends a release by its token next (one attempt
+            # sends its token once; the proxy lets the statement after a fault through).
+            if not retrying and sent and sent.count(sent[0]) < 2:
+                run.no_cleanup.append(f"acquire raised {error!r} and sent no release")
         except Exception as error:  # noqa: BLE001 - not a connection error: a defect, reported
             run.unexpected.append(f"acquire raised {error!r}")
             run.raised.update(sent)
@@ -500,6 +535,8 @@ def judge(run: Run, proxies: Sequence[FaultProxy]) -> None:
             ("leftovers outliving their TTL", run.overlong),
             ("tokens holding a row after release", run.stale),
             ("rows taken by an acquire that answered None", run.took_on_none),
+            ("rows live after their release statement completed", run.after_release),
+            ("failed acquires that sent no clean-up release", run.no_cleanup),
         )
         if found
     ]
