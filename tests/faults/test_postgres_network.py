@@ -45,9 +45,10 @@ a leftover row is matched to the raised acquire that explains it.
   from another session: its next call on a single connection raises a
   connection error (psycopg: ``AdminShutdown``; asyncpg: ``InterfaceError``
   or the internal error below); a psycopg pool that checks connections
-  (``check=ConnectionPool.check_connection``) answers the next call; an
-  asyncpg pool may lend the dead connection once (that call fails as a
-  single connection does) and answers the call after. The lease row is
+  (``check=ConnectionPool.check_connection``) answers the next call; one
+  that does not lends the dead connection once, and an asyncpg pool may
+  (that call fails as a single connection does): either answers the call
+  after. The lease row is
   intact throughout, and release by token on a new connection deletes it.
 - **Deadline**: the partition guarantee on PostgreSQL, with
   ``test_deadlines.py``'s own cases (``sync_case``, ``async_case``; 10
@@ -830,7 +831,9 @@ def backend_pids(admin: psycopg.Connection[Any], name: str) -> list[int]:
 
 
 @pytest.mark.parametrize("kind", ["mutex", "semaphore"])
-@pytest.mark.parametrize("client", ["psycopg", "psycopg_pool", "asyncpg", "asyncpg_pool"])
+@pytest.mark.parametrize(
+    "client", ["psycopg", "psycopg_pool", "psycopg_pool_unchecked", "asyncpg", "asyncpg_pool"]
+)
 def test_a_connection_killed_mid_use(
     postgres_server: str, postgres_schema: str, client: str, kind: Kind
 ) -> None:
@@ -841,18 +844,19 @@ def test_a_connection_killed_mid_use(
     inspector = Inspector(postgres_server, postgres_schema, table_of(kind, service))
     admin = psycopg.connect(postgres_server, autocommit=True)
     face: FaceName = "sync" if client.startswith("psycopg") else "async"
-    pooled = client.endswith("_pool")
+    pooled = "_pool" in client
     with contextlib.closing(admin), contextlib.closing(inspector):
 
         def after_kill(outcome: object, then: object = None) -> None:
             if client == "psycopg_pool":  # it checks a connection before it lends it
                 assert not isinstance(outcome, BaseException), f"the pool failed: {outcome!r}"
-            elif client == "asyncpg_pool":
-                # It lends the dead connection if it has not seen it close yet (asyncpg
-                # reads the server's FATAL message in the background): that one call
-                # fails, and the pool has replaced the connection for the next.
+            elif pooled:
+                # asyncpg's lends the dead connection if it has not seen it close yet (it
+                # reads the server's FATAL message in the background), psycopg's without
+                # a check lends it always: that one call fails, and the pool has replaced
+                # the connection for the next.
                 if isinstance(outcome, BaseException):
-                    assert isinstance(outcome, ASYNC_FAILURES), repr(outcome)
+                    assert isinstance(outcome, SYNC_FAILURES + ASYNC_FAILURES), repr(outcome)
                     assert unclear(outcome) is None, unclear(outcome)
                     print(f"[pg-killed {client} {kind}] the next call raised {outcome!r}")
                 assert not isinstance(then, BaseException), f"the pool failed again: {then!r}"
@@ -874,7 +878,11 @@ def test_a_connection_killed_mid_use(
                     min_size=1,
                     max_size=1,
                     kwargs={"autocommit": True},
-                    check=psycopg_pool.ConnectionPool.check_connection,
+                    check=(
+                        None
+                        if client.endswith("unchecked")
+                        else psycopg_pool.ConnectionPool.check_connection
+                    ),
                     open=True,
                 )
             else:
@@ -892,8 +900,14 @@ def test_a_connection_killed_mid_use(
                     outcome = lock.acquire("other", ttl=30)
                 except Exception as error:  # noqa: BLE001 - judged below
                     outcome = error
-                after_kill(outcome)
                 row_intact(handle.token, "k")
+                then: object = None
+                if pooled:
+                    try:
+                        then = lock.acquire("third", ttl=30)
+                    except Exception as error:  # noqa: BLE001 - judged below
+                        then = error
+                after_kill(outcome, then)
             with psycopg.connect(postgres_server, autocommit=True) as fresh:
                 other = make_lock("sync", kind, fresh, service, postgres_schema)
                 assert isinstance(other, (DMutex, DSemaphore))
