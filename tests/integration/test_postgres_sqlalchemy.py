@@ -1,0 +1,302 @@
+"""SQLAlchemy engines on a real server: ``Engine`` (psycopg), ``AsyncEngine`` (asyncpg, psycopg).
+
+Each engine's driver connections record what dmutex sends them (a psycopg
+connection class of the test's, asyncpg's ``connection_class``), so "one
+statement per operation" is counted at the driver, and SQLAlchemy's
+``before_cursor_execute`` shows that SQLAlchemy itself runs none of it.
+After every call the engine's pool has every connection back, the server
+shows no session of the engine inside a transaction, and SQLAlchemy's pool
+reset (its rollback on return) found the connection idle: nothing of
+dmutex's stays open between calls, and SQLAlchemy has nothing to undo.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, Literal
+
+import asyncpg
+import psycopg
+import pytest
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DMutexError, DSemaphore
+
+Driver = Literal["psycopg", "asyncpg"]
+APPLICATION = "dmutex-sqlalchemy-test"
+
+
+class Seen:
+    """What one engine saw: dmutex's statements at the driver, SQLAlchemy's own, pool resets."""
+
+    def __init__(self) -> None:
+        self.driver: list[str] = []
+        self.sqlalchemy: list[str] = []
+        self.resets_in_transaction = 0
+        self.resets = 0
+
+    def clear(self) -> None:
+        self.driver.clear()
+        self.sqlalchemy.clear()
+
+
+def _url(server: str, driver: str) -> str:
+    return server.replace("postgresql://", f"postgresql+{driver}://", 1)
+
+
+def _watch(engine: Engine, seen: Seen, in_transaction: Callable[[Any], bool]) -> None:
+    @event.listens_for(engine, "before_cursor_execute")
+    def executed(*args: Any) -> None:
+        seen.sqlalchemy.append(str(args[2]))
+
+    @event.listens_for(engine.pool, "reset")
+    def reset(dbapi_connection: Any, record: Any, state: Any) -> None:
+        seen.resets += 1
+        seen.resets_in_transaction += in_transaction(record.driver_connection)
+
+
+def _psycopg_in_transaction(conn: Any) -> bool:
+    return bool(conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE)
+
+
+def sync_engine(server: str, seen: Seen) -> Engine:
+    class Recording(psycopg.Connection[Any]):
+        def execute(self, query: Any, params: Any = None, **options: Any) -> Any:
+            seen.driver.append(str(query))
+            return super().execute(query, params, **options)
+
+    engine = create_engine(
+        _url(server, "psycopg"),
+        pool_size=2,
+        creator=lambda: Recording.connect(server, application_name=APPLICATION),
+    )
+    _watch(engine, seen, _psycopg_in_transaction)
+    return engine
+
+
+def async_engine(server: str, driver: Driver, seen: Seen) -> AsyncEngine:
+    make: Callable[[], Awaitable[Any]]
+    if driver == "asyncpg":
+
+        class RecordingAsyncpg(asyncpg.Connection):
+            async def fetch(self, query: str, *args: Any, **options: Any) -> Any:
+                seen.driver.append(query)
+                return await super().fetch(query, *args, **options)
+
+        def make() -> Awaitable[Any]:
+            settings = {"application_name": APPLICATION}
+            return asyncpg.connect(
+                server, connection_class=RecordingAsyncpg, server_settings=settings
+            )
+
+        def in_transaction(conn: Any) -> bool:
+            return bool(conn.is_in_transaction())
+    else:
+
+        class RecordingAsync(psycopg.AsyncConnection[Any]):
+            async def execute(self, query: Any, params: Any = None, **options: Any) -> Any:
+                seen.driver.append(str(query))
+                return await super().execute(query, params, **options)
+
+        def make() -> Awaitable[Any]:
+            return RecordingAsync.connect(server, application_name=APPLICATION)
+
+        in_transaction = _psycopg_in_transaction
+
+    engine = create_async_engine(_url(server, driver), pool_size=2, async_creator=make)
+    _watch(engine.sync_engine, seen, in_transaction)
+    return engine
+
+
+@pytest.fixture
+def inspector(postgres_server: str) -> Iterator[psycopg.Connection[tuple[Any, ...]]]:
+    with psycopg.connect(postgres_server, autocommit=True) as conn:
+        yield conn
+
+
+def open_states(inspector: psycopg.Connection[tuple[Any, ...]]) -> list[str]:
+    """The states of the engines' sessions on the server other than ``idle``."""
+    rows = inspector.execute(
+        "SELECT state FROM pg_stat_activity WHERE application_name = %s AND state <> 'idle'",
+        (APPLICATION,),
+    ).fetchall()
+    return [str(state) for (state,) in rows]
+
+
+def service() -> str:
+    return f"sqla-{uuid.uuid4().hex[:12]}"
+
+
+class Check:
+    """After each call: one driver statement (or ``statements``), none by SQLAlchemy, all closed."""
+
+    def __init__(
+        self, seen: Seen, checked_out: Callable[[], int], inspector: psycopg.Connection[Any]
+    ) -> None:
+        self.seen, self.checked_out, self.inspector = seen, checked_out, inspector
+
+    def __call__(self, statements: int = 1) -> None:
+        assert len(self.seen.driver) == statements, self.seen.driver
+        assert self.seen.sqlalchemy == []
+        assert self.checked_out() == 0
+        assert open_states(self.inspector) == []
+        assert self.seen.resets_in_transaction == 0
+        self.seen.clear()
+
+
+def test_sync_engine_lock_and_semaphore(
+    postgres_server: str, postgres_schema: str, inspector: psycopg.Connection[Any]
+) -> None:
+    seen = Seen()
+    engine = sync_engine(postgres_server, seen)
+    check = Check(seen, engine.pool.checkedout, inspector)  # type: ignore[attr-defined]  # QueuePool's
+    try:
+        name = service()
+        mutex = DMutex(name, engine, schema_name=postgres_schema)
+        other = DMutex(name, engine, schema_name=postgres_schema)
+        lock = mutex.acquire("job", ttl=30)
+        assert lock is not None
+        seen.clear()  # ready(): the table made, up to four statements
+        assert other.acquire("job") is None
+        check(2)  # its ready(): one read, the table being there; then the acquire
+        first = lock.fence
+        assert not other.extend("job", "not-the-token", 60)
+        check()
+        assert lock.extend(60)
+        check()
+        assert lock.release()
+        check()
+        again = other.acquire("job", ttl=30)
+        assert again is not None
+        assert again.fence is not None
+        assert first is not None
+        assert again.fence > first
+        check()
+        assert again.release()
+        check()
+
+        semaphore = DSemaphore(name, engine, max_permits=2, schema_name=postgres_schema)
+        permits = [semaphore.acquire("pool", ttl=30) for _ in range(2)]
+        seen.clear()
+        assert semaphore.acquire("pool") is None
+        check()
+        for permit in permits:
+            assert permit is not None
+            assert permit.release()
+            check()
+        assert seen.resets > 0
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
+def test_async_engine_lock_and_semaphore(
+    postgres_server: str, postgres_schema: str, inspector: psycopg.Connection[Any], driver: Driver
+) -> None:
+    async def run() -> None:
+        seen = Seen()
+        engine = async_engine(postgres_server, driver, seen)
+        pool: Any = engine.sync_engine.pool
+        check = Check(seen, pool.checkedout, inspector)
+        try:
+            name = service()
+            mutex = AsyncDMutex(name, engine, schema_name=postgres_schema)
+            other = AsyncDMutex(name, engine, schema_name=postgres_schema)
+            lock = await mutex.acquire("job", ttl=30)
+            assert lock is not None
+            seen.clear()
+            assert await other.acquire("job") is None
+            check(2)  # its ready(): one read, the table being there; then the acquire
+            first = lock.fence
+            assert not await other.extend("job", "not-the-token", 60)
+            check()
+            assert await lock.extend(60)
+            check()
+            assert await lock.release()
+            check()
+            again = await other.acquire("job", ttl=30)
+            assert again is not None
+            assert again.fence is not None
+            assert first is not None
+            assert again.fence > first
+            check()
+            assert await again.release()
+            check()
+
+            semaphore = AsyncDSemaphore(name, engine, max_permits=2, schema_name=postgres_schema)
+            permits = [await semaphore.acquire("pool", ttl=30) for _ in range(2)]
+            seen.clear()
+            assert await semaphore.acquire("pool") is None
+            check()
+            for permit in permits:
+                assert permit is not None
+                assert await permit.release()
+                check()
+            assert seen.resets > 0
+        finally:
+            await engine.dispose()
+
+    asyncio.run(run())
+
+
+def _foreign_table(inspector: psycopg.Connection[Any], schema: str, name: str) -> None:
+    """A table of dmutex's name and another shape: ``ready()`` refuses it."""
+    inspector.execute(f'CREATE TABLE "{schema}"."_dmutex_{name}" (x int)')
+
+
+def test_sync_engine_gets_its_connection_back_after_an_error(
+    postgres_server: str, postgres_schema: str, inspector: psycopg.Connection[Any]
+) -> None:
+    seen = Seen()
+    engine = sync_engine(postgres_server, seen)
+    try:
+        name = service()
+        _foreign_table(inspector, postgres_schema, name)
+        with pytest.raises(DMutexError, match="another shape"):
+            DMutex(name, engine, schema_name=postgres_schema).acquire("job")
+        Check(seen, engine.pool.checkedout, inspector)(1)  # type: ignore[attr-defined]  # QueuePool's
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
+def test_async_engine_gets_its_connection_back_after_an_error(
+    postgres_server: str, postgres_schema: str, inspector: psycopg.Connection[Any], driver: Driver
+) -> None:
+    async def run() -> None:
+        seen = Seen()
+        engine = async_engine(postgres_server, driver, seen)
+        pool: Any = engine.sync_engine.pool
+        try:
+            name = service()
+            _foreign_table(inspector, postgres_schema, name)
+            with pytest.raises(DMutexError, match="another shape"):
+                await AsyncDMutex(name, engine, schema_name=postgres_schema).acquire("job")
+            Check(seen, pool.checkedout, inspector)(1)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(run())
+
+
+def test_sync_engine_in_autocommit(
+    postgres_server: str, postgres_schema: str, inspector: psycopg.Connection[Any]
+) -> None:
+    """``isolation_level="AUTOCOMMIT"``: each statement commits on its own, no BEGIN around it."""
+    engine = create_engine(
+        _url(postgres_server, "psycopg"),
+        isolation_level="AUTOCOMMIT",
+        connect_args={"application_name": APPLICATION},
+    )
+    try:
+        mutex = DMutex(service(), engine, schema_name=postgres_schema)
+        lock = mutex.acquire("job", ttl=30)
+        assert lock is not None
+        assert mutex.acquire("job") is None
+        assert lock.release()
+        assert open_states(inspector) == []
+    finally:
+        engine.dispose()
