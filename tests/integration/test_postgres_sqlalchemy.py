@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import asyncpg
 import psycopg
@@ -24,7 +24,9 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DMutexError, DSemaphore
+from tests._support.faces import Calls, await_calls, run_calls
 
+T = TypeVar("T")
 Driver = Literal["psycopg", "asyncpg"]
 APPLICATION = "dmutex-sqlalchemy-test"
 
@@ -147,99 +149,100 @@ class Check:
         self.seen.clear()
 
 
-def test_sync_engine_lock_and_semaphore(
-    postgres_server: str, postgres_schema: str, inspector: psycopg.Connection[Any]
-) -> None:
-    seen = Seen()
-    engine = sync_engine(postgres_server, seen)
-    check = Check(seen, engine.pool.checkedout, inspector)  # type: ignore[attr-defined]  # QueuePool's
-    try:
-        name = service()
-        mutex = DMutex(name, engine, schema_name=postgres_schema)
-        other = DMutex(name, engine, schema_name=postgres_schema)
-        lock = mutex.acquire("job", ttl=30)
-        assert lock is not None
-        seen.clear()  # ready(): the table made, up to four statements
-        assert other.acquire("job") is None
-        check(2)  # its ready(): one read, the table being there; then the acquire
-        first = lock.fence
-        assert not other.extend("job", "not-the-token", 60)
-        check()
-        assert lock.extend(60)
-        check()
-        assert lock.release()
-        check()
-        again = other.acquire("job", ttl=30)
-        assert again is not None
-        assert again.fence is not None
-        assert first is not None
-        assert again.fence > first
-        check()
-        assert again.release()
-        check()
-
-        semaphore = DSemaphore(name, engine, max_permits=2, schema_name=postgres_schema)
-        permits = [semaphore.acquire("pool", ttl=30) for _ in range(2)]
-        seen.clear()
-        assert semaphore.acquire("pool") is None
-        check()
-        for permit in permits:
-            assert permit is not None
-            assert permit.release()
-            check()
-        assert seen.resets > 0
-    finally:
-        engine.dispose()
+# Each case: an engine and its driver; the tests are written once, as Calls of either face.
+CASES = ["Engine-psycopg", "AsyncEngine-asyncpg", "AsyncEngine-psycopg"]
 
 
-@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
-def test_async_engine_lock_and_semaphore(
-    postgres_server: str, postgres_schema: str, inspector: psycopg.Connection[Any], driver: Driver
-) -> None:
-    async def run() -> None:
-        seen = Seen()
-        engine = async_engine(postgres_server, driver, seen)
-        pool: Any = engine.sync_engine.pool
-        check = Check(seen, pool.checkedout, inspector)
-        try:
-            name = service()
-            mutex = AsyncDMutex(name, engine, schema_name=postgres_schema)
-            other = AsyncDMutex(name, engine, schema_name=postgres_schema)
-            lock = await mutex.acquire("job", ttl=30)
-            assert lock is not None
-            seen.clear()
-            assert await other.acquire("job") is None
-            check(2)  # its ready(): one read, the table being there; then the acquire
-            first = lock.fence
-            assert not await other.extend("job", "not-the-token", 60)
-            check()
-            assert await lock.extend(60)
-            check()
-            assert await lock.release()
-            check()
-            again = await other.acquire("job", ttl=30)
-            assert again is not None
-            assert again.fence is not None
-            assert first is not None
-            assert again.fence > first
-            check()
-            assert await again.release()
-            check()
+class Case:
+    """One engine of ``name``, its classes, and the check after each call."""
 
-            semaphore = AsyncDSemaphore(name, engine, max_permits=2, schema_name=postgres_schema)
-            permits = [await semaphore.acquire("pool", ttl=30) for _ in range(2)]
-            seen.clear()
-            assert await semaphore.acquire("pool") is None
-            check()
-            for permit in permits:
-                assert permit is not None
-                assert await permit.release()
-                check()
-            assert seen.resets > 0
-        finally:
-            await engine.dispose()
+    def __init__(self, name: str, server: str, schema: str, inspector: Any) -> None:
+        self.asynchronous = name.startswith("Async")
+        self.schema = schema
+        self.seen = Seen()
+        if self.asynchronous:
+            driver: Driver = "asyncpg" if name.endswith("asyncpg") else "psycopg"
+            self.async_engine = async_engine(server, driver, self.seen)
+            self.engine: Any = self.async_engine
+            pool: Any = self.async_engine.sync_engine.pool
+        else:
+            self.engine = sync_engine(server, self.seen)
+            pool = self.engine.pool
+        self.check = Check(self.seen, pool.checkedout, inspector)
 
-    asyncio.run(run())
+    def mutex(self, name: str) -> Any:
+        cls = AsyncDMutex if self.asynchronous else DMutex
+        return cls(name, self.engine, schema_name=self.schema)
+
+    def semaphore(self, name: str, permits: int) -> Any:
+        cls = AsyncDSemaphore if self.asynchronous else DSemaphore
+        return cls(name, self.engine, max_permits=permits, schema_name=self.schema)
+
+    def run(self, calls: Calls[T]) -> T:
+        """Run ``calls`` on this case's face, then dispose of the engine."""
+        if not self.asynchronous:
+            try:
+                return run_calls(calls)
+            finally:
+                self.engine.dispose()
+
+        async def run() -> T:
+            try:
+                return await await_calls(calls)
+            finally:
+                await self.async_engine.dispose()
+
+        return asyncio.run(run())
+
+
+@pytest.fixture(params=CASES)
+def case(
+    request: pytest.FixtureRequest,
+    postgres_server: str,
+    postgres_schema: str,
+    inspector: psycopg.Connection[Any],
+) -> Case:
+    return Case(request.param, postgres_server, postgres_schema, inspector)
+
+
+def lock_and_semaphore(case: Case) -> Calls[None]:
+    check, seen = case.check, case.seen
+    name = service()
+    mutex, other = case.mutex(name), case.mutex(name)
+    lock = yield mutex.acquire("job", ttl=30)
+    assert lock is not None
+    seen.clear()  # ready(): the table made, up to four statements
+    assert (yield other.acquire("job")) is None
+    check(2)  # its ready(): one read, the table being there; then the acquire
+    first = lock.fence
+    assert not (yield other.extend("job", "not-the-token", 60))
+    check()
+    assert (yield lock.extend(60))
+    check()
+    assert (yield lock.release())
+    check()
+    again = yield other.acquire("job", ttl=30)
+    assert again is not None
+    assert again.fence > first
+    check()
+    assert (yield again.release())
+    check()
+
+    semaphore = case.semaphore(name, 2)
+    permits = [(yield semaphore.acquire("pool", ttl=30)), (yield semaphore.acquire("pool", ttl=30))]
+    seen.clear()
+    assert (yield semaphore.acquire("pool")) is None
+    check()
+    for permit in permits:
+        assert permit is not None
+        assert (yield permit.release())
+        check()
+    assert seen.resets > 0
+
+
+def test_lock_and_semaphore(case: Case) -> None:
+    """Acquire, contend, extend, release, fences, a semaphore: one statement each, all closed."""
+    case.run(lock_and_semaphore(case))
 
 
 def _foreign_table(inspector: psycopg.Connection[Any], schema: str, name: str) -> None:
@@ -247,39 +250,16 @@ def _foreign_table(inspector: psycopg.Connection[Any], schema: str, name: str) -
     inspector.execute(f'CREATE TABLE "{schema}"."_dmutex_{name}" (x int)')
 
 
-def test_sync_engine_gets_its_connection_back_after_an_error(
-    postgres_server: str, postgres_schema: str, inspector: psycopg.Connection[Any]
-) -> None:
-    seen = Seen()
-    engine = sync_engine(postgres_server, seen)
-    try:
-        name = service()
-        _foreign_table(inspector, postgres_schema, name)
-        with pytest.raises(DMutexError, match="another shape"):
-            DMutex(name, engine, schema_name=postgres_schema).acquire("job")
-        Check(seen, engine.pool.checkedout, inspector)(1)  # type: ignore[attr-defined]  # QueuePool's
-    finally:
-        engine.dispose()
+def refused_table(case: Case, inspector: psycopg.Connection[Any]) -> Calls[None]:
+    name = service()
+    _foreign_table(inspector, case.schema, name)
+    with pytest.raises(DMutexError, match="another shape"):
+        yield case.mutex(name).acquire("job")
+    case.check(1)
 
 
-@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
-def test_async_engine_gets_its_connection_back_after_an_error(
-    postgres_server: str, postgres_schema: str, inspector: psycopg.Connection[Any], driver: Driver
-) -> None:
-    async def run() -> None:
-        seen = Seen()
-        engine = async_engine(postgres_server, driver, seen)
-        pool: Any = engine.sync_engine.pool
-        try:
-            name = service()
-            _foreign_table(inspector, postgres_schema, name)
-            with pytest.raises(DMutexError, match="another shape"):
-                await AsyncDMutex(name, engine, schema_name=postgres_schema).acquire("job")
-            Check(seen, pool.checkedout, inspector)(1)
-        finally:
-            await engine.dispose()
-
-    asyncio.run(run())
+def test_connection_back_after_an_error(case: Case, inspector: psycopg.Connection[Any]) -> None:
+    case.run(refused_table(case, inspector))
 
 
 def test_sync_engine_in_autocommit(
