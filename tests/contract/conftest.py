@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests._support.backends import (
+    POSTGRES_VARIANTS,
     Backend,
     FakeRedis,
     Memory,
@@ -67,15 +68,7 @@ def _postgres_case(variant: str) -> Case:
 # PostgreSQL clients per face: asyncpg has no sync client.
 POSTGRES_CASES: dict[FaceName, tuple[str, ...]] = {
     "sync": ("psycopg", "psycopg-pool", "psycopg-pgbouncer", "sqlalchemy-psycopg"),
-    "async": (
-        "psycopg",
-        "psycopg-pool",
-        "asyncpg",
-        "psycopg-pgbouncer",
-        "asyncpg-pgbouncer",
-        "sqlalchemy-psycopg",
-        "sqlalchemy-asyncpg",
-    ),
+    "async": POSTGRES_VARIANTS,  # each has an asyncio client
 }
 
 

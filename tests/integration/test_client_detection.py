@@ -246,23 +246,26 @@ def test_postgresql_clients_detected_and_faces_told_apart(postgres_server: str, 
     async def check() -> None:
         client = await postgres_client(name, postgres_server)
         try:
-            assert detect(client, None) == "postgresql"
-            assert detect(client, "postgresql") == "postgresql"
-            for other in ("mongodb", "redis"):
-                with pytest.raises(UnsupportedClientError, match=f"backend='{other}'"):
-                    detect(client, other)
-            for cls in ASYNC if is_async else SYNC:
-                assert isinstance(make(cls, client), cls)
-            face = (
-                "use DMutex / DSemaphore" if not is_async else "use AsyncDMutex / AsyncDSemaphore"
-            )
-            for cls in SYNC if is_async else ASYNC:
-                with pytest.raises(UnsupportedClientError, match=face):
-                    make(cls, client)
+            postgresql_of_one_face(client, is_async)
         finally:
             await close_postgres(client)
 
     asyncio.run(check())
+
+
+def postgresql_of_one_face(client: object, is_async: bool) -> None:
+    """``client`` is detected as PostgreSQL, built by its face, refused by the other (no I/O)."""
+    assert detect(client, None) == "postgresql"
+    assert detect(client, "postgresql") == "postgresql"
+    for other in ("mongodb", "redis"):
+        with pytest.raises(UnsupportedClientError, match=f"backend='{other}'"):
+            detect(client, other)
+    for cls in ASYNC if is_async else SYNC:
+        assert isinstance(make(cls, client), cls)
+    face = "use AsyncDMutex / AsyncDSemaphore" if is_async else "use DMutex / DSemaphore"
+    for cls in SYNC if is_async else ASYNC:
+        with pytest.raises(UnsupportedClientError, match=face):
+            make(cls, client)
 
 
 def test_sqlite3_connection_is_detected_as_nothing() -> None:
@@ -292,17 +295,7 @@ def test_sqlalchemy_engines_detected_and_faces_told_apart(name: str) -> None:
     factory, is_async = ENGINES[name]
     engine = factory()
     pool = engine.sync_engine.pool if is_async else engine.pool
-    assert detect(engine, None) == "postgresql"
-    assert detect(engine, "postgresql") == "postgresql"
-    for other in ("mongodb", "redis"):
-        with pytest.raises(UnsupportedClientError, match=f"backend='{other}'"):
-            detect(engine, other)
-    for cls in ASYNC if is_async else SYNC:
-        assert isinstance(make(cls, engine), cls)
-    face = "use AsyncDMutex / AsyncDSemaphore" if is_async else "use DMutex / DSemaphore"
-    for cls in SYNC if is_async else ASYNC:
-        with pytest.raises(UnsupportedClientError, match=face):
-            make(cls, engine)
+    postgresql_of_one_face(engine, is_async)
     assert pool.checkedout() == 0
     assert pool.checkedin() == 0  # never connected
 
