@@ -262,6 +262,33 @@ def test_connection_back_after_an_error(case: Case, inspector: psycopg.Connectio
     case.run(refused_table(case, inspector))
 
 
+def dropped(case: Case, inspector: psycopg.Connection[Any]) -> Calls[None]:
+    mutex = case.mutex(service())
+    lock = yield mutex.acquire("job", ttl=30)
+    assert lock is not None
+    terminated = inspector.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+        (APPLICATION,),
+    ).fetchall()
+    assert terminated == [(True,)]
+    with pytest.raises(Exception, match="terminating connection"):
+        yield lock.extend(30)
+    case.seen.clear()  # asyncpg's statement failed at the driver, psycopg's BEGIN before it
+    case.check(0)  # the dropped connection is out of the pool, not lent again
+    for _ in range(3):
+        assert (yield lock.extend(30))
+        case.check()
+    assert (yield lock.release())
+
+
+def test_a_connection_the_server_dropped_is_not_lent_again(
+    case: Case, inspector: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """It fails its statement, then the pool discards it (SQLAlchemy logs no failed reset)."""
+    case.run(dropped(case, inspector))
+    assert not [r for r in caplog.records if r.name.startswith("sqlalchemy")], caplog.text
+
+
 def test_sync_engine_in_autocommit(
     postgres_server: str, postgres_schema: str, inspector: psycopg.Connection[Any]
 ) -> None:

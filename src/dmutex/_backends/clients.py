@@ -371,6 +371,10 @@ class SQLAlchemyLentConnectionLike(Protocol):
         """The driver's own connection."""
         ...
 
+    def invalidate(self, e: BaseException | None = ..., /) -> None:
+        """Discard the connection (the server dropped it) instead of giving it back."""
+        ...
+
 
 class SQLAlchemyEngineLike(Protocol):
     """A sync SQLAlchemy 2 engine (``sqlalchemy.Engine``) on PostgreSQL with psycopg 3.
@@ -395,6 +399,10 @@ class AsyncSQLAlchemyConnectionLike(Protocol):
 
     def get_raw_connection(self) -> Awaitable[SQLAlchemyLentConnectionLike]:
         """The pool's connection that this one holds."""
+        ...
+
+    def invalidate(self, exception: BaseException | None = ..., /) -> Awaitable[None]:
+        """Discard the pool's connection (the server dropped it) instead of giving it back."""
         ...
 
 

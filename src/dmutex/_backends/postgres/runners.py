@@ -27,7 +27,11 @@ Rules of this module:
    loop; a raw connection's own ``close()`` would need SQLAlchemy's
    greenlet). Nothing of SQLAlchemy's transaction state changes: it began
    none, and on return its pool's reset (a rollback) finds the connection
-   idle and sends nothing, on either driver. Which runner is decided
+   idle and sends nothing, on either driver. A statement that fails on a
+   connection the driver then reports closed (the server dropped it) has
+   it invalidated, as SQLAlchemy does on a disconnect: its pool discards it
+   instead of lending it again (asyncpg's would otherwise come back from
+   the pool closed, every time). Which runner is decided
    before any I/O by the dialect: ``name`` must be ``postgresql`` and
    ``driver`` psycopg (sync or asyncio, as the engine's face) or asyncpg
    (asyncio); any other (psycopg2, pg8000, another database) is refused.
@@ -185,6 +189,12 @@ def _engine_driver(engine: object, asynchronous: bool) -> str:
     return str(driver)
 
 
+def _closed(conn: object) -> bool:
+    """Whether the driver reports ``conn`` closed (asyncpg: is_closed(), psycopg: closed)."""
+    is_closed = getattr(conn, "is_closed", None)
+    return bool(is_closed() if callable(is_closed) else getattr(conn, "closed", False))
+
+
 def _engine(client: object) -> Callable[[Statement, Params], list[Row]]:
     """A runner on a sync SQLAlchemy engine: one psycopg connection lent per statement."""
     engine = cast(SQLAlchemyEngineLike, client)
@@ -192,7 +202,13 @@ def _engine(client: object) -> Callable[[Statement, Params], list[Row]]:
 
     def run(statement: Statement, params: Params) -> list[Row]:
         with engine.raw_connection() as lent:
-            return _psycopg(lent.driver_connection)(statement, params)
+            conn = lent.driver_connection
+            try:
+                return _psycopg(conn)(statement, params)
+            except Exception as error:
+                if _closed(conn):
+                    lent.invalidate(error)
+                raise
 
     return run
 
@@ -207,8 +223,13 @@ def _engine_async(
 
     async def run(statement: Statement, params: Params) -> list[Row]:
         async with engine.connect() as conn:
-            lent = await conn.get_raw_connection()
-            return await on(lent.driver_connection)(statement, params)
+            driver = (await conn.get_raw_connection()).driver_connection
+            try:
+                return await on(driver)(statement, params)
+            except Exception as error:
+                if _closed(driver):
+                    await conn.invalidate(error)
+                raise
 
     return run
 
