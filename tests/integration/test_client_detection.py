@@ -20,9 +20,10 @@ import pytest
 import redis
 import redis.asyncio
 import sqlalchemy
+import sqlalchemy.orm
 import valkey
 import valkey.asyncio
-from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 from dmutex import (
     AsyncDMutex,
@@ -362,3 +363,24 @@ def test_the_runner_tells_an_async_engine_by_sync_engine() -> None:
 
     with pytest.raises(UnsupportedClientError, match="AsyncEngine is an asyncio client"):
         make(DMutex, Confused("postgresql", "psycopg"))
+
+
+def test_sqlalchemy_connections_and_sessions_refused_before_io() -> None:
+    """They look like a psycopg connection (``execute``, ``info``): refused, the engine named.
+
+    An ``AsyncConnection`` connects when started, a ``Connection`` when made:
+    the unstarted one stands for both.
+    """
+    engine = sqlalchemy.create_engine(f"postgresql+psycopg://{NOWHERE}")
+    aengine = create_async_engine(f"postgresql+asyncpg://{NOWHERE}")
+    cases = [
+        (sqlalchemy.orm.Session(engine), SYNC),
+        (AsyncSession(aengine), ASYNC),
+        (aengine.connect(), ASYNC),
+    ]
+    for client, classes in cases:
+        for cls in classes:
+            with pytest.raises(UnsupportedClientError, match="give dmutex the Engine"):
+                make(cls, client)
+    assert engine.pool.checkedin() == 0  # type: ignore[attr-defined]  # QueuePool's
+    assert aengine.sync_engine.pool.checkedin() == 0  # type: ignore[attr-defined]  # likewise

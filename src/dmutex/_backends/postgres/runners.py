@@ -35,6 +35,9 @@ Rules of this module:
    before any I/O by the dialect: ``name`` must be ``postgresql`` and
    ``driver`` psycopg (sync or asyncio, as the engine's face) or asyncpg
    (asyncio); any other (psycopg2, pg8000, another database) is refused.
+   So is a SQLAlchemy ``Connection`` or ``Session`` (sync or asyncio),
+   which has a psycopg connection's ``execute`` and ``info`` but is not
+   one: it would hold dmutex's statements in its own transaction.
 """
 
 from __future__ import annotations
@@ -222,13 +225,13 @@ def _engine_async(
     on = _asyncpg if driver == "asyncpg" else _psycopg_async
 
     async def run(statement: Statement, params: Params) -> list[Row]:
-        async with engine.connect() as conn:
-            driver = (await conn.get_raw_connection()).driver_connection
+        async with engine.connect() as opened:
+            conn = (await opened.get_raw_connection()).driver_connection
             try:
-                return await on(driver)(statement, params)
+                return await on(conn)(statement, params)
             except Exception as error:
-                if _closed(driver):
-                    await conn.invalidate(error)
+                if _closed(conn):
+                    await opened.invalidate(error)
                 raise
 
     return run
@@ -254,6 +257,12 @@ def runner(client: object, *, asynchronous: bool) -> Runner:
             )
         driver = _engine_driver(client, asynchronous)
         return _engine_async(client, driver) if asynchronous else _engine(client)
+    if kind == "execute" and type(client).__module__.split(".")[0] == "sqlalchemy":
+        raise UnsupportedClientError(
+            f"{type(client).__module__}.{type(client).__qualname__} is SQLAlchemy's, not a "
+            "driver's connection, and holds a transaction of its own: give dmutex the Engine "
+            "(or AsyncEngine) it came from"
+        )
     if kind == "fetch":
         if not asynchronous:
             raise UnsupportedClientError(
