@@ -375,13 +375,17 @@ class SQLAlchemyLentConnectionLike(Protocol):
         """Discard the connection (the server dropped it) instead of giving it back."""
         ...
 
+    def close(self) -> None:
+        """Give the connection back to the pool."""
+        ...
+
 
 class SQLAlchemyEngineLike(Protocol):
     """A sync SQLAlchemy 2 engine (``sqlalchemy.Engine``) on PostgreSQL with psycopg 3.
 
     Each statement runs on a connection that ``raw_connection()`` lends, in
-    a transaction of its own, and the connection goes back to the pool at
-    once.
+    a transaction of its own, and the connection goes back to the pool
+    (``close()``) at once.
     """
 
     @property
@@ -389,8 +393,8 @@ class SQLAlchemyEngineLike(Protocol):
         """Its dialect: the database and driver, read before any I/O."""
         ...
 
-    def raw_connection(self) -> AbstractContextManager[SQLAlchemyLentConnectionLike]:
-        """A connection of the pool for the block, given back at its end."""
+    def raw_connection(self) -> SQLAlchemyLentConnectionLike:
+        """A connection of the pool, lent until its ``close()``."""
         ...
 
 

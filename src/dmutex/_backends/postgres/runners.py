@@ -22,7 +22,8 @@ Rules of this module:
 5. A SQLAlchemy engine is a pool: its statement runs on the driver's own
    connection (``driver_connection``: psycopg's or asyncpg's) as rules 2
    to 4 say for that driver, and SQLAlchemy runs none of dmutex's SQL. A
-   sync ``Engine`` lends it with ``raw_connection()``; an ``AsyncEngine``
+   sync ``Engine`` lends it with ``raw_connection()`` (until its
+   ``close()``, in every SQLAlchemy 2 release); an ``AsyncEngine``
    with ``connect()`` (whose close gives the connection back on the event
    loop; a raw connection's own ``close()`` would need SQLAlchemy's
    greenlet). Nothing of SQLAlchemy's transaction state changes: it began
@@ -204,14 +205,16 @@ def _engine(client: object) -> Callable[[Statement, Params], list[Row]]:
     method(engine, "raw_connection")
 
     def run(statement: Statement, params: Params) -> list[Row]:
-        with engine.raw_connection() as lent:
-            conn = lent.driver_connection
-            try:
-                return _psycopg(conn)(statement, params)
-            except Exception as error:
-                if _closed(conn):
-                    lent.invalidate(error)
-                raise
+        lent = engine.raw_connection()
+        conn = lent.driver_connection
+        try:
+            return _psycopg(conn)(statement, params)
+        except Exception as error:
+            if _closed(conn):
+                lent.invalidate(error)
+            raise
+        finally:
+            lent.close()
 
     return run
 
