@@ -13,8 +13,10 @@ dmutex's stays open between calls, and SQLAlchemy has nothing to undo.
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
 import asyncpg
@@ -287,6 +289,30 @@ def test_a_connection_the_server_dropped_is_not_lent_again(
     """It fails its statement, then the pool discards it (SQLAlchemy logs no failed reset)."""
     case.run(dropped(case, inspector))
     assert not [r for r in caplog.records if r.name.startswith("sqlalchemy")], caplog.text
+
+
+def test_sync_engine_from_threads(
+    postgres_server: str, postgres_schema: str, inspector: psycopg.Connection[Any]
+) -> None:
+    """8 threads race for 3 permits through one Engine of 2 pooled connections (and overflow)."""
+    engine = sync_engine(postgres_server, Seen())
+    try:
+        semaphore = DSemaphore(service(), engine, max_permits=3, schema_name=postgres_schema)
+        semaphore.ready()  # the table made before the race
+        start = threading.Barrier(8)
+
+        def take(_: int) -> Any:
+            start.wait()
+            return semaphore.acquire("pool", ttl=30)
+
+        with ThreadPoolExecutor(8) as threads:
+            granted = [permit for permit in threads.map(take, range(8)) if permit is not None]
+        assert sorted(permit.slot for permit in granted) == [0, 1, 2]
+        assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]  # QueuePool's
+        assert open_states(inspector) == []
+        assert all(permit.release() for permit in granted)
+    finally:
+        engine.dispose()
 
 
 def test_sync_engine_in_autocommit(
