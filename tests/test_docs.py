@@ -51,7 +51,7 @@ REDIS = [(where, block) for where, block in RUNNABLE if "import redis" in block]
 POSTGRES = [
     (where, block)
     for where, block in RUNNABLE
-    if "import psycopg" in block or "import asyncpg" in block
+    if "import psycopg" in block or "import asyncpg" in block or "import sqlalchemy" in block
 ]
 LOCAL = [(where, block) for where, block in RUNNABLE if (where, block) not in REDIS + POSTGRES]
 
@@ -83,7 +83,13 @@ def test_every_example_says_what_it_needs() -> None:
     for where, block in BLOCKS:
         for line in block.splitlines():
             if line.startswith(
-                ("import redis", "import pymongo", "import psycopg", "import asyncpg")
+                (
+                    "import redis",
+                    "import pymongo",
+                    "import psycopg",
+                    "import asyncpg",
+                    "import sqlalchemy",
+                )
             ):
                 assert "# needs a " in line, (where, line)
 
@@ -143,8 +149,10 @@ def test_postgresql_example_runs(
     (and may leave leases in them on purpose): the check reads only the tables
     of the services the example names, dropped before it runs.
     """
-    here = "postgresql://localhost:5432/app"
-    assert here in block
+    here = re.compile(
+        r"postgresql(\+\w+)?://localhost:5432/app"
+    )  # a SQLAlchemy URL names its driver
+    assert here.search(block)
     services = sorted(set(SERVICE.findall(block)))
     assert services, f"{where} names no service"
     tables = [f"{prefix}{name}" for name in services for prefix in ("_dmutex_", "_dsemaphore_")]
@@ -155,7 +163,11 @@ def test_postgresql_example_runs(
             conn.execute(
                 sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(postgres_schema, table))
             )
-    run(where, block.replace(here, url), {})
+    run(
+        where,
+        here.sub(lambda found: url.replace("postgresql", found[0].split(":")[0], 1), block),
+        {},
+    )
     with psycopg.connect(url, autocommit=True) as conn:
         made = [
             table

@@ -27,7 +27,9 @@ import psycopg
 import psycopg_pool
 import pymongo
 import redis
+import sqlalchemy
 from psycopg import sql
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from dmutex import InMemoryBackend, ManualClock, SQLiteBackend
 from dmutex._core.lease import now_ms
@@ -366,6 +368,8 @@ POSTGRES_VARIANTS = (
     "asyncpg",
     "psycopg-pgbouncer",
     "asyncpg-pgbouncer",
+    "sqlalchemy-psycopg",
+    "sqlalchemy-asyncpg",
 )
 
 
@@ -378,7 +382,10 @@ class Postgres:
     its ``server_settings``, and psycopg and asyncpg through PgBouncer in
     transaction mode (which passes no such startup parameter on) name it
     with ``schema_name=`` (:attr:`options`), psycopg with
-    ``prepare_threshold=None``, asyncpg with ``statement_cache_size=0``. Leases
+    ``prepare_threshold=None``, asyncpg with ``statement_cache_size=0``.
+    SQLAlchemy engines (``sqlalchemy-psycopg``: an ``Engine`` or an
+    ``AsyncEngine`` as the face says; ``sqlalchemy-asyncpg``: an
+    ``AsyncEngine``) pass the search path to their driver as the others do. Leases
     are 30 s and more, so none runs out during a test; force-expiry sets
     ``expired_at`` to the server's now and leaves the row stored, so takeover
     of a stored row is what gets exercised.
@@ -408,10 +415,17 @@ class Postgres:
         joiner = "&" if "?" in url else "?"
         return f"{url}{joiner}options=-csearch_path%3D{self.schema}"
 
+    def _engine_url(self, driver: str) -> str:
+        return self._search_path_url().replace("postgresql://", f"postgresql+{driver}://", 1)
+
     def client(self, asynchronous: bool) -> object:
         if asynchronous:
             assert self.loop is not None, "the rig gives its loop first"
             return self.loop.run(self._async_client())
+        if self.variant == "sqlalchemy-psycopg":
+            engine = sqlalchemy.create_engine(self._engine_url("psycopg"), pool_size=4)
+            self._closers.append(engine.dispose)
+            return engine
         if self.variant == "psycopg":
             conn = psycopg.connect(self._search_path_url(), autocommit=True)
             self._closers.append(conn.close)
@@ -429,6 +443,18 @@ class Postgres:
         raise AssertionError(f"{self.variant} has no sync client")
 
     async def _async_client(self) -> object:
+        if self.variant.startswith("sqlalchemy-"):
+            driver = self.variant.removeprefix("sqlalchemy-")
+            if driver == "asyncpg":  # asyncpg takes the search path as a server setting
+                settings = {"search_path": self.schema}
+                url = self.url.replace("postgresql://", "postgresql+asyncpg://", 1)
+                engine = create_async_engine(
+                    url, pool_size=4, connect_args={"server_settings": settings}
+                )
+            else:
+                engine = create_async_engine(self._engine_url(driver), pool_size=4)
+            self._async_closers.append(engine.dispose)
+            return engine
         if self.variant == "psycopg":
             conn = await psycopg.AsyncConnection.connect(self._search_path_url(), autocommit=True)
             self._async_closers.append(conn.close)

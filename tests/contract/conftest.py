@@ -9,8 +9,9 @@ the newest server found, fakeredis, and redis-py on every other server
 version found (see ``tests/_support/redis_servers.py``).
 
 PostgreSQL cases (``tests/_support/postgres_servers.py``): psycopg 3 and a
-psycopg_pool pool on each face, asyncpg (asyncio only), and psycopg (each
-face) and asyncpg through PgBouncer in transaction mode.
+psycopg_pool pool on each face, asyncpg (asyncio only), psycopg (each
+face) and asyncpg through PgBouncer in transaction mode, and SQLAlchemy
+engines: on psycopg (each face) and asyncpg (asyncio).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests._support.backends import (
+    POSTGRES_VARIANTS,
     Backend,
     FakeRedis,
     Memory,
@@ -65,8 +67,8 @@ def _postgres_case(variant: str) -> Case:
 
 # PostgreSQL clients per face: asyncpg has no sync client.
 POSTGRES_CASES: dict[FaceName, tuple[str, ...]] = {
-    "sync": ("psycopg", "psycopg-pool", "psycopg-pgbouncer"),
-    "async": ("psycopg", "psycopg-pool", "asyncpg", "psycopg-pgbouncer", "asyncpg-pgbouncer"),
+    "sync": ("psycopg", "psycopg-pool", "psycopg-pgbouncer", "sqlalchemy-psycopg"),
+    "async": POSTGRES_VARIANTS,  # each has an asyncio client
 }
 
 

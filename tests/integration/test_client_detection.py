@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import sqlite3
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -18,8 +19,11 @@ import pymongo
 import pytest
 import redis
 import redis.asyncio
+import sqlalchemy
+import sqlalchemy.orm
 import valkey
 import valkey.asyncio
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 from dmutex import (
     AsyncDMutex,
@@ -243,23 +247,26 @@ def test_postgresql_clients_detected_and_faces_told_apart(postgres_server: str, 
     async def check() -> None:
         client = await postgres_client(name, postgres_server)
         try:
-            assert detect(client, None) == "postgresql"
-            assert detect(client, "postgresql") == "postgresql"
-            for other in ("mongodb", "redis"):
-                with pytest.raises(UnsupportedClientError, match=f"backend='{other}'"):
-                    detect(client, other)
-            for cls in ASYNC if is_async else SYNC:
-                assert isinstance(make(cls, client), cls)
-            face = (
-                "use DMutex / DSemaphore" if not is_async else "use AsyncDMutex / AsyncDSemaphore"
-            )
-            for cls in SYNC if is_async else ASYNC:
-                with pytest.raises(UnsupportedClientError, match=face):
-                    make(cls, client)
+            postgresql_of_one_face(client, is_async)
         finally:
             await close_postgres(client)
 
     asyncio.run(check())
+
+
+def postgresql_of_one_face(client: object, is_async: bool) -> None:
+    """``client`` is detected as PostgreSQL, built by its face, refused by the other (no I/O)."""
+    assert detect(client, None) == "postgresql"
+    assert detect(client, "postgresql") == "postgresql"
+    for other in ("mongodb", "redis"):
+        with pytest.raises(UnsupportedClientError, match=f"backend='{other}'"):
+            detect(client, other)
+    for cls in ASYNC if is_async else SYNC:
+        assert isinstance(make(cls, client), cls)
+    face = "use AsyncDMutex / AsyncDSemaphore" if is_async else "use DMutex / DSemaphore"
+    for cls in SYNC if is_async else ASYNC:
+        with pytest.raises(UnsupportedClientError, match=face):
+            make(cls, client)
 
 
 def test_sqlite3_connection_is_detected_as_nothing() -> None:
@@ -270,3 +277,110 @@ def test_sqlite3_connection_is_detected_as_nothing() -> None:
             detect(conn, None)
     finally:
         conn.close()
+
+
+# --- PostgreSQL: SQLAlchemy engines (made without a connection) --------------------
+
+# Nothing listens on port 1: an engine that tried to connect would fail the test.
+NOWHERE = "u@127.0.0.1:1/db"
+ENGINES: dict[str, tuple[Callable[[], Any], bool]] = {
+    "Engine/psycopg": (lambda: sqlalchemy.create_engine(f"postgresql+psycopg://{NOWHERE}"), False),
+    "AsyncEngine/asyncpg": (lambda: create_async_engine(f"postgresql+asyncpg://{NOWHERE}"), True),
+    "AsyncEngine/psycopg": (lambda: create_async_engine(f"postgresql+psycopg://{NOWHERE}"), True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENGINES))
+def test_sqlalchemy_engines_detected_and_faces_told_apart(name: str) -> None:
+    """Detected as PostgreSQL, built by its face and refused by the other, with no I/O."""
+    factory, is_async = ENGINES[name]
+    engine = factory()
+    pool = engine.sync_engine.pool if is_async else engine.pool
+    postgresql_of_one_face(engine, is_async)
+    assert pool.checkedout() == 0
+    assert pool.checkedin() == 0  # never connected
+
+
+def test_sqlalchemy_engine_of_another_database_refused_before_io(tmp_path: Path) -> None:
+    """A SQLite engine is refused, its file never made (SQLite makes it on connecting)."""
+    path = tmp_path / "app.db"
+    engine = sqlalchemy.create_engine(f"sqlite:///{path}")
+    for cls in SYNC:
+        with pytest.raises(UnsupportedClientError, match=r"on PostgreSQL only.*SQLiteBackend"):
+            make(cls, engine)
+    assert not path.exists()
+
+
+class Dialect:
+    def __init__(self, name: str, driver: str) -> None:
+        self.name, self.driver = name, driver
+
+
+class StandInEngine:
+    """A sync engine's shape (``raw_connection`` is never called: the driver is refused first)."""
+
+    def __init__(self, name: str, driver: str) -> None:
+        self.dialect = Dialect(name, driver)
+
+    def raw_connection(self) -> object:
+        raise AssertionError("no I/O before the driver is checked")
+
+
+class StandInAsyncEngine(StandInEngine):
+    sync_engine = "the engine it wraps"
+
+    async def raw_connection(self) -> object:
+        raise AssertionError("no I/O before the driver is checked")
+
+    def connect(self) -> object:
+        raise AssertionError("no I/O before the driver is checked")
+
+
+@pytest.mark.parametrize(
+    ("engine", "classes", "needs"),
+    [
+        (StandInEngine("postgresql", "psycopg2"), SYNC, r"'psycopg2' driver.*must be psycopg \("),
+        (StandInEngine("postgresql", "pg8000"), SYNC, "'pg8000' driver"),
+        (StandInAsyncEngine("postgresql", "aiopg"), ASYNC, "must be psycopg or asyncpg"),
+        (StandInEngine("mysql", "mysqldb"), SYNC, "'mysql'.*on PostgreSQL only"),
+        (StandInAsyncEngine("mysql", "aiomysql"), ASYNC, "'mysql'.*on PostgreSQL only"),
+    ],
+)
+def test_sqlalchemy_engine_of_another_driver_refused(
+    engine: object, classes: list[Any], needs: str
+) -> None:
+    assert detect(engine, None) == "postgresql"
+    for cls in classes:
+        with pytest.raises(UnsupportedClientError, match=needs):
+            make(cls, engine)
+
+
+def test_the_runner_tells_an_async_engine_by_sync_engine() -> None:
+    """Past the face check (a plain ``raw_connection``), ``sync_engine`` still says asyncio."""
+
+    class Confused(StandInEngine):
+        sync_engine = "the engine it wraps"
+
+    with pytest.raises(UnsupportedClientError, match="AsyncEngine is an asyncio client"):
+        make(DMutex, Confused("postgresql", "psycopg"))
+
+
+def test_sqlalchemy_connections_and_sessions_refused_before_io() -> None:
+    """They look like a psycopg connection (``execute``, ``info``): refused, the engine named.
+
+    An ``AsyncConnection`` connects when started, a ``Connection`` when made:
+    the unstarted one stands for both.
+    """
+    engine = sqlalchemy.create_engine(f"postgresql+psycopg://{NOWHERE}")
+    aengine = create_async_engine(f"postgresql+asyncpg://{NOWHERE}")
+    cases = [
+        (sqlalchemy.orm.Session(engine), SYNC),
+        (AsyncSession(aengine), ASYNC),
+        (aengine.connect(), ASYNC),
+    ]
+    for client, classes in cases:
+        for cls in classes:
+            with pytest.raises(UnsupportedClientError, match="give dmutex the Engine"):
+                make(cls, client)
+    assert engine.pool.checkedin() == 0  # type: ignore[attr-defined]  # QueuePool's
+    assert aengine.sync_engine.pool.checkedin() == 0  # type: ignore[attr-defined]  # likewise

@@ -23,7 +23,9 @@ import fakeredis
 import mongomock
 import pymongo
 import redis.asyncio
+import sqlalchemy
 import valkey.asyncio
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore
 from tests.typing.postgres_clients import PostgresClients
@@ -50,6 +52,15 @@ def postgresql_clients_of_the_other_face(c: PostgresClients) -> None:
     DSemaphore("svc", c.apg_pool, max_permits=2)  # type: ignore[arg-type]  # negative
     AsyncDMutex("svc", c.conn)  # type: ignore[arg-type]  # negative
     AsyncDSemaphore("svc", c.pool, max_permits=2)  # type: ignore[arg-type]  # negative
+
+
+def sqlalchemy_engines_of_the_other_face() -> None:
+    engine = sqlalchemy.create_engine("postgresql+psycopg://")
+    aengine = create_async_engine("postgresql+asyncpg://")
+    DMutex("svc", aengine)  # type: ignore[arg-type]  # negative
+    DSemaphore("svc", aengine, max_permits=2)  # type: ignore[arg-type]  # negative
+    AsyncDMutex("svc", engine)  # type: ignore[arg-type]  # negative
+    AsyncDSemaphore("svc", engine, max_permits=2)  # type: ignore[arg-type]  # negative
 
 
 def not_clients() -> None:

@@ -15,8 +15,10 @@ import motor.motor_asyncio
 import pymongo
 import redis
 import redis.asyncio
+import sqlalchemy
 import valkey
 import valkey.asyncio
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from dmutex import (
     AsyncDMutex,
@@ -68,6 +70,22 @@ def postgresql_clients_are_accepted_by_their_face(c: PostgresClients) -> None:
     recognised(lambda: AsyncDSemaphore("svc", c.apool, max_permits=3))
     recognised(lambda: AsyncDMutex("svc", c.apg))
     recognised(lambda: AsyncDSemaphore("svc", c.apg_pool, max_permits=3))
+
+
+# Engines connect on first use only, so these are built for real (nothing listens on port 1).
+NOWHERE = "u@127.0.0.1:1/db"
+
+
+def test_sqlalchemy_engines_are_accepted_by_their_face() -> None:
+    engine = sqlalchemy.create_engine(f"postgresql+psycopg://{NOWHERE}")
+    recognised(lambda: DMutex("svc", engine))
+    recognised(lambda: DSemaphore("svc", engine, max_permits=3))
+    apg = create_async_engine(f"postgresql+asyncpg://{NOWHERE}")
+    recognised(lambda: AsyncDMutex("svc", apg))
+    recognised(lambda: AsyncDSemaphore("svc", apg, max_permits=3))
+    apsycopg = create_async_engine(f"postgresql+psycopg://{NOWHERE}")
+    recognised(lambda: AsyncDMutex("svc", apsycopg))
+    recognised(lambda: AsyncDSemaphore("svc", apsycopg, max_permits=3))
 
 
 def test_in_memory_backend_is_accepted_everywhere() -> None:

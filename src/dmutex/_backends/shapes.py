@@ -10,7 +10,9 @@ One contract each:
   and asyncpg have and no other client (``sqlite3.Connection`` included)
   does: a psycopg connection's ``info`` beside ``execute``, a psycopg
   pool's ``getconn`` beside ``connection``, asyncpg's ``fetchrow`` beside
-  ``fetch``;
+  ``fetch``, a SQLAlchemy engine's ``dialect`` beside ``raw_connection``
+  (whichever database the dialect names: ``runners.py`` refuses all but
+  PostgreSQL, before any I/O);
 - :func:`postgres_method`: the method of a PostgreSQL client whose face
   tells sync from asyncio;
 - :func:`is_cluster_client`: whether a Redis client routes by hash slot;
@@ -37,8 +39,9 @@ _NEEDS: dict[BackendName, str] = {
     "mongodb": "get_database(name)",
     "postgresql": (
         "execute(query, params) and info (a psycopg 3 connection), getconn() and "
-        "connection() (a psycopg_pool pool), or fetch(query, *args) and fetchrow() "
-        "(an asyncpg connection or pool)"
+        "connection() (a psycopg_pool pool), fetch(query, *args) and fetchrow() "
+        "(an asyncpg connection or pool), or raw_connection() and dialect (a SQLAlchemy "
+        "Engine or AsyncEngine)"
     ),
     "redis": (
         "execute_command(*args), or both set(name, value, px=..., nx=...) "
@@ -52,7 +55,12 @@ _LABELS: dict[BackendName, str] = {
 }
 # Per PostgreSQL client kind: the two names that tell it, the first one the
 # method whose face (coroutine function or not) tells sync from asyncio.
-_POSTGRES_SHAPES = (("fetch", "fetchrow"), ("getconn", "connection"), ("execute", "info"))
+_POSTGRES_SHAPES = (
+    ("fetch", "fetchrow"),
+    ("getconn", "connection"),
+    ("execute", "info"),
+    ("raw_connection", "dialect"),
+)
 
 
 def _described(target: object) -> str:
@@ -87,7 +95,10 @@ def _shapes(client: object) -> set[BackendName]:
 
 
 def postgres_method(client: object) -> str | None:
-    """The method that tells a PostgreSQL client's face (``fetch``, ``getconn``, ``execute``).
+    """The method that tells a PostgreSQL client's face.
+
+    ``fetch``, ``getconn``, ``execute`` or ``raw_connection`` (a coroutine
+    function on SQLAlchemy's ``AsyncEngine``, a plain one on ``Engine``).
 
     None if ``client`` has none of the PostgreSQL shapes.
     """
@@ -162,9 +173,9 @@ def refuse_asyncio(target: object, name: str, what: str) -> None:
 
 
 # Packages whose plain (non-coroutine) client methods do their I/O before they
-# return: redis-py, valkey-py, pymongo and psycopg (with psycopg_pool),
-# outside their asyncio modules.
-_SYNC_PACKAGES = ("redis", "valkey", "pymongo", "psycopg", "psycopg_pool")
+# return: redis-py, valkey-py, pymongo, psycopg (with psycopg_pool) and
+# SQLAlchemy, outside their asyncio modules.
+_SYNC_PACKAGES = ("redis", "valkey", "pymongo", "psycopg", "psycopg_pool", "sqlalchemy")
 _ASYNC_MODULES = ("asyncio", "asynchronous")
 
 
@@ -172,7 +183,7 @@ def refuse_sync(target: object, name: str, what: str) -> None:
     """Refuse a sync ``target`` (a client or a collection) for an asyncio class.
 
     Known before any call when ``target.name`` is a plain function of
-    redis-py, valkey-py, pymongo or psycopg outside their asyncio modules:
+    redis-py, valkey-py, pymongo, psycopg or SQLAlchemy outside their asyncio modules:
     such a call sends its request before it returns, so the reply check
     would come too late. Other clients are judged by their first reply (:func:`wrong_face`).
     """
@@ -186,7 +197,8 @@ def refuse_sync(target: object, name: str, what: str) -> None:
         raise UnsupportedClientError(
             f"{_described(target)} is a sync {what}: use DMutex / DSemaphore, or pass "
             "its asyncio counterpart (redis.asyncio, valkey.asyncio, pymongo.AsyncMongoClient, "
-            "psycopg.AsyncConnection, psycopg_pool.AsyncConnectionPool, asyncpg)"
+            "psycopg.AsyncConnection, psycopg_pool.AsyncConnectionPool, asyncpg, "
+            "sqlalchemy.ext.asyncio.AsyncEngine)"
         )
 
 

@@ -20,6 +20,7 @@ from .._backends.clients import (
     AsyncPsycopgPoolLike,
     AsyncRedisCommandClient,
     AsyncRedisSetEvalClient,
+    AsyncSQLAlchemyEngineLike,
 )
 from .._backends.memory import InMemoryBackend
 from .._backends.sqlite import SQLiteBackend
@@ -53,6 +54,7 @@ AsyncClient: TypeAlias = (
     | AsyncPsycopgConnectionLike
     | AsyncPsycopgPoolLike
     | AsyncpgLike
+    | AsyncSQLAlchemyEngineLike
 )
 """Any client an asyncio class accepts."""
 

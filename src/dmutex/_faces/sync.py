@@ -20,6 +20,7 @@ from .._backends.clients import (
     PsycopgPoolLike,
     RedisCommandClient,
     RedisSetEvalClient,
+    SQLAlchemyEngineLike,
 )
 from .._backends.memory import InMemoryBackend
 from .._backends.sqlite import SQLiteBackend
@@ -46,6 +47,7 @@ SyncClient: TypeAlias = (
     | RedisSetEvalClient
     | PsycopgConnectionLike
     | PsycopgPoolLike
+    | SQLAlchemyEngineLike
 )
 """Any client a sync class accepts."""
 

@@ -3,7 +3,8 @@
 - ``statements.py``: the SQL, one builder per statement, and the
   placeholder style of each driver;
 - ``runners.py``: how one statement runs on each kind of client (psycopg 3
-  connections and pools, sync and asyncio; asyncpg);
+  connections and pools, sync and asyncio; asyncpg; SQLAlchemy engines on
+  either);
 - ``store.py``: :class:`PostgresStore`, which sends the statements.
 """
 

@@ -16,7 +16,10 @@ Rules of this module:
    meanwhile. A single psycopg connection cannot: it delivers notifications
    only to a caller blocked on it (``notifies()``, under its lock), and the
    holder's release may need that very connection. Its waiters poll
-   (``waiting.py``, rule 3); give dmutex a pool to wake them.
+   (``waiting.py``, rule 3); give dmutex a pool to wake them. A SQLAlchemy
+   engine's waiters poll too: its pool's size and overflow are its own
+   business, and a wait that held one of its connections for seconds
+   would count against the application's checkouts.
 2. No release is missed between the failed attempt and the ``LISTEN``:
    once listening, the wait reads the key's holders (one statement,
    ``holders``) and ends at once if a permit is free. A wait that listens
@@ -301,7 +304,8 @@ def listener(client: object, sql: Statements, permits: int, *, asynchronous: boo
 
     By shape, as :func:`~.runners.runner` tells clients apart: ``fetch`` is
     asyncpg's (a pool also has ``acquire``), ``getconn`` a psycopg pool's;
-    anything else is a single psycopg connection, which never listens.
+    anything else is a single psycopg connection or a SQLAlchemy engine,
+    which never listen.
     """
     if defines(client, "fetch"):
         if defines(client, "acquire"):

@@ -19,6 +19,26 @@ Rules of this module:
    unnamed only with ``statement_cache_size=0``: the caller's setting.
 4. Rows may come as tuples, records or mappings (a psycopg connection with
    ``dict_row``): they are read in column order either way.
+5. A SQLAlchemy engine is a pool: its statement runs on the driver's own
+   connection (``driver_connection``: psycopg's or asyncpg's) as rules 2
+   to 4 say for that driver, and SQLAlchemy runs none of dmutex's SQL. A
+   sync ``Engine`` lends it with ``raw_connection()`` (until its
+   ``close()``, in every SQLAlchemy 2 release); an ``AsyncEngine``
+   with ``connect()`` (whose close gives the connection back on the event
+   loop; a raw connection's own ``close()`` would need SQLAlchemy's
+   greenlet). Nothing of SQLAlchemy's transaction state changes: it began
+   none, and on return its pool's reset (a rollback) finds the connection
+   idle and sends nothing, on either driver. A statement that fails on a
+   connection the driver then reports closed (the server dropped it) has
+   it invalidated, as SQLAlchemy does on a disconnect: its pool discards it
+   instead of lending it again (asyncpg's would otherwise come back from
+   the pool closed, every time). Which runner is decided
+   before any I/O by the dialect: ``name`` must be ``postgresql`` and
+   ``driver`` psycopg (sync or asyncio, as the engine's face) or asyncpg
+   (asyncio); any other (psycopg2, pg8000, another database) is refused.
+   So is a SQLAlchemy ``Connection`` or ``Session`` (sync or asyncio),
+   which has a psycopg connection's ``execute`` and ``info`` but is not
+   one: it would hold dmutex's statements in its own transaction.
 """
 
 from __future__ import annotations
@@ -31,11 +51,14 @@ from ..clients import (
     AsyncpgLike,
     AsyncPsycopgConnectionLike,
     AsyncPsycopgPoolLike,
+    AsyncSQLAlchemyEngineLike,
     PsycopgConnectionLike,
     PsycopgConnectionStateLike,
     PsycopgPoolLike,
+    SQLAlchemyDialectLike,
+    SQLAlchemyEngineLike,
 )
-from ..shapes import method, postgres_method
+from ..shapes import defines, method, postgres_method
 from .statements import Statement
 
 __all__ = ["Params", "Row", "Runner", "runner"]
@@ -146,14 +169,103 @@ def _asyncpg(client: object) -> Callable[[Statement, Params], Awaitable[list[Row
     return run
 
 
+_ENGINE_DRIVERS = {False: ("psycopg",), True: ("psycopg", "asyncpg")}
+
+
+def _engine_driver(engine: object, asynchronous: bool) -> str:
+    """The driver of a SQLAlchemy engine that dmutex can run on, or an error (rule 5)."""
+    dialect = cast(SQLAlchemyDialectLike, getattr(engine, "dialect", None))
+    name, driver = getattr(dialect, "name", None), getattr(dialect, "driver", None)
+    kind = "AsyncEngine" if asynchronous else "Engine"
+    drivers = " or ".join(_ENGINE_DRIVERS[asynchronous])
+    if name != "postgresql":
+        raise UnsupportedClientError(
+            f"a SQLAlchemy {kind} on {name!r} ({driver!r}): dmutex takes SQLAlchemy engines "
+            f"on PostgreSQL only, with the {drivers} driver (for SQLite, pass a "
+            "dmutex.SQLiteBackend)"
+        )
+    if driver not in _ENGINE_DRIVERS[asynchronous]:
+        raise UnsupportedClientError(
+            f"a SQLAlchemy {kind} on PostgreSQL with the {driver!r} driver: dmutex runs "
+            f"its statements on the driver's connection, and a {kind}'s must be {drivers} "
+            "(postgresql+psycopg://" + (" or postgresql+asyncpg://" if asynchronous else "") + ")"
+        )
+    return str(driver)
+
+
+def _closed(conn: object) -> bool:
+    """Whether the driver reports ``conn`` closed (asyncpg: is_closed(), psycopg: closed)."""
+    is_closed = getattr(conn, "is_closed", None)
+    return bool(is_closed() if callable(is_closed) else getattr(conn, "closed", False))
+
+
+def _engine(client: object) -> Callable[[Statement, Params], list[Row]]:
+    """A runner on a sync SQLAlchemy engine: one psycopg connection lent per statement."""
+    engine = cast(SQLAlchemyEngineLike, client)
+    method(engine, "raw_connection")
+
+    def run(statement: Statement, params: Params) -> list[Row]:
+        lent = engine.raw_connection()
+        conn = lent.driver_connection
+        try:
+            return _psycopg(conn)(statement, params)
+        except Exception as error:
+            if _closed(conn):
+                lent.invalidate(error)
+            raise
+        finally:
+            lent.close()
+
+    return run
+
+
+def _engine_async(
+    client: object, driver: str
+) -> Callable[[Statement, Params], Awaitable[list[Row]]]:
+    """A runner on an asyncio SQLAlchemy engine: one connection opened per statement."""
+    engine = cast(AsyncSQLAlchemyEngineLike, client)
+    method(engine, "connect")
+    on = _asyncpg if driver == "asyncpg" else _psycopg_async
+
+    async def run(statement: Statement, params: Params) -> list[Row]:
+        async with engine.connect() as opened:
+            conn = (await opened.get_raw_connection()).driver_connection
+            try:
+                return await on(conn)(statement, params)
+            except Exception as error:
+                if _closed(conn):
+                    await opened.invalidate(error)
+                raise
+
+    return run
+
+
 def runner(client: object, *, asynchronous: bool) -> Runner:
     """The runner of ``client``: a psycopg pool or connection, or an asyncpg connection or pool.
 
     By shape (``shapes.postgres_method``): ``fetch`` is asyncpg's (asyncio
     only), ``getconn`` a psycopg pool's (a psycopg connection has a
-    ``connection`` property too), else a psycopg connection's ``execute``.
+    ``connection`` property too), ``raw_connection`` a SQLAlchemy engine's
+    (``sync_engine`` tells an ``AsyncEngine``), else a psycopg connection's
+    ``execute``.
     """
     kind = postgres_method(client)
+    if kind == "raw_connection":
+        is_async = defines(client, "sync_engine")
+        if is_async != asynchronous:
+            face = "AsyncDMutex / AsyncDSemaphore" if is_async else "DMutex / DSemaphore"
+            raise UnsupportedClientError(
+                f"a SQLAlchemy {'AsyncEngine' if is_async else 'Engine'} is "
+                f"{'an asyncio' if is_async else 'a sync'} client: use {face}"
+            )
+        driver = _engine_driver(client, asynchronous)
+        return _engine_async(client, driver) if asynchronous else _engine(client)
+    if kind == "execute" and type(client).__module__.split(".")[0] == "sqlalchemy":
+        raise UnsupportedClientError(
+            f"{type(client).__module__}.{type(client).__qualname__} is SQLAlchemy's, not a "
+            "driver's connection, and holds a transaction of its own: give dmutex the Engine "
+            "(or AsyncEngine) it came from"
+        )
     if kind == "fetch":
         if not asynchronous:
             raise UnsupportedClientError(

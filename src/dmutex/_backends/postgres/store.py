@@ -45,7 +45,7 @@ Rules of this module:
    connection listens itself. Its failed attempts mark the key's waiters
    in their own statement (the first, then at most once a second, for
    ``retry_delay`` + 2 s), so that a release after the attempt notifies.
-   A single psycopg connection, a store made with ``listen=False``
+   A single psycopg connection, a SQLAlchemy engine, a store made with ``listen=False``
    (behind a pooler in transaction mode) and a clock other than the
    system's neither mark nor listen: their waiters sleep the wait out,
    and so poll within ``retry_delay`` (``waiting.py``, rule 3). Either way
@@ -100,7 +100,8 @@ class PostgresStore:
     """One table of lease rows on a PostgreSQL server; a ``Store``.
 
     ``client`` is a psycopg 3 connection or pool (sync or asyncio, as
-    ``asynchronous`` says) or an asyncpg connection or pool (asyncio).
+    ``asynchronous`` says), an asyncpg connection or pool (asyncio), or a
+    SQLAlchemy ``Engine`` or ``AsyncEngine`` on one of them.
     ``listen=False``: waiters never ``LISTEN`` (behind a pooler in
     transaction mode) and poll instead (rule 5).
     """
