@@ -14,16 +14,22 @@ make each one happen on purpose:
 
 Holes 3 and 4 are pinned in ``tests/integration/test_redis_layout.py``,
 holes 5 and 6 in ``tests/test_bad_input.py``.
+
+On PostgreSQL (the section at the end): a listening wait cancelled as the
+release's notification reaches it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+import asyncpg
 import mongomock
+import psycopg
 import pymongo
 import pytest
 import redis
@@ -42,6 +48,11 @@ from dmutex import (
     UnsupportedClientError,
 )
 from tests._support.mongo_clients import frozen_ttl_monitor
+from tests._support.postgres_clients import (
+    Gate,
+    InterceptedAsyncpg,
+    active_permits,
+)
 
 # --- hole 2 and 8: a reply lost, the command re-sent ---------------------------------
 
@@ -409,3 +420,109 @@ def test_the_sync_classes_still_take_those_clients(redis_url: str) -> None:
         lock = DMutex("svc", client).acquire(str(uuid.uuid4()))
         assert lock is not None
         assert lock.release() is True
+
+
+# --- PostgreSQL ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pg_raw(postgres_server: str) -> Iterator[psycopg.Connection[Any]]:
+    """A plain autocommit connection, to read the tables behind dmutex's back."""
+    with psycopg.connect(postgres_server, autocommit=True) as conn:
+        yield conn
+
+
+@pytest.fixture
+def service() -> str:
+    """A service name of the test's own: its tables are new."""
+    return f"holes-{uuid.uuid4().hex[:8]}"
+
+
+def pg_tables(service: str) -> list[str]:
+    return [f"_dmutex_{service}", f"_dsemaphore_{service}"]
+
+
+def pg_lock(client: Any, service: str, schema: str, permits: int) -> AsyncDMutex | AsyncDSemaphore:
+    if permits == 1:
+        return AsyncDMutex(service, client, schema_name=schema)
+    return AsyncDSemaphore(service, client, max_permits=permits, schema_name=schema)
+
+
+def permits_left(raw: psycopg.Connection[Any], schema: str, service: str) -> dict[str, str]:
+    return active_permits(raw, schema, pg_tables(service))
+
+
+class CancellingListener(InterceptedAsyncpg):
+    """An asyncpg connection that cancels :attr:`task` as a notification reaches its listener.
+
+    The listener is called first, so the wait has been woken when the
+    cancellation lands: both at once, as a release and a cancel can be.
+    """
+
+    task: asyncio.Task[Any] | None = None
+    heard = 0
+
+    def __init__(self, inner: Any, gate: Gate) -> None:
+        super().__init__(inner, gate)
+        self._wrapped: dict[object, Callable[..., None]] = {}
+
+    async def add_listener(self, channel: str, callback: Callable[..., None], /) -> None:
+        def heard(*args: object) -> None:
+            callback(*args)
+            self.heard += 1
+            assert self.task is not None
+            self.task.cancel()
+
+        self._wrapped[callback] = heard
+        await super().add_listener(channel, heard)
+
+    async def remove_listener(self, channel: str, callback: Callable[..., None], /) -> None:
+        await super().remove_listener(channel, self._wrapped.pop(callback))
+
+
+def test_postgresql_wait_cancelled_as_the_release_wakes_it_raises(
+    postgres_server: str, postgres_schema: str, pg_raw: Any, service: str
+) -> None:
+    """Before the fix (Python <= 3.11): the wait's asyncio.wait_for returned the wakeup and
+    swallowed the cancellation; the retry then took the lock and returned it."""
+
+    async def scenario() -> None:
+        gate = Gate()
+        inner = await asyncpg.connect(postgres_server)
+        holder_conn = await psycopg.AsyncConnection.connect(postgres_server, autocommit=True)
+        try:
+            client = CancellingListener(inner, gate)
+            waiter = pg_lock(client, service, postgres_schema, 1)
+            holder = pg_lock(holder_conn, service, postgres_schema, 1)
+            held = await holder.acquire("k", ttl=60)
+            assert held is not None
+            task = asyncio.create_task(waiter.acquire_with_retry("k", timeout=30, retry_delay=20))
+            client.task = task
+            await asyncio.to_thread(idle_after_the_holders_read, pg_raw, inner.get_server_pid())
+            assert await held.release() is True  # notifies the waiter, which is cancelled too
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, 10)
+            assert client.heard == 1
+        finally:
+            await inner.close()
+            await holder_conn.close()
+        assert permits_left(pg_raw, postgres_schema, service) == {}
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def idle_after_the_holders_read(raw: psycopg.Connection[Any], pid: int | None = None) -> None:
+    """Return once session ``pid`` (None: any) sits idle after a wait's holders read.
+
+    Only a wait reads the holders, after its LISTEN (``listening.py``, rule
+    2): from then on only a notification ends it early.
+    """
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        for found, query in raw.execute(
+            "SELECT pid, query FROM pg_stat_activity WHERE state = 'idle'"
+        ).fetchall():
+            if pid in (None, found) and str(query).startswith("WITH slot AS"):
+                return
+        time.sleep(0.005)
+    raise AssertionError(f"no session ({pid or 'any'}) waited after reading the holders")

@@ -43,6 +43,9 @@ Rules of this module:
    :data:`POOLED` behind a pooler (rule 4).
    Errors propagate to the store, which sleeps the rest (``Store.wait``
    never raises).
+6. A cancellation always propagates: a wait woken at the moment it is
+   cancelled raises ``CancelledError``, it does not answer True (no
+   ``asyncio.wait_for``, which swallows it there on Python <= 3.11).
 """
 
 from __future__ import annotations
@@ -265,11 +268,11 @@ async def _asyncpg_wait(
         pooled = _judge(owner, reported, await _asyncpg(conn)(PID_CHECK, {}))
     if pooled:
         return POOLED
-    woken = asyncio.Event()
+    woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def heard(_conn: object, _pid: int, _channel: str, payload: str) -> None:
-        if payload == key:
-            woken.set()
+        if payload == key and not woken.done():
+            woken.set_result(None)
 
     listening = cast(_Asyncpg, conn)
     await listening.add_listener(sql.channel, heard)
@@ -277,11 +280,10 @@ async def _asyncpg_wait(
         rows = await _asyncpg(conn)(sql.holders, {"key": key, "permits": permits})
         if _free(rows, permits):
             return True
-        try:
-            await asyncio.wait_for(woken.wait(), seconds)
-        except asyncio.TimeoutError:
-            return False
-        return True
+        # Not asyncio.wait_for: on Python <= 3.11 it returns the wakeup and
+        # swallows a cancellation that lands as the notification does (rule 6).
+        done, _ = await asyncio.wait({woken}, timeout=seconds)
+        return bool(done)
     finally:
         await listening.remove_listener(sql.channel, heard)
 
