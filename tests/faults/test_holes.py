@@ -16,7 +16,8 @@ Holes 3 and 4 are pinned in ``tests/integration/test_redis_layout.py``,
 holes 5 and 6 in ``tests/test_bad_input.py``.
 
 On PostgreSQL (the section at the end): a listening wait cancelled as the
-release's notification reaches it.
+release's notification reaches it, and one whose connection goes back
+slowly.
 """
 
 from __future__ import annotations
@@ -505,6 +506,43 @@ def test_postgresql_wait_cancelled_as_the_release_wakes_it_raises(
             assert client.heard == 1
         finally:
             await inner.close()
+            await holder_conn.close()
+        assert permits_left(pg_raw, postgres_schema, service) == {}
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+SLOW_RESET = 0.5  # the pool's reset of a returned connection: longer than the wait below
+
+
+def test_postgresql_wait_cancelled_on_an_asyncpg_pool_raises_though_the_release_is_slow(
+    postgres_server: str, postgres_schema: str, pg_raw: Any, service: str
+) -> None:
+    """Before the fix: the wait's connection went back with the wait's own timeout as the
+    budget of its reset; spent, asyncpg raised TimeoutError from the release, which took
+    the cancellation's place, and the store, taking it for a failed wait, slept on."""
+
+    async def slow_reset(conn: object) -> None:
+        await asyncio.sleep(SLOW_RESET)
+
+    async def scenario() -> None:
+        pool = await asyncpg.create_pool(postgres_server, min_size=1, max_size=2, reset=slow_reset)
+        holder_conn = await psycopg.AsyncConnection.connect(postgres_server, autocommit=True)
+        try:
+            waiter = pg_lock(pool, service, postgres_schema, 1)
+            holder = pg_lock(holder_conn, service, postgres_schema, 1)
+            held = await holder.acquire("k", ttl=60)
+            assert held is not None
+            task = asyncio.create_task(
+                waiter.acquire_with_retry("k", timeout=30, retry_delay=SLOW_RESET / 5)
+            )
+            await asyncio.to_thread(idle_after_the_holders_read, pg_raw)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, 3 * SLOW_RESET)
+            assert await held.release() is True
+        finally:
+            await pool.close()
             await holder_conn.close()
         assert permits_left(pg_raw, postgres_schema, service) == {}
 

@@ -45,7 +45,10 @@ Rules of this module:
    never raises).
 6. A cancellation always propagates: a wait woken at the moment it is
    cancelled raises ``CancelledError``, it does not answer True (no
-   ``asyncio.wait_for``, which swallows it there on Python <= 3.11).
+   ``asyncio.wait_for``, which swallows it there on Python <= 3.11); and
+   the connection a wait was lent goes back with a budget of its own
+   (:data:`RELEASE_TIMEOUT`), an error of its return never taking the
+   place of the cancellation.
 """
 
 from __future__ import annotations
@@ -78,6 +81,13 @@ POOLED = "pooled"
 """A wait's answer behind a pooler: never listen on this client again (rule 4)."""
 
 PID_CHECK = Statement.of("SELECT pg_backend_pid()")
+
+RELEASE_TIMEOUT = 10.0
+"""The budget of an asyncpg pool's reset of a connection lent for a wait (rule 6).
+
+asyncpg's default is the ``acquire``'s timeout, which the wait has spent by
+then: the reset would time out, asyncpg terminate the connection, and its
+``TimeoutError`` take the place of a cancellation that ended the wait."""
 
 
 class _Notify(Protocol):
@@ -125,7 +135,9 @@ class _Asyncpg(Protocol):
 class _AsyncpgPool(Protocol):
     def get_max_size(self) -> int: ...
 
-    def acquire(self, *, timeout: float | None = None) -> AbstractAsyncContextManager[object]: ...
+    def acquire(self, *, timeout: float | None = None) -> Awaitable[object]: ...
+
+    def release(self, connection: object, *, timeout: float | None = None) -> Awaitable[None]: ...
 
 
 def _free(rows: Sequence[Row], permits: int) -> bool:
@@ -291,9 +303,16 @@ async def _asyncpg_wait(
 def _asyncpg_pool(pool: _AsyncpgPool, sql: Statements, permits: int) -> Listen | None:
     async def lent(key: str, seconds: float) -> bool | str:
         deadline = time.monotonic() + seconds
-        async with pool.acquire(timeout=seconds) as conn:
+        conn = await pool.acquire(timeout=seconds)
+        try:
             left = deadline - time.monotonic()
-            return left > 0 and await _asyncpg_wait(conn, key, left, sql, permits, pool)
+            woken = left > 0 and await _asyncpg_wait(conn, key, left, sql, permits, pool)
+        except BaseException:
+            with suppress(Exception):  # the wait's error (a cancellation) outranks the release's
+                await pool.release(conn, timeout=RELEASE_TIMEOUT)
+            raise
+        await pool.release(conn, timeout=RELEASE_TIMEOUT)
+        return woken
 
     return _budgeted(_budget(pool, pool.get_max_size()), lent)
 
