@@ -15,9 +15,14 @@ make each one happen on purpose:
 Holes 3 and 4 are pinned in ``tests/integration/test_redis_layout.py``,
 holes 5 and 6 in ``tests/test_bad_input.py``.
 
-On PostgreSQL (the section at the end): a listening wait cancelled as the
-release's notification reaches it, and one whose connection goes back
-slowly.
+On PostgreSQL (the section at the end): hole 1 on a psycopg
+``AsyncConnection`` and an asyncpg connection whose replies a
+:class:`~tests._support.postgres_clients.Gate` holds, and a listening wait
+cancelled as the release's notification reaches it; hole 7 for psycopg's
+sync connection and pool, the server seeing no statement from them; hole 8,
+the release statement sent twice. Hole 2 on PostgreSQL is
+``tests/integration/test_postgres_store.py``'s
+``test_a_resent_acquire_recognises_its_own_token``, on the store.
 """
 
 from __future__ import annotations
@@ -25,12 +30,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import asyncpg
 import mongomock
 import psycopg
+import psycopg_pool
 import pymongo
 import pytest
 import redis
@@ -48,10 +54,12 @@ from dmutex import (
     RedisReply,
     UnsupportedClientError,
 )
+from dmutex._backends.postgres.statements import Statements
 from tests._support.mongo_clients import frozen_ttl_monitor
 from tests._support.postgres_clients import (
     Gate,
     InterceptedAsyncpg,
+    InterceptedPsycopg,
     active_permits,
 )
 
@@ -443,6 +451,18 @@ def pg_tables(service: str) -> list[str]:
     return [f"_dmutex_{service}", f"_dsemaphore_{service}"]
 
 
+PG_GATED = ["psycopg", "asyncpg"]
+
+
+async def gated(kind: str, url: str, gate: Gate) -> tuple[Any, Callable[[], Awaitable[None]]]:
+    """A single asyncio connection of ``kind`` whose replies ``gate`` holds, and its closer."""
+    if kind == "psycopg":
+        conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
+        return InterceptedPsycopg(conn, gate), conn.close
+    made = await asyncpg.connect(url)
+    return InterceptedAsyncpg(made, gate), made.close
+
+
 def pg_lock(client: Any, service: str, schema: str, permits: int) -> AsyncDMutex | AsyncDSemaphore:
     if permits == 1:
         return AsyncDMutex(service, client, schema_name=schema)
@@ -451,6 +471,105 @@ def pg_lock(client: Any, service: str, schema: str, permits: int) -> AsyncDMutex
 
 def permits_left(raw: psycopg.Connection[Any], schema: str, service: str) -> dict[str, str]:
     return active_permits(raw, schema, pg_tables(service))
+
+
+@pytest.mark.parametrize("kind", PG_GATED)
+def test_postgresql_run_cancelled_during_its_release_still_releases(
+    kind: str, postgres_server: str, postgres_schema: str, pg_raw: Any, service: str
+) -> None:
+    async def scenario() -> None:
+        gate = Gate()
+        client, close = await gated(kind, postgres_server, gate)
+        try:
+            mutex = pg_lock(client, service, postgres_schema, 1)
+
+            async def work(lock: object) -> str:
+                gate.hold()  # the next statement is the release
+                return "done"
+
+            task = asyncio.create_task(mutex.run("k", work))
+            await gate.arrived.wait()  # the release ran; its reply is held
+            task.cancel()
+            await asyncio.sleep(0)
+            assert not task.done(), "the release is still in flight: run() waits for it"
+            gate.gate.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            await close()
+        assert permits_left(pg_raw, postgres_schema, service) == {}
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+@pytest.mark.parametrize("kind", PG_GATED)
+def test_postgresql_async_with_cancelled_in_body_and_again_during_release(
+    kind: str, postgres_server: str, postgres_schema: str, pg_raw: Any, service: str
+) -> None:
+    async def scenario() -> None:
+        gate = Gate()
+        client, close = await gated(kind, postgres_server, gate)
+        try:
+            mutex = pg_lock(client, service, postgres_schema, 1)
+            await mutex.ready()
+            inside = asyncio.Event()
+
+            async def body() -> None:
+                lock = await mutex.acquire("k")
+                assert lock is not None
+                async with lock:
+                    assert len(permits_left(pg_raw, postgres_schema, service)) == 1
+                    gate.hold()
+                    inside.set()
+                    await asyncio.sleep(3600)  # cancelled here first
+
+            gate.sent = 0
+            task = asyncio.create_task(body())
+            await inside.wait()
+            task.cancel()  # lands in the body; __aexit__ starts the release
+            await gate.arrived.wait()
+            task.cancel()  # lands while the release's reply is held
+            await asyncio.sleep(0)
+            assert not task.done()
+            gate.gate.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert gate.sent == 2, "the acquire and the release"
+        finally:
+            await close()
+        assert permits_left(pg_raw, postgres_schema, service) == {}
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+@pytest.mark.parametrize("permits", [1, 3])
+@pytest.mark.parametrize("kind", PG_GATED)
+def test_postgresql_acquire_cancelled_after_the_server_took_the_key_releases_it(
+    kind: str, permits: int, postgres_server: str, postgres_schema: str, pg_raw: Any, service: str
+) -> None:
+    """The statement committed, its reply did not reach the caller: released by token."""
+
+    async def scenario() -> None:
+        gate = Gate()
+        client, close = await gated(kind, postgres_server, gate)
+        try:
+            lock = pg_lock(client, service, postgres_schema, permits)
+            await lock.ready()
+            gate.sent = 0
+            gate.hold()
+            task = asyncio.create_task(lock.acquire("k"))
+            await gate.arrived.wait()
+            left = permits_left(pg_raw, postgres_schema, service)
+            assert len(left) == 1, "the server took the key"
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert gate.sent == 2, "the acquire, then its release by token"
+        finally:
+            await close()
+        assert permits_left(pg_raw, postgres_schema, service) == {}
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
 
 
 class CancellingListener(InterceptedAsyncpg):
@@ -564,3 +683,94 @@ def idle_after_the_holders_read(raw: psycopg.Connection[Any], pid: int | None = 
                 return
         time.sleep(0.005)
     raise AssertionError(f"no session ({pid or 'any'}) waited after reading the holders")
+
+
+@pytest.mark.parametrize("make", ["connection", "pool"])
+def test_an_asyncio_class_refuses_a_sync_postgresql_client_before_any_statement(
+    make: str, postgres_server: str, postgres_schema: str, pg_raw: Any, service: str
+) -> None:
+    """Refused at construction: the client's session never ran a statement, no table was made."""
+    client: psycopg.Connection[Any] | psycopg_pool.ConnectionPool[Any]
+    if make == "connection":
+        client = psycopg.connect(postgres_server, autocommit=True)
+    else:
+        client = psycopg_pool.ConnectionPool(postgres_server, min_size=1, max_size=1, open=True)
+    given: Any = client  # the type checker refuses it too: the test is what dmutex does at run time
+    try:
+        makers: list[Callable[[], object]] = [
+            lambda: AsyncDMutex(service, given, schema_name=postgres_schema),
+            lambda: AsyncDSemaphore(service, given, max_permits=2, schema_name=postgres_schema),
+        ]
+        for make_lock in makers:
+            with pytest.raises(UnsupportedClientError, match="sync"):
+                make_lock()
+        if isinstance(client, psycopg.Connection):
+            pid = client.info.backend_pid
+        else:
+            with client.connection() as conn:
+                pid = conn.info.backend_pid
+        found = pg_raw.execute(
+            "SELECT query FROM pg_stat_activity WHERE pid = %s", (pid,)
+        ).fetchone()
+        assert found == ("",), f"the client's session ran {found!r}"
+        tables = pg_raw.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = %s AND tablename LIKE %s",
+            (postgres_schema, f"%{service}"),
+        ).fetchall()
+        assert tables == []
+    finally:
+        client.close()
+
+
+class ResendingPsycopg:
+    """A sync psycopg connection that sends each statement of ``resent`` twice, the first
+    reply lost (a driver or proxy that retries after a dropped connection)."""
+
+    def __init__(self, inner: psycopg.Connection[Any], resent: set[str]) -> None:
+        self._inner = inner
+        self._resent = resent
+        self.resent = 0
+
+    @property
+    def info(self) -> psycopg.ConnectionInfo:
+        return self._inner.info
+
+    @property
+    def autocommit(self) -> bool:
+        return self._inner.autocommit
+
+    def transaction(self) -> Any:
+        return self._inner.transaction()
+
+    def execute(
+        self, query: str, params: Mapping[str, object], /, *, prepare: bool | None = None
+    ) -> psycopg.Cursor[Any]:
+        if query in self._resent:
+            self._inner.execute(query, params, prepare=prepare)  # its reply never arrives
+            self.resent += 1
+        return self._inner.execute(query, params, prepare=prepare)
+
+
+@pytest.mark.parametrize("permits", [1, 3])
+def test_a_re_sent_postgresql_release_answers_false_and_removes_the_row(
+    permits: int, postgres_server: str, postgres_schema: str, pg_raw: Any, service: str
+) -> None:
+    """Hole 8 as on Redis: the first copy deletes the row, the second finds none: False."""
+    table = pg_tables(service)[0 if permits == 1 else 1]
+    release = Statements.of(table, postgres_schema).release.psycopg
+    with psycopg.connect(postgres_server, autocommit=True) as inner:
+        client = ResendingPsycopg(inner, {release})
+        lock = (
+            DSemaphore(service, client, max_permits=permits, schema_name=postgres_schema)
+            if permits > 1
+            else DMutex(service, client, schema_name=postgres_schema)
+        )
+        handle = lock.acquire("k")
+        assert handle is not None
+        assert permits_left(pg_raw, postgres_schema, service) == {
+            f"{table}/permit:{getattr(handle, 'slot', 0)}:k": handle.token
+        }
+        assert client.resent == 0
+        assert handle.release() is False, "the re-sent copy found nothing"
+        assert client.resent == 1
+        assert permits_left(pg_raw, postgres_schema, service) == {}
