@@ -45,7 +45,6 @@ import valkey
 
 from dmutex import (
     AsyncDMutex,
-    AsyncDMutexLock,
     AsyncDSemaphore,
     DMutex,
     DSemaphore,
@@ -244,7 +243,7 @@ def test_a_re_sent_mongodb_acquire_returns_its_lease_and_takes_one_slot(
 # --- hole 1: cancellation while a request is in flight ---------------------------------
 
 
-class GatedRedis:
+class GatedRedis(Gate):
     """An asyncio Redis double (fakeredis semantics) that can hold one command mid-flight.
 
     ``hold()`` makes the next script request (EVALSHA, or the EVAL after a
@@ -254,26 +253,18 @@ class GatedRedis:
     """
 
     def __init__(self, inner: Any) -> None:
+        super().__init__()
         self._inner = inner
-        self._hold = False
-        self.arrived = asyncio.Event()
-        self.gate = asyncio.Event()
-        self.scripts = 0
 
-    def hold(self) -> None:
-        self._hold = True
-        self.arrived.clear()
-        self.gate.clear()
+    @property
+    def scripts(self) -> int:
+        return self.sent
 
     async def execute_command(self, *args: RedisArg) -> object:
-        reply = await self._inner.execute_command(*args)  # NOSCRIPT raises here
+        send: Callable[[], Awaitable[object]] = lambda: self._inner.execute_command(*args)  # noqa: E731
         if args[0] in ("EVALSHA", "EVAL"):
-            self.scripts += 1
-            if self._hold:
-                self._hold = False
-                self.arrived.set()
-                await self.gate.wait()
-        return reply
+            return await self.send(args, send)  # a NOSCRIPT raises before it is counted
+        return await send()
 
 
 @pytest.fixture
@@ -287,25 +278,73 @@ async def keys_left(client: Any) -> list[str]:
     return names
 
 
+Lock = AsyncDMutex | AsyncDSemaphore
+
+
+async def release_held_in_run(mutex: Lock, gate: Gate) -> None:
+    """``run()`` cancelled while its release's reply is held: it waits for it, then raises."""
+
+    async def work(lock: object) -> str:
+        gate.hold()  # the next request is the release
+        return "done"
+
+    task = asyncio.create_task(mutex.run("k", work))
+    await gate.arrived.wait()  # acquired, called back; the release is held mid-flight
+    task.cancel()
+    await asyncio.sleep(0)
+    assert not task.done(), "the release is still in flight: run() waits for it"
+    gate.gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def release_held_in_aexit(mutex: Lock, gate: Gate) -> None:
+    """Cancelled in the body, and again while ``__aexit__``'s release is held: it releases."""
+    await mutex.ready()
+    gate.sent = 0
+    inside = asyncio.Event()
+
+    async def body() -> None:
+        lock = await mutex.acquire("k")
+        assert lock is not None
+        async with lock:
+            gate.hold()
+            inside.set()
+            await asyncio.sleep(3600)  # cancelled here first
+
+    task = asyncio.create_task(body())
+    await inside.wait()
+    task.cancel()  # lands in the body; __aexit__ starts the release
+    await gate.arrived.wait()
+    task.cancel()  # lands while the release is held mid-flight
+    await asyncio.sleep(0)
+    assert not task.done()
+    gate.gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert gate.sent == 2, "the acquire and the release"
+
+
+async def acquire_held(lock: Lock, gate: Gate, held: Callable[[], Awaitable[int]]) -> None:
+    """An acquire cancelled while its reply is held, the key taken (``held()`` permits)."""
+    await lock.ready()
+    gate.sent = 0
+    gate.hold()
+    task = asyncio.create_task(lock.acquire("k"))
+    await gate.arrived.wait()
+    assert await held() == 1, "the server took the key"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert gate.sent == 2, "the acquire, then its release by token"
+
+
 def test_run_cancelled_during_its_release_still_releases(fake_async: Any) -> None:
     """Before the fix the release was abandoned: the key kept its full TTL."""
 
     async def scenario() -> None:
         client = GatedRedis(fake_async)
-        mutex = AsyncDMutex("svc", client)
-
-        async def work(lock: AsyncDMutexLock) -> str:
-            client.hold()  # the next request is the release
-            return "done"
-
-        task = asyncio.create_task(mutex.run("k", work))
-        await client.arrived.wait()  # acquired, called back; the release is held mid-flight
-        task.cancel()
-        await asyncio.sleep(0)
-        assert not task.done(), "the release is still in flight: run() waits for it"
-        client.gate.set()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await release_held_in_run(AsyncDMutex("svc", client), client)
         assert await keys_left(fake_async) == []
 
     asyncio.run(asyncio.wait_for(scenario(), 20))
@@ -316,28 +355,7 @@ def test_async_with_cancelled_in_body_and_again_during_release(fake_async: Any) 
 
     async def scenario() -> None:
         client = GatedRedis(fake_async)
-        mutex = AsyncDMutex("svc", client)
-        inside = asyncio.Event()
-
-        async def body() -> None:
-            lock = await mutex.acquire("k")
-            assert lock is not None
-            async with lock:
-                client.hold()
-                inside.set()
-                await asyncio.sleep(3600)  # cancelled here first
-
-        task = asyncio.create_task(body())
-        await inside.wait()
-        task.cancel()  # lands in the body; __aexit__ starts the release
-        await client.arrived.wait()
-        task.cancel()  # lands while the release is held mid-flight
-        await asyncio.sleep(0)
-        assert not task.done()
-        client.gate.set()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert client.scripts == 2, "the acquire and the release"
+        await release_held_in_aexit(AsyncDMutex("svc", client), client)
         assert await keys_left(fake_async) == []
 
     asyncio.run(asyncio.wait_for(scenario(), 20))
@@ -349,22 +367,18 @@ def test_an_acquire_cancelled_after_the_server_took_the_key_releases_it(
 ) -> None:
     """The request reached the server, the reply did not reach the caller: released by token."""
 
+    async def held() -> int:
+        return len(await keys_left(fake_async))
+
     async def scenario() -> None:
         client = GatedRedis(fake_async)
-        lock: AsyncDMutex | AsyncDSemaphore = (
+        lock: Lock = (
             AsyncDSemaphore("svc", client, max_permits=permits)
             if permits > 1
             else AsyncDMutex("svc", client)
         )
-        client.hold()
-        task = asyncio.create_task(lock.acquire("k"))
-        await client.arrived.wait()
-        assert len(await keys_left(fake_async)) == 1, "the server took the key"
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await acquire_held(lock, client, held)
         assert await keys_left(fake_async) == []
-        assert client.scripts == 2, "the acquire, then its release by token"
 
     asyncio.run(asyncio.wait_for(scenario(), 20))
 
@@ -463,7 +477,7 @@ async def gated(kind: str, url: str, gate: Gate) -> tuple[Any, Callable[[], Awai
     return InterceptedAsyncpg(made, gate), made.close
 
 
-def pg_lock(client: Any, service: str, schema: str, permits: int) -> AsyncDMutex | AsyncDSemaphore:
+def pg_lock(client: Any, service: str, schema: str, permits: int) -> Lock:
     if permits == 1:
         return AsyncDMutex(service, client, schema_name=schema)
     return AsyncDSemaphore(service, client, max_permits=permits, schema_name=schema)
@@ -473,73 +487,40 @@ def permits_left(raw: psycopg.Connection[Any], schema: str, service: str) -> dic
     return active_permits(raw, schema, pg_tables(service))
 
 
-@pytest.mark.parametrize("kind", PG_GATED)
-def test_postgresql_run_cancelled_during_its_release_still_releases(
-    kind: str, postgres_server: str, postgres_schema: str, pg_raw: Any, service: str
+def on_gated(
+    kind: str,
+    url: str,
+    schema: str,
+    service: str,
+    permits: int,
+    scene: Callable[[Lock, Gate], Awaitable[None]],
 ) -> None:
+    """``scene(lock, gate)`` on a connection of ``kind`` whose replies ``gate`` holds."""
+
     async def scenario() -> None:
         gate = Gate()
-        client, close = await gated(kind, postgres_server, gate)
+        client, close = await gated(kind, url, gate)
         try:
-            mutex = pg_lock(client, service, postgres_schema, 1)
-
-            async def work(lock: object) -> str:
-                gate.hold()  # the next statement is the release
-                return "done"
-
-            task = asyncio.create_task(mutex.run("k", work))
-            await gate.arrived.wait()  # the release ran; its reply is held
-            task.cancel()
-            await asyncio.sleep(0)
-            assert not task.done(), "the release is still in flight: run() waits for it"
-            gate.gate.set()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await scene(pg_lock(client, service, schema, permits), gate)
         finally:
             await close()
-        assert permits_left(pg_raw, postgres_schema, service) == {}
 
     asyncio.run(asyncio.wait_for(scenario(), 20))
 
 
+@pytest.mark.parametrize("scene", [release_held_in_run, release_held_in_aexit])
 @pytest.mark.parametrize("kind", PG_GATED)
-def test_postgresql_async_with_cancelled_in_body_and_again_during_release(
-    kind: str, postgres_server: str, postgres_schema: str, pg_raw: Any, service: str
+def test_postgresql_a_release_cancelled_in_flight_still_releases(
+    kind: str,
+    scene: Callable[[Lock, Gate], Awaitable[None]],
+    postgres_server: str,
+    postgres_schema: str,
+    pg_raw: Any,
+    service: str,
 ) -> None:
-    async def scenario() -> None:
-        gate = Gate()
-        client, close = await gated(kind, postgres_server, gate)
-        try:
-            mutex = pg_lock(client, service, postgres_schema, 1)
-            await mutex.ready()
-            inside = asyncio.Event()
-
-            async def body() -> None:
-                lock = await mutex.acquire("k")
-                assert lock is not None
-                async with lock:
-                    assert len(permits_left(pg_raw, postgres_schema, service)) == 1
-                    gate.hold()
-                    inside.set()
-                    await asyncio.sleep(3600)  # cancelled here first
-
-            gate.sent = 0
-            task = asyncio.create_task(body())
-            await inside.wait()
-            task.cancel()  # lands in the body; __aexit__ starts the release
-            await gate.arrived.wait()
-            task.cancel()  # lands while the release's reply is held
-            await asyncio.sleep(0)
-            assert not task.done()
-            gate.gate.set()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            assert gate.sent == 2, "the acquire and the release"
-        finally:
-            await close()
-        assert permits_left(pg_raw, postgres_schema, service) == {}
-
-    asyncio.run(asyncio.wait_for(scenario(), 20))
+    """``run()``'s release, and ``__aexit__``'s cancelled a second time, with the reply held."""
+    on_gated(kind, postgres_server, postgres_schema, service, 1, scene)
+    assert permits_left(pg_raw, postgres_schema, service) == {}
 
 
 @pytest.mark.parametrize("permits", [1, 3])
@@ -549,27 +530,14 @@ def test_postgresql_acquire_cancelled_after_the_server_took_the_key_releases_it(
 ) -> None:
     """The statement committed, its reply did not reach the caller: released by token."""
 
-    async def scenario() -> None:
-        gate = Gate()
-        client, close = await gated(kind, postgres_server, gate)
-        try:
-            lock = pg_lock(client, service, postgres_schema, permits)
-            await lock.ready()
-            gate.sent = 0
-            gate.hold()
-            task = asyncio.create_task(lock.acquire("k"))
-            await gate.arrived.wait()
-            left = permits_left(pg_raw, postgres_schema, service)
-            assert len(left) == 1, "the server took the key"
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            assert gate.sent == 2, "the acquire, then its release by token"
-        finally:
-            await close()
-        assert permits_left(pg_raw, postgres_schema, service) == {}
+    async def held() -> int:
+        return len(permits_left(pg_raw, postgres_schema, service))
 
-    asyncio.run(asyncio.wait_for(scenario(), 20))
+    async def scene(lock: Lock, gate: Gate) -> None:
+        await acquire_held(lock, gate, held)
+
+    on_gated(kind, postgres_server, postgres_schema, service, permits, scene)
+    assert permits_left(pg_raw, postgres_schema, service) == {}
 
 
 class CancellingListener(InterceptedAsyncpg):
