@@ -29,7 +29,9 @@ may have committed first), or after the reply. One asyncpg connection is
 not shared: asyncpg refuses a second statement while one is in progress
 (``InterfaceError``), so concurrent tasks cannot use one.
 The storage read is every active ``permit:`` row of the test's two tables,
-by a plain psycopg connection.
+by a plain psycopg connection. On an asyncpg pool this suite found two
+swallowed cancellations in a listening wait, both fixed and pinned in
+``test_holes.py``.
 
 After each batch, once every task of the event loop has finished, the test
 reads storage directly (Redis: every ``*permit:*`` key, with a clean client;
@@ -132,8 +134,9 @@ POOL_SIZE = 8  # the asyncpg pool's connections: half of a batch's tasks wait fo
 # The psycopg pool's, all opened first: more than a batch's tasks ever hold, so
 # that none waits for a connection. psycopg_pool waits for one through
 # asyncio.wait_for, which on Python <= 3.11 swallows a cancellation that
-# arrives as a connection is handed over (CPython gh-86296): a few percent of
-# the cancellations that landed there returned normally, the pool's fault.
+# arrives as a connection is handed over (CPython gh-86296): with a pool of 8,
+# 39 of the 335 cancellations that landed there in one run returned normally,
+# the pool's fault.
 PSYCOPG_POOL_SIZE = 20
 
 
