@@ -25,9 +25,10 @@ that can be shared by concurrent tasks: an asyncpg pool, a psycopg
 (``tests/_support/postgres_clients.py``), so that a cancellation lands
 before a statement is sent, while the driver awaits the server (psycopg then
 cancels the statement on the server, asyncpg sends a cancel request; either
-may have committed first), or after the reply. One asyncpg connection is
-not shared: asyncpg refuses a second statement while one is in progress
-(``InterfaceError``), so concurrent tasks cannot use one.
+may have committed first), or after the reply. And one asyncpg connection:
+asyncpg refuses a second statement while one is in progress
+(``InterfaceError``), so dmutex's statements on one take turns
+(``runners.py``, rule 5; before, a task's acquire beside another's failed).
 The storage read is every active ``permit:`` row of the test's two tables,
 by a plain psycopg connection. On an asyncpg pool this suite found two
 swallowed cancellations in a listening wait, both fixed and pinned in
@@ -91,6 +92,7 @@ from tests._support.cancellation import (
 )
 from tests._support.fault_clients import PHASES, DelayingRedis
 from tests._support.postgres_clients import (
+    InterceptedAsyncpg,
     InterceptedAsyncpgPool,
     InterceptedPsycopg,
     InterceptedPsycopgPool,
@@ -246,7 +248,7 @@ def test_real_redis(redis_url: str) -> None:
 
 
 Closer = Callable[[], Awaitable[None]]
-POSTGRES_CLIENTS = ("asyncpg pool", "psycopg connection", "psycopg pool")
+POSTGRES_CLIENTS = ("asyncpg pool", "asyncpg connection", "psycopg connection", "psycopg pool")
 
 
 async def postgres_client(
@@ -256,6 +258,9 @@ async def postgres_client(
     if name == "asyncpg pool":
         pool = await asyncpg.create_pool(url, min_size=2, max_size=POOL_SIZE)
         return InterceptedAsyncpgPool(pool, phases), pool.close
+    if name == "asyncpg connection":
+        made = await asyncpg.connect(url)
+        return InterceptedAsyncpg(made, phases), made.close
     if name == "psycopg connection":
         conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
         return InterceptedPsycopg(conn, phases), conn.close
@@ -322,3 +327,36 @@ def test_real_postgresql(
     summary = judge(tally)
     for where in STAGE_PHASES:
         assert tally.landed[where] > 0, summary
+
+
+def test_one_asyncpg_connection_serves_concurrent_tasks_and_a_renewal(
+    postgres_server: str, postgres_schema: str
+) -> None:
+    """A mutex and a semaphore on one asyncpg connection, used by concurrent tasks while a
+    lease renews: every call answers (before, all but one raised InterfaceError)."""
+    service = f"turns-{uuid.uuid4().hex[:8]}"
+
+    async def main() -> None:
+        conn = await asyncpg.connect(postgres_server)
+        try:
+            mutex = AsyncDMutex(service, conn, schema_name=postgres_schema)
+            semaphore = AsyncDSemaphore(
+                service, conn, max_permits=PERMITS, schema_name=postgres_schema
+            )
+            renewed = await mutex.acquire("renewed", ttl=0.3, auto_renew=True)
+            assert renewed is not None
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 1.0
+            while loop.time() < end:  # past the lease's TTL: its renewals meet the calls below
+                held = await asyncio.gather(
+                    *(mutex.acquire(f"m{n}") for n in range(4)),
+                    *(semaphore.acquire("s") for _ in range(PERMITS)),
+                )
+                assert all(held), held
+                assert all(await asyncio.gather(*(h.release() for h in held if h is not None)))
+            assert not renewed.lost
+            assert await renewed.release() is True
+        finally:
+            await conn.close()
+
+    asyncio.run(asyncio.wait_for(main(), 20))

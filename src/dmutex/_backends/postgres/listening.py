@@ -69,7 +69,7 @@ from typing import Protocol, TypeAlias, cast
 
 from ..blocking import Blockers, pool_budget
 from ..shapes import defines
-from .runners import Row, _asyncpg, _psycopg, _psycopg_async
+from .runners import Row, _asyncpg, _psycopg, _psycopg_async, asyncpg_turn
 from .statements import Statement, Statements
 
 __all__ = ["POOLED", "Listen", "listener"]
@@ -287,7 +287,8 @@ async def _asyncpg_wait(
             woken.set_result(None)
 
     listening = cast(_Asyncpg, conn)
-    await listening.add_listener(sql.channel, heard)
+    async with asyncpg_turn(conn):  # its LISTEN (runners.py, rule 5)
+        await listening.add_listener(sql.channel, heard)
     try:
         rows = await _asyncpg(conn)(sql.holders, {"key": key, "permits": permits})
         if _free(rows, permits):
@@ -297,7 +298,8 @@ async def _asyncpg_wait(
         done, _ = await asyncio.wait({woken}, timeout=seconds)
         return bool(done)
     finally:
-        await listening.remove_listener(sql.channel, heard)
+        async with asyncpg_turn(conn):  # its UNLISTEN
+            await listening.remove_listener(sql.channel, heard)
 
 
 def _asyncpg_pool(pool: _AsyncpgPool, sql: Statements, permits: int) -> Listen | None:
