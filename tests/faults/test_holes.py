@@ -17,8 +17,11 @@ holes 5 and 6 in ``tests/test_bad_input.py``.
 
 On PostgreSQL (the section at the end): hole 1 on a psycopg
 ``AsyncConnection`` and an asyncpg connection whose replies a
-:class:`~tests._support.postgres_clients.Gate` holds, and a listening wait
-cancelled as the release's notification reaches it; hole 7 for psycopg's
+:class:`~tests._support.postgres_clients.Gate` holds (the same scenes as
+Redis's ``GatedRedis``, itself a ``Gate``), and two listening waits that
+swallowed their cancellation before their fixes: one cancelled as the
+release's notification reaches it, one on an asyncpg pool whose reset of
+the wait's connection outlasts the wait; hole 7 for psycopg's
 sync connection and pool, the server seeing no statement from them; hole 8,
 the release statement sent twice. Hole 2 on PostgreSQL is
 ``tests/integration/test_postgres_store.py``'s
