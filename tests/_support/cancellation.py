@@ -16,7 +16,8 @@ its :class:`Trial` (``doing``): the suites' clients and backends note the
 phases of a request through :func:`doing`, :class:`NotingClock` and
 :func:`note_retry_waits` the retry waits, :func:`run_trial` the body. Where
 a cancellation landed is what its task awaited when ``cancel()`` was
-accepted. After each batch, once every task of the loop has finished, every
+accepted. After each batch, once every task of the loop has finished (but
+those that ran before the trials: a pool's own workers), every
 permit left in storage must belong to a task that still believes it holds
 it (none: every trial ends by releasing); a task whose ``cancel()`` was
 accepted must end cancelled, any other without an error.
@@ -59,6 +60,9 @@ class Plan:
     retry_delay: float
     body: float  # the body's sleep, at most
     settle: float = 10.0  # the longest wait for the loop's tasks to finish after a batch
+    spread: tuple[float, ...] = (1.0,)
+    """Batch ``n`` cancels after ``uniform(0, cancel_after * spread[n % len(spread)])``:
+    later cancellations too, to reach the releases however slow the host."""
 
 
 @dataclass
@@ -237,13 +241,17 @@ async def run_trial(
             await face.release(key, token)
 
 
-async def settle(seconds: float) -> None:
-    """Wait until every other task of the loop has finished (cleanup a library may spawn)."""
+async def settle(seconds: float, background: set[asyncio.Task[object]]) -> None:
+    """Wait until every other task of the loop has finished (cleanup a library may spawn).
+
+    ``background``: the tasks that ran before the trials began (a pool's own
+    workers, alive as long as the pool), not waited for.
+    """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     me = asyncio.current_task()
     while True:
-        others = {task for task in asyncio.all_tasks() if task is not me}
+        others = {task for task in asyncio.all_tasks() if task is not me} - background
         if not others:
             return
         remaining = deadline - loop.time()
@@ -270,15 +278,24 @@ def check_task(trial: Trial, task: asyncio.Task[None], tally: Tally) -> None:
 
 
 async def run_trials(
-    plan: Plan, faces: dict[str, Face], storage: Storage, rng: random.Random
+    plan: Plan,
+    faces: dict[str, Face],
+    storage: Storage,
+    rng: random.Random,
+    enough: Callable[[Tally], bool] = lambda tally: False,
 ) -> Tally:
-    """Every batch of trials, each followed by the checks; returns the counts."""
+    """The batches of trials, each followed by the checks; returns the counts.
+
+    ``plan.batches`` of them, or fewer: none after one that leaves ``enough(tally)`` true.
+    """
     tally = Tally(plan.backend)
     believed: set[str] = set()
     owners: dict[str, Trial] = {}
     loop = asyncio.get_running_loop()
+    background = asyncio.all_tasks()
     number = 0
-    for _ in range(plan.batches):
+    for batch_number in range(plan.batches):
+        cancel_after = plan.cancel_after * plan.spread[batch_number % len(plan.spread)]
         batch: list[tuple[Trial, asyncio.Task[None]]] = []
         timers: list[asyncio.TimerHandle] = []
         for _ in range(plan.batch):
@@ -296,11 +313,11 @@ async def run_trials(
                 if trial.cancel_accepted:
                     trial.landed = trial.doing
 
-            timers.append(loop.call_later(rng.uniform(0, plan.cancel_after), cancel))
+            timers.append(loop.call_later(rng.uniform(0, cancel_after), cancel))
         await asyncio.wait([task for _, task in batch])
         for timer in timers:
             timer.cancel()
-        await settle(plan.settle)
+        await settle(plan.settle, background)
         for trial, task in batch:
             check_task(trial, task, tally)
             owners.update(dict.fromkeys(trial.tokens, trial))
@@ -312,6 +329,8 @@ async def run_trials(
             tally.orphans["unknown" if owner is None else owner.landed or "not cancelled"] += 1
             tally.orphan_names.append(name)
         storage.clear()
+        if enough(tally):
+            break
     assert not believed, f"tokens still believed held after every trial ended: {believed}"
     return tally
 

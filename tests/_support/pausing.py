@@ -12,7 +12,8 @@ results, or its traceback. The holder is written once for both faces: it
 drives a :class:`~tests._support.faces.Face` over the client and loop that
 :func:`holder_client` gives it (an asyncio face runs its calls on a
 :class:`~tests._support.faces.LoopThread`, so its renewals go on while the
-holder's own thread waits).
+holder's own thread waits). Its clients: redis-py, pymongo, and for PostgreSQL a
+psycopg connection (sync) or an asyncpg connection (asyncio).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
+import asyncpg
+import psycopg
 import pymongo
 import redis
 import redis.asyncio
@@ -61,7 +64,9 @@ class Record:
     """A slot's record as the server holds it: the token, and its expiry."""
 
     token: str | None
-    expiry: int | float | datetime | None  # Redis: PTTL in ms; MongoDB: expiredAt
+    expiry: (
+        int | float | datetime | None
+    )  # Redis: PTTL in ms; MongoDB: expiredAt; PostgreSQL: expired_at
 
 
 class HolderCase(Protocol):
@@ -116,7 +121,8 @@ def holder_client(
     loop = LoopThread()
 
     async def made() -> Any:
-        return _client(case, url, True, redis_options)
+        client = _client(case, url, True, redis_options)
+        return (await client) if case.backend == "postgresql" else client  # asyncpg.connect
 
     try:
         client = loop.run(made())
@@ -132,12 +138,14 @@ def _client(case: HolderCase, url: str, asynchronous: bool, redis_options: dict[
     if case.backend == "redis":
         redis_class = redis.asyncio.Redis if asynchronous else redis.Redis
         return redis_class.from_url(url, **redis_options)
+    if case.backend == "postgresql":
+        return asyncpg.connect(url) if asynchronous else psycopg.connect(url, autocommit=True)
     mongo_class = pymongo.AsyncMongoClient if asynchronous else pymongo.MongoClient
     return mongo_class(url, serverSelectionTimeoutMS=SELECTION_TIMEOUT_MS)
 
 
 async def _close_async(case: HolderCase, client: Any) -> None:
-    # redis-py's asyncio client closes by aclose(), pymongo's by close().
+    # redis-py's asyncio client closes by aclose(), pymongo's and asyncpg's by close().
     if case.backend == "redis":
         await client.aclose()
     else:

@@ -6,7 +6,8 @@ the key, and then the process is continued by SIGCONT. It does not know that
 time passed, so it goes on as if it still held the lease: it extends it and
 releases it, by handle and by token. All four calls must return False and
 leave the new holder's record as it was: the same token, and an expiry not
-moved later (``PTTL`` on Redis, ``expiredAt`` on the MongoDB test server).
+moved later (``PTTL`` on Redis, ``expiredAt`` on the MongoDB test server,
+``expired_at`` on PostgreSQL, read by a plain psycopg connection).
 
 How: the holder is a child process (``spawn``) that acquires with a
 0.5 s TTL, reports its token and slot, and waits on an event. The test stops
@@ -17,9 +18,13 @@ longer than the new holder's, so a wrong extend would show as a later expiry.
 For a semaphore of two permits the test holds the other permit first, so the
 child and then the new holder must use the same slot.
 
-Covered: Redis (one server of the pool, 7.0 where there is one) and the
-MongoDB test server (SecantusDB here), each with DMutex and
-DSemaphore(max_permits=2), each from a sync and an asyncio holder.
+Covered: Redis (one server of the pool, 7.0 where there is one), the
+MongoDB test server (SecantusDB here) and PostgreSQL (the session's server,
+in its schema; the holder on a psycopg connection, or an asyncpg one for the
+asyncio face), each with DMutex and DSemaphore(max_permits=2), each from a
+sync and an asyncio holder. PostgreSQL keeps an expired row until the next
+acquire of its slot overwrites it, so the test waits for its ``expired_at``
+to pass by the server's clock, as on MongoDB.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal, TypeAlias
 
+import psycopg
 import pymongo
 import pytest
 import redis
+from psycopg import sql
 
 from dmutex import DMutex, DSemaphore
 from tests._support import pausing, processes
@@ -45,7 +52,7 @@ from tests._support.pausing import CALLS, FILL_TTL, NEW_TTL, TTL, Record, slot_o
 from tests._support.redis_servers import Pool
 from tests._support.sampling import until
 
-Backend: TypeAlias = Literal["redis", "mongodb"]
+Backend: TypeAlias = Literal["redis", "mongodb", "postgresql"]
 Kind: TypeAlias = Literal["mutex", "semaphore"]
 Doc: TypeAlias = dict[str, Any]
 Reports: TypeAlias = processes.ChildReports
@@ -75,13 +82,20 @@ class Case:
 
 CASES = [
     Case(backend, kind, face)
-    for backend in ("redis", "mongodb")
+    for backend in ("redis", "mongodb", "postgresql")
     for kind in ("mutex", "semaphore")
     for face in ("sync", "async")
 ]
 
 
 # --- the child: acquire, report, wait, then act on the stale lease -------------------------
+
+
+def _where(backend: Backend, db_name: str | None) -> tuple[str, str | None]:
+    """The lock's ``db_name`` and ``schema_name``: the test's ``db_name`` is PostgreSQL's schema."""
+    if backend == "postgresql":
+        return "dmutex", db_name
+    return db_name or "dmutex", None  # the default database; Redis ignores it
 
 
 def _holder(
@@ -92,6 +106,7 @@ def _holder(
     reports: Reports,
     go: multiprocessing.synchronize.Event,
 ) -> dict[str, bool]:
+    database, schema = _where(case.backend, db_name)
     with pausing.holder_client(case, url) as (client, loop):
         face = Face(
             case.face,
@@ -100,7 +115,8 @@ def _holder(
             service_name=service,
             max_permits=PERMITS,
             loop=loop,
-            db_name=db_name or "dmutex",  # the default; Redis ignores it
+            db_name=database,
+            schema_name=schema,
         )
         lease = face.acquire(KEY, ttl=TTL)
         assert lease is not None, "the key should be free for the holder"
@@ -113,12 +129,12 @@ def _holder(
 # --- the parent side: what the server holds ----------------------------------------------
 
 
-def _instance(kind: Kind, client: Any, service: str, db_name: str | None) -> DMutex | DSemaphore:
+def _instance(case: Case, client: Any, service: str, db_name: str | None) -> DMutex | DSemaphore:
     """The parent side's lock or semaphore, on its own client."""
-    database = db_name or "dmutex"  # the default; Redis ignores it
-    if kind == "mutex":
-        return DMutex(service, client, db_name=database)
-    return DSemaphore(service, client, max_permits=PERMITS, db_name=database)
+    database, schema = _where(case.backend, db_name)
+    if case.kind == "mutex":
+        return DMutex(service, client, db_name=database, schema_name=schema)
+    return DSemaphore(service, client, max_permits=PERMITS, db_name=database, schema_name=schema)
 
 
 class RedisSide:
@@ -132,7 +148,7 @@ class RedisSide:
         self.client = redis.Redis.from_url(url)
 
     def instance(self) -> DMutex | DSemaphore:
-        return _instance(self.case.kind, self.client, self.service, None)
+        return _instance(self.case, self.client, self.service, None)
 
     def _name(self, slot: int) -> str:
         prefix = "_dmutex_" if self.case.kind == "mutex" else "_dsemaphore_"
@@ -169,7 +185,7 @@ class MongoSide:
         self.collection = self.client.get_database(db_name).get_collection(f"{prefix}{service}")
 
     def instance(self) -> DMutex | DSemaphore:
-        return _instance(self.case.kind, self.client, self.service, self.db_name)
+        return _instance(self.case, self.client, self.service, self.db_name)
 
     def record(self, slot: int) -> Record:
         doc = self.collection.find_one({"_id": f"permit:{slot}:{KEY}"})
@@ -189,7 +205,46 @@ class MongoSide:
         self.client.close()
 
 
-Side: TypeAlias = RedisSide | MongoSide
+class PostgresSide:
+    """The test's view of PostgreSQL: a plain psycopg connection, the slot rows.
+
+    ``db_name`` is the schema the lock's table is in (the session's).
+    """
+
+    def __init__(self, url: str, schema: str, case: Case, service: str) -> None:
+        self.url = url
+        self.case = case
+        self.service = service
+        self.db_name: str | None = schema
+        self.client: psycopg.Connection[tuple[Any, ...]] = psycopg.connect(url, autocommit=True)
+        prefix = "_dmutex_" if case.kind == "mutex" else "_dsemaphore_"
+        self.table = sql.Identifier(schema, f"{prefix}{service}")
+
+    def instance(self) -> DMutex | DSemaphore:
+        return _instance(self.case, self.client, self.service, self.db_name)
+
+    def _row(self, slot: int) -> tuple[Any, ...] | None:
+        query = sql.SQL(
+            'SELECT "value", "expired_at", "expired_at" <= statement_timestamp() '
+            'FROM {} WHERE "key" = %s'
+        ).format(self.table)
+        return self.client.execute(query, (f"permit:{slot}:{KEY}",)).fetchone()
+
+    def record(self, slot: int) -> Record:
+        row = self._row(slot)
+        return Record(None, None) if row is None else Record(row[0], row[1])
+
+    def expired(self, slot: int, token: str) -> bool:
+        # The row stays until an acquire overwrites it; expired is expired_at <= now, by
+        # the server's clock.
+        row = self._row(slot)
+        return row is None or row[0] != token or row[2] is True
+
+    def close(self) -> None:
+        self.client.close()
+
+
+Side: TypeAlias = RedisSide | MongoSide | PostgresSide
 
 
 def _one_label(pool: Pool) -> str:
@@ -210,6 +265,10 @@ def side(request: pytest.FixtureRequest) -> Iterator[Side]:
     if case.backend == "redis":
         pool: Pool = request.getfixturevalue("redis_pool")
         made = RedisSide(pool.server(_one_label(pool)).url, case, service)
+    elif case.backend == "postgresql":
+        url: str = request.getfixturevalue("postgres_server")
+        schema: str = request.getfixturevalue("postgres_schema")
+        made = PostgresSide(url, schema, case, service)
     else:
         session: Session = request.getfixturevalue("mongo_session")
         server = session.fresh()
@@ -271,7 +330,7 @@ def test_a_holder_paused_past_its_ttl_cannot_touch_its_successor(side: Side) -> 
         if not isinstance(after.expiry, float) or not 0 < after.expiry <= before.expiry:
             problems.append(f"PTTL went from {before.expiry} to {after.expiry} ms")
     elif after.expiry != before.expiry:
-        problems.append(f"expiredAt went from {before.expiry} to {after.expiry}")
+        problems.append(f"the expiry went from {before.expiry} to {after.expiry}")
     if filler is not None:
         if side.record(slot_of(filler)).token != filler.token:
             problems.append("the other permit's record lost its token")

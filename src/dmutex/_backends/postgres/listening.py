@@ -46,6 +46,12 @@ Rules of this module:
    :data:`POOLED` behind a pooler (rule 4).
    Errors propagate to the store, which sleeps the rest (``Store.wait``
    never raises).
+6. A cancellation always propagates: a wait woken at the moment it is
+   cancelled raises ``CancelledError``, it does not answer True (no
+   ``asyncio.wait_for``, which swallows it there on Python <= 3.11); and
+   the connection a wait was lent goes back with a budget of its own
+   (:data:`RELEASE_TIMEOUT`), an error of its return never taking the
+   place of the cancellation.
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ from typing import Protocol, TypeAlias, cast
 
 from ..blocking import Blockers, pool_budget
 from ..shapes import defines
-from .runners import Row, _asyncpg, _psycopg, _psycopg_async
+from .runners import Row, _asyncpg, _psycopg, _psycopg_async, asyncpg_turn
 from .statements import Statement, Statements
 
 __all__ = ["POOLED", "Listen", "listener"]
@@ -78,6 +84,13 @@ POOLED = "pooled"
 """A wait's answer behind a pooler: never listen on this client again (rule 4)."""
 
 PID_CHECK = Statement.of("SELECT pg_backend_pid()")
+
+RELEASE_TIMEOUT = 10.0
+"""The budget of an asyncpg pool's reset of a connection lent for a wait (rule 6).
+
+asyncpg's default is the ``acquire``'s timeout, which the wait has spent by
+then: the reset would time out, asyncpg terminate the connection, and its
+``TimeoutError`` take the place of a cancellation that ended the wait."""
 
 
 class _Notify(Protocol):
@@ -125,7 +138,9 @@ class _Asyncpg(Protocol):
 class _AsyncpgPool(Protocol):
     def get_max_size(self) -> int: ...
 
-    def acquire(self, *, timeout: float | None = None) -> AbstractAsyncContextManager[object]: ...
+    def acquire(self, *, timeout: float | None = None) -> Awaitable[object]: ...
+
+    def release(self, connection: object, *, timeout: float | None = None) -> Awaitable[None]: ...
 
 
 def _free(rows: Sequence[Row], permits: int) -> bool:
@@ -268,33 +283,41 @@ async def _asyncpg_wait(
         pooled = _judge(owner, reported, await _asyncpg(conn)(PID_CHECK, {}))
     if pooled:
         return POOLED
-    woken = asyncio.Event()
+    woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def heard(_conn: object, _pid: int, _channel: str, payload: str) -> None:
-        if payload == key:
-            woken.set()
+        if payload == key and not woken.done():
+            woken.set_result(None)
 
     listening = cast(_Asyncpg, conn)
-    await listening.add_listener(sql.channel, heard)
+    async with asyncpg_turn(conn):  # its LISTEN (runners.py, rule 5)
+        await listening.add_listener(sql.channel, heard)
     try:
         rows = await _asyncpg(conn)(sql.holders, {"key": key, "permits": permits})
         if _free(rows, permits):
             return True
-        try:
-            await asyncio.wait_for(woken.wait(), seconds)
-        except asyncio.TimeoutError:
-            return False
-        return True
+        # Not asyncio.wait_for: on Python <= 3.11 it returns the wakeup and
+        # swallows a cancellation that lands as the notification does (rule 6).
+        done, _ = await asyncio.wait({woken}, timeout=seconds)
+        return bool(done)
     finally:
-        await listening.remove_listener(sql.channel, heard)
+        async with asyncpg_turn(conn):  # its UNLISTEN
+            await listening.remove_listener(sql.channel, heard)
 
 
 def _asyncpg_pool(pool: _AsyncpgPool, sql: Statements, permits: int) -> Listen | None:
     async def lent(key: str, seconds: float) -> bool | str:
         deadline = time.monotonic() + seconds
-        async with pool.acquire(timeout=seconds) as conn:
+        conn = await pool.acquire(timeout=seconds)
+        try:
             left = deadline - time.monotonic()
-            return left > 0 and await _asyncpg_wait(conn, key, left, sql, permits, pool)
+            woken = left > 0 and await _asyncpg_wait(conn, key, left, sql, permits, pool)
+        except BaseException:
+            with suppress(Exception):  # the wait's error (a cancellation) outranks the release's
+                await pool.release(conn, timeout=RELEASE_TIMEOUT)
+            raise
+        await pool.release(conn, timeout=RELEASE_TIMEOUT)
+        return woken
 
     return _budgeted(_budget(pool, pool.get_max_size()), lent)
 

@@ -19,9 +19,18 @@ Rules of this module:
    unnamed only with ``statement_cache_size=0``: the caller's setting.
 4. Rows may come as tuples, records or mappings (a psycopg connection with
    ``dict_row``): they are read in column order either way.
-5. A SQLAlchemy engine is a pool: its statement runs on the driver's own
+5. One asyncpg connection runs one statement at a time: asyncpg refuses a
+   second while one is in progress (``InterfaceError``: another operation
+   is in progress), where a psycopg connection queues it under its own
+   lock. dmutex's statements on one asyncpg connection take turns, by one
+   lock per connection (:func:`asyncpg_turn`) that every store, renewal and
+   waiter on it shares: concurrent tasks, a lease's renewal beside the
+   next acquire, a wait's ``LISTEN``. A pool lends each statement a
+   connection and needs none. The caller's own statements on that
+   connection do not take these turns: they need a connection of their own.
+6. A SQLAlchemy engine is a pool: its statement runs on the driver's own
    connection (``driver_connection``: psycopg's or asyncpg's) as rules 2
-   to 4 say for that driver, and SQLAlchemy runs none of dmutex's SQL. A
+   to 5 say for that driver, and SQLAlchemy runs none of dmutex's SQL. A
    sync ``Engine`` lends it with ``raw_connection()`` (until its
    ``close()``, in every SQLAlchemy 2 release); an ``AsyncEngine``
    with ``connect()`` (whose close gives the connection back on the event
@@ -43,6 +52,9 @@ Rules of this module:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TypeAlias, cast
 
@@ -61,7 +73,7 @@ from ..clients import (
 from ..shapes import defines, method, postgres_method
 from .statements import Statement
 
-__all__ = ["Params", "Row", "Runner", "runner"]
+__all__ = ["Params", "Row", "Runner", "asyncpg_turn", "runner"]
 
 Row: TypeAlias = tuple[object, ...]
 Params: TypeAlias = Mapping[str, object]
@@ -158,13 +170,33 @@ def _psycopg_pool_async(client: object) -> Callable[[Statement, Params], Awaitab
     return run
 
 
+_TURNS: weakref.WeakKeyDictionary[object, asyncio.Lock] = weakref.WeakKeyDictionary()
+
+
+def asyncpg_turn(client: object) -> contextlib.AbstractAsyncContextManager[object]:
+    """The turn of a statement on an asyncpg connection (rule 5); none on a pool.
+
+    A connection that takes no weak reference takes no turns.
+    """
+    if defines(client, "acquire"):  # a pool: a connection of its own per statement
+        return contextlib.nullcontext()
+    try:
+        turn = _TURNS.get(client)
+    except TypeError:
+        return contextlib.nullcontext()
+    if turn is None:
+        turn = _TURNS[client] = asyncio.Lock()
+    return turn
+
+
 def _asyncpg(client: object) -> Callable[[Statement, Params], Awaitable[list[Row]]]:
     """A runner on an asyncpg connection or pool (``fetch(query, *args)``, ``$n`` parameters)."""
     conn = cast(AsyncpgLike, client)
     method(conn, "fetch")
 
     async def run(statement: Statement, params: Params) -> list[Row]:
-        return _rows(await conn.fetch(statement.asyncpg, *statement.arguments(params)))
+        async with asyncpg_turn(client):
+            return _rows(await conn.fetch(statement.asyncpg, *statement.arguments(params)))
 
     return run
 
@@ -173,7 +205,7 @@ _ENGINE_DRIVERS = {False: ("psycopg",), True: ("psycopg", "asyncpg")}
 
 
 def _engine_driver(engine: object, asynchronous: bool) -> str:
-    """The driver of a SQLAlchemy engine that dmutex can run on, or an error (rule 5)."""
+    """The driver of a SQLAlchemy engine that dmutex can run on, or an error (rule 6)."""
     dialect = cast(SQLAlchemyDialectLike, getattr(engine, "dialect", None))
     name, driver = getattr(dialect, "name", None), getattr(dialect, "driver", None)
     kind = "AsyncEngine" if asynchronous else "Engine"
