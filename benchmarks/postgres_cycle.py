@@ -1,6 +1,6 @@
 """How close dmutex's PostgreSQL lock cycle comes to its two statements, and to an advisory lock.
 
-Run from the repository root (a report, not a test; about 30 seconds)::
+Run from the repository root (a report, not a test; 2-3 minutes on a shared 2-core VM)::
 
     .venv/bin/python benchmarks/postgres_cycle.py
     .venv/bin/python benchmarks/postgres_cycle.py --cycles 4000 --rounds 7 --json out.json

@@ -57,7 +57,7 @@ from dmutex._runtime.drivers import SyncDriver
 
 OPTIONS: dict[str, harness.Option] = {
     "handoffs": (100, 10),
-    "cycles": (2000, 200),
+    "cycles": (2000, 100),
     "rounds": (5, 2),
     "threads": (4, 2),
 }

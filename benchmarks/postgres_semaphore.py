@@ -1,6 +1,6 @@
 """What a PostgreSQL semaphore's acquire costs as ``max_permits`` grows: refused, and granted.
 
-Run from the repository root (a report, not a test; about 30 seconds)::
+Run from the repository root (a report, not a test; about 10 seconds)::
 
     .venv/bin/python benchmarks/postgres_semaphore.py
     .venv/bin/python benchmarks/postgres_semaphore.py --samples 50 --permits 1 64
