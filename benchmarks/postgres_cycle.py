@@ -113,19 +113,32 @@ def sync_cycles(conn: psycopg.Connection[Any], service: str, ttl_s: float) -> di
     return {"dmutex": timed(dmutex), "raw": timed(raw), "advisory": timed(advisory)}
 
 
-def asyncpg_cycles(
-    conn: asyncpg.Connection, loop: asyncio.AbstractEventLoop, service: str, ttl_s: float
-) -> dict[str, Batch]:
+def async_dmutex(
+    conn: asyncpg.Connection | psycopg.AsyncConnection[Any],
+    loop: asyncio.AbstractEventLoop,
+    service: str,
+    ttl_s: float,
+    driver: str,
+) -> Callable[[], Awaitable[None]]:
+    """``AsyncDMutex`` acquire + release on ``conn``, its table made first."""
     mutex = AsyncDMutex(service, conn, default_ttl_seconds=ttl_s)
     loop.run_until_complete(mutex.ready())
-    sql = Statements.of(f"_dmutex_{service}")
-    ttl_ms = math.ceil(ttl_s * 1000)
-    fetch: Callable[..., Awaitable[list[Any]]] = conn.fetch
 
     async def dmutex() -> None:
         lock = await mutex.acquire("k")
         if lock is None or not await lock.release():
-            raise BenchmarkError("AsyncDMutex (asyncpg): uncontended acquire/release failed")
+            raise BenchmarkError(f"AsyncDMutex ({driver}): uncontended acquire/release failed")
+
+    return dmutex
+
+
+def asyncpg_cycles(
+    conn: asyncpg.Connection, loop: asyncio.AbstractEventLoop, service: str, ttl_s: float
+) -> dict[str, Batch]:
+    dmutex = async_dmutex(conn, loop, service, ttl_s, "asyncpg")
+    sql = Statements.of(f"_dmutex_{service}")
+    ttl_ms = math.ceil(ttl_s * 1000)
+    fetch: Callable[..., Awaitable[list[Any]]] = conn.fetch
 
     async def raw() -> None:
         taking, giving = raw_params(sql, "r", ttl_ms)
@@ -150,16 +163,10 @@ def asyncpg_cycles(
 def psycopg_async_cycles(
     conn: psycopg.AsyncConnection[Any], loop: asyncio.AbstractEventLoop, service: str, ttl_s: float
 ) -> dict[str, Batch]:
-    mutex = AsyncDMutex(service, conn, default_ttl_seconds=ttl_s)
-    loop.run_until_complete(mutex.ready())
+    dmutex = async_dmutex(conn, loop, service, ttl_s, "psycopg-async")
     sql = Statements.of(f"_dmutex_{service}")
     acquire, release = sql.acquire_mutex.psycopg, sql.release.psycopg
     ttl_ms = math.ceil(ttl_s * 1000)
-
-    async def dmutex() -> None:
-        lock = await mutex.acquire("k")
-        if lock is None or not await lock.release():
-            raise BenchmarkError("AsyncDMutex (psycopg): uncontended acquire/release failed")
 
     async def raw() -> None:
         taking, giving = raw_params(sql, "r", ttl_ms)

@@ -29,10 +29,11 @@ number of holders at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import asyncpg
@@ -52,7 +53,7 @@ from dmutex import (
     DSemaphorePermit,
 )
 from tests._support import processes
-from tests._support.processes import BARRIER_TIMEOUT, DEADLINE
+from tests._support.processes import BARRIER_TIMEOUT, DEADLINE, Report, Tally
 
 LOCK_KEY = "orders"
 TTL = 30.0  # far longer than any test: no lease may expire while held
@@ -92,45 +93,8 @@ class Place:
         return sql.SQL("{}.{}").format(sql.Identifier(self.schema), table)
 
 
-@dataclass(frozen=True)
-class Report:
-    """What one worker saw."""
-
-    worker: int
-    cycles: int  # cycles completed: acquired, worked, released
-    refused: int  # plain acquire() attempts that returned None
-    peak: int = 0  # highest reading of the gauge (semaphore test)
-    slots: tuple[int, ...] = ()  # every slot a permit reported (semaphore test)
-    foreign: int = 0  # times the lock's row did not hold this worker's token
-    failed_releases: int = 0  # release() that returned False
-
-
 Reports: TypeAlias = processes.Reports
 Barrier: TypeAlias = processes.Barrier
-
-
-@dataclass
-class Tally:
-    """A worker's running counts, turned into a Report at the end."""
-
-    worker: int
-    cycles: int = 0
-    refused: int = 0
-    peak: int = 0
-    slots: set[int] = field(default_factory=set)
-    foreign: int = 0
-    failed_releases: int = 0
-
-    def report(self) -> Report:
-        return Report(
-            self.worker,
-            self.cycles,
-            self.refused,
-            self.peak,
-            tuple(sorted(self.slots)),
-            self.foreign,
-            self.failed_releases,
-        )
 
 
 # --- the guarded work, as SQL: psycopg's text, and asyncpg's ------------------------------
@@ -174,6 +138,44 @@ def _row(slot: int) -> str:
 # --- workers (module level: spawn imports this module to find them) ---------------------
 
 
+@contextlib.contextmanager
+def sync_clients(
+    place: Place,
+) -> Iterator[tuple[psycopg_pool.ConnectionPool, psycopg.Connection[Any]]]:
+    """A sync worker's clients: dmutex's pool (its waiters listen on a connection it lends),
+    and the guarded work's connection in autocommit."""
+    with (
+        psycopg_pool.ConnectionPool(
+            place.url, min_size=1, max_size=2, kwargs={"autocommit": True}
+        ) as pool,
+        psycopg.connect(place.url, autocommit=True) as conn,
+    ):
+        yield pool, conn
+
+
+@contextlib.asynccontextmanager
+async def async_clients(
+    place: Place,
+) -> AsyncIterator[tuple[asyncpg.Connection, asyncpg.Connection]]:
+    """An asyncio worker's clients: dmutex's asyncpg connection (it listens itself), and the
+    guarded work's."""
+    client, conn = await asyncpg.connect(place.url), await asyncpg.connect(place.url)
+    try:
+        yield client, conn
+    finally:
+        await client.close()
+        await conn.close()
+
+
+def by_kind(
+    worker: int,
+    sync: Callable[[Tally], None],
+    asynchronous: Callable[[Tally], Coroutine[Any, Any, None]],
+) -> Callable[[Tally], None]:
+    """Even workers sync, odd ones asyncio (each in an event loop of its own)."""
+    return sync if worker % 2 == 0 else (lambda tally: asyncio.run(asynchronous(tally)))
+
+
 def mutex_counter_worker(
     worker: int, reports: Reports, barrier: Barrier, place: Place, cycles: int
 ) -> None:
@@ -181,12 +183,7 @@ def mutex_counter_worker(
     work = Work.of(place, "_dmutex_")
 
     def sync(tally: Tally) -> None:
-        with (
-            psycopg_pool.ConnectionPool(
-                place.url, min_size=1, max_size=2, kwargs={"autocommit": True}
-            ) as pool,
-            psycopg.connect(place.url, autocommit=True) as conn,
-        ):
+        with sync_clients(place) as (pool, conn):
             mutex = DMutex(place.service, pool, schema_name=place.schema)
             barrier.wait(BARRIER_TIMEOUT)
 
@@ -200,8 +197,7 @@ def mutex_counter_worker(
             processes.cycle(mutex, LOCK_KEY, tally, cycles, guarded, RETRY)
 
     async def asynchronous(tally: Tally) -> None:
-        client, conn = await asyncpg.connect(place.url), await asyncpg.connect(place.url)
-        try:
+        async with async_clients(place) as (client, conn):
             mutex = AsyncDMutex(place.service, client, schema_name=place.schema)
             read, write = Work.numbered(work.read, "row"), Work.numbered(work.write, "value")
             barrier.wait(BARRIER_TIMEOUT)  # nothing else runs on this loop yet
@@ -214,12 +210,10 @@ def mutex_counter_worker(
                 await conn.execute(write, found[0] + 1)
 
             await processes.cycle_async(mutex, LOCK_KEY, tally, cycles, guarded, RETRY)
-        finally:
-            await client.close()
-            await conn.close()
 
-    body = sync if worker % 2 == 0 else (lambda tally: asyncio.run(asynchronous(tally)))
-    processes.report_errors(worker, reports, barrier, Tally(worker), body)
+    processes.report_errors(
+        worker, reports, barrier, Tally(worker), by_kind(worker, sync, asynchronous)
+    )
 
 
 def semaphore_gauge_worker(
@@ -229,12 +223,7 @@ def semaphore_gauge_worker(
     work = Work.of(place, "_dsemaphore_")
 
     def sync(tally: Tally) -> None:
-        with (
-            psycopg_pool.ConnectionPool(
-                place.url, min_size=1, max_size=2, kwargs={"autocommit": True}
-            ) as pool,
-            psycopg.connect(place.url, autocommit=True) as conn,
-        ):
+        with sync_clients(place) as (pool, conn):
             sem = DSemaphore(place.service, pool, max_permits=permits, schema_name=place.schema)
             barrier.wait(BARRIER_TIMEOUT)
 
@@ -251,8 +240,7 @@ def semaphore_gauge_worker(
             processes.cycle(sem, LOCK_KEY, tally, cycles, guarded, RETRY)
 
     async def asynchronous(tally: Tally) -> None:
-        client, conn = await asyncpg.connect(place.url), await asyncpg.connect(place.url)
-        try:
+        async with async_clients(place) as (client, conn):
             sem = AsyncDSemaphore(
                 place.service, client, max_permits=permits, schema_name=place.schema
             )
@@ -268,12 +256,10 @@ def semaphore_gauge_worker(
                 await conn.execute(work.leave)
 
             await processes.cycle_async(sem, LOCK_KEY, tally, cycles, guarded, RETRY)
-        finally:
-            await client.close()
-            await conn.close()
 
-    body = sync if worker % 2 == 0 else (lambda tally: asyncio.run(asynchronous(tally)))
-    processes.report_errors(worker, reports, barrier, Tally(worker), body)
+    processes.report_errors(
+        worker, reports, barrier, Tally(worker), by_kind(worker, sync, asynchronous)
+    )
 
 
 # --- the parent side --------------------------------------------------------------------
