@@ -61,7 +61,7 @@ from dmutex import AsyncDMutex, DMutex
 from dmutex._backends.postgres.statements import Statements
 
 OPTIONS = {  # name: (default, under --quick)
-    "cycles": (2000, 200), "rounds": (5, 2), "chunk": (100, 50), "warmup": (300, 50),
+    "cycles": (2000, 100), "rounds": (5, 2), "chunk": (100, 50), "warmup": (300, 20),
     "ttl": (30.0, 30.0),
 }  # fmt: skip
 ADVISORY_KEY = 0x646D7574  # "dmut": any bigint no other client of the benchmark's server uses
