@@ -25,7 +25,7 @@ Every benchmark here is a script run from the repository root
 - ``--json FILE``: the machine, the options, and per server everything the
   benchmark returned, raw samples (ns, round by round) beside their summaries.
 - Exit code: 0 after a run, whatever the figures; 2 when the benchmark could
-  not measure what it claims to (:class:`BenchmarkError`, a Redis or OS error).
+  not measure what it claims to (:class:`BenchmarkError`, a Redis, PostgreSQL or OS error).
 """
 
 from __future__ import annotations
