@@ -7,8 +7,14 @@ Every benchmark here is a script run from the repository root
   ``REDIS_URL``, Docker, or ``redis-server`` executables), or the versions
   ``--redis`` names, one after another, each started for its run and stopped
   by pid after it; or the one server ``--url`` names, never started or
-  stopped, on which a benchmark works under its own random names. Only
-  :func:`redis_servers` knows the test harness.
+  stopped, on which a benchmark works under its own random names. A
+  PostgreSQL benchmark (``parse(..., postgres=True)``) runs on the server the
+  test harness finds (``DMUTEX_POSTGRESQL_URL``, Docker, or ``initdb`` and
+  ``postgres`` executables), started for the run and stopped by pid after
+  it, or on the one ``--postgres-url`` names; either way in a schema of its
+  own (``dmutex_bench_<random>``) on the search path, dropped at the end.
+  Only :func:`redis_servers` and :func:`postgres_server` know the test
+  harness.
 - Interleaving (:func:`interleave`): contenders take turns within each round,
   the order rotating each turn, ``gc.collect()`` before each turn, so that a
   burst of load from elsewhere on a shared machine falls on all of them.
@@ -19,7 +25,7 @@ Every benchmark here is a script run from the repository root
 - ``--json FILE``: the machine, the options, and per server everything the
   benchmark returned, raw samples (ns, round by round) beside their summaries.
 - Exit code: 0 after a run, whatever the figures; 2 when the benchmark could
-  not measure what it claims to (:class:`BenchmarkError`, a Redis or OS error).
+  not measure what it claims to (:class:`BenchmarkError`, a Redis, PostgreSQL or OS error).
 """
 
 from __future__ import annotations
@@ -36,13 +42,15 @@ import queue
 import statistics
 import sys
 import time
+import uuid
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
+import psycopg
 import redis
 import redis.asyncio
 from redis.utils import HIREDIS_AVAILABLE
@@ -72,8 +80,7 @@ def redis_servers(versions: Sequence[str]) -> Generator[tuple[str, str], None, N
     moves on or the generator is closed. The one place that imports
     ``tests._support``.
     """
-    if str(ROOT) not in sys.path:  # run as a script: sys.path[0] is benchmarks/
-        sys.path.insert(0, str(ROOT))
+    _test_harness()
     from tests._support.redis_servers import discovered
 
     found = discovered()
@@ -88,6 +95,63 @@ def redis_servers(versions: Sequence[str]) -> Generator[tuple[str, str], None, N
             yield source.label, server.url
         finally:
             source.stop()
+
+
+def _test_harness() -> None:
+    if str(ROOT) not in sys.path:  # run as a script: sys.path[0] is benchmarks/
+        sys.path.insert(0, str(ROOT))
+
+
+@contextmanager
+def postgres_server(url: str) -> Iterator[tuple[str, str]]:
+    """``(label, url)`` of ``url``'s server or the test harness's, in a fresh schema of its own.
+
+    Without ``url`` the server the tests find starts here and stops (by pid)
+    on the way out. The URL yielded puts the schema on the search path
+    (``options=-csearch_path=...``); the schema is dropped on the way out.
+    """
+    if not url:
+        _test_harness()
+        from tests._support.postgres_servers import new_session
+
+        session = new_session()
+        try:
+            if not session.discovery.sources:
+                raise BenchmarkError(session.discovery.reason or "no PostgreSQL server found")
+            found = session.server()
+            with postgres_server(found.url) as (_, inside):
+                yield found.label, inside
+        finally:
+            session.close()
+        return
+    schema = f"dmutex_bench_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(url, autocommit=True) as conn:
+        version = str((conn.execute("SHOW server_version").fetchone() or ("?",))[0])
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    try:
+        joiner = "&" if "?" in url else "?"
+        yield (
+            f"postgresql-{version.split()[0]}",
+            f"{url}{joiner}options={quote(f'-csearch_path={schema}')}",
+        )
+    finally:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+def postgres_settings(url: str) -> dict[str, str]:
+    """The settings a PostgreSQL figure depends on, printed and returned.
+
+    A commit that waits for the disk (``fsync``, ``synchronous_commit``) is
+    slower, and makes the notification queue's lock held longer.
+    """
+    with psycopg.connect(url, autocommit=True) as conn:
+        settings = {
+            name: str((conn.execute(f"SHOW {name}").fetchone() or ("?",))[0])
+            for name in ("server_version", "fsync", "synchronous_commit")
+        }
+    print(f"settings: {settings}", flush=True)
+    return settings
 
 
 def shown(url: str) -> str:
@@ -111,8 +175,12 @@ def parse(
     options: Mapping[str, Option],
     *,
     redis: bool = True,
+    postgres: bool = False,
 ) -> argparse.Namespace:
     """The common options (``--url``, ``--redis``, ``--quick``, ``--json``) and ``options``.
+
+    ``redis=False``: no Redis options; ``postgres=True``: ``--postgres-url``
+    (the benchmark then runs on PostgreSQL, :func:`postgres_server`).
 
     ``--help`` shows the script's docstring, which says what each option is.
     An option's type is its default's (a list: one or more values); every
@@ -125,6 +193,12 @@ def parse(
         parser.add_argument("--url", help="measure this Redis server instead (its own keys only)")
         parser.add_argument(
             "--redis", nargs="+", default=[], metavar="VERSION", help="Redis versions (all found)"
+        )
+    if postgres:
+        parser.add_argument(
+            "--postgres-url",
+            default="",
+            help="measure this PostgreSQL server (a schema of its own)",
         )
     parser.add_argument("--quick", action="store_true", help="a smoke run: small counts")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
@@ -154,11 +228,15 @@ Bench = Callable[[str, argparse.Namespace], Mapping[str, object]]
 
 
 def main(bench: Bench, args: argparse.Namespace) -> int:
-    """Run ``bench(url, args)`` on each server (url "" without Redis); write ``--json``."""
+    """Run ``bench(url, args)`` on each server (url "" without one); write ``--json``."""
     report: dict[str, object] = {"machine": machine(), "options": vars(args)}
     runs: dict[str, object] = {}
     try:
-        if not hasattr(args, "url"):
+        if hasattr(args, "postgres_url"):
+            with postgres_server(args.postgres_url) as (label, url):
+                print(f"\n## {label} ({shown(url)})\n", flush=True)
+                runs[label] = {"url": shown(url), **bench(url, args)}
+        elif not hasattr(args, "url"):
             runs["local"] = bench("", args)
         elif args.url:
             runs["url"] = run_on("url", args.url, bench, args)
@@ -166,7 +244,7 @@ def main(bench: Bench, args: argparse.Namespace) -> int:
             with closing(redis_servers(args.redis)) as servers:
                 for label, url in servers:
                     runs[label] = run_on(label, url, bench, args)
-    except (BenchmarkError, redis.RedisError, OSError) as error:
+    except (BenchmarkError, redis.RedisError, psycopg.Error, OSError) as error:
         print(f"benchmark failed: {error}", file=sys.stderr)
         return 2
     report["runs"] = runs
@@ -193,6 +271,7 @@ def machine() -> dict[str, object]:
         "load_average_1min": os.getloadavg()[0],
         "redis_py": redis.__version__,
         "redis_py_parser": "hiredis" if HIREDIS_AVAILABLE else "python",
+        "psycopg": psycopg.__version__,
         "dmutex": str(Path(dmutex.__file__).parent),
     }
 

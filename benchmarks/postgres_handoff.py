@@ -6,11 +6,10 @@ Run from the repository root (a report, not a test; about a minute)::
     .venv/bin/python benchmarks/postgres_handoff.py --quick --json out.json
     .venv/bin/python benchmarks/postgres_handoff.py --postgres-url postgresql://...
 
-Without ``--postgres-url`` it starts the server the tests find
-(``tests/_support/postgres_servers.py``) and stops it at the end; with it,
-it works in a schema of its own (``dmutex_bench_<random>``), dropped at the
-end. The store is not public yet: it is driven through the engine, as the
-tests drive it.
+The server is the harness's (``harness.postgres_server``): the one the
+tests find, started and stopped here, or ``--postgres-url``'s; either way
+in a schema of its own, dropped at the end. It drives the store through
+the engine, as the tests do, to time the release's variants.
 
 1. Hand-off: the holder (a store on its own autocommit connection) takes the
    lock, a waiter thread calls ``acquire_with_retry(key, timeout=30,
@@ -38,14 +37,11 @@ Options: ``--handoffs`` per variant, ``--cycles`` per round, ``--rounds``,
 from __future__ import annotations
 
 import argparse
-import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import quote
 
 import harness
 import psycopg
@@ -60,41 +56,12 @@ from dmutex._core.lease import Lease
 from dmutex._runtime.drivers import SyncDriver
 
 OPTIONS: dict[str, harness.Option] = {
-    "postgres_url": ("", ""),
     "handoffs": (100, 10),
-    "cycles": (2000, 200),
+    "cycles": (2000, 100),
     "rounds": (5, 2),
     "threads": (4, 2),
 }
 RETRY_DELAY = 0.1
-
-
-@contextmanager
-def server(url: str) -> Iterator[str]:
-    """``url`` (or the tests' server, started here), with a fresh schema on its search path."""
-    if url:
-        schema = f"dmutex_bench_{uuid.uuid4().hex[:12]}"
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(f'CREATE SCHEMA "{schema}"')
-        try:
-            joiner = "&" if "?" in url else "?"
-            yield f"{url}{joiner}options={quote(f'-csearch_path={schema}')}"
-        finally:
-            with psycopg.connect(url, autocommit=True) as conn:
-                conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
-        return
-    if str(harness.ROOT) not in sys.path:  # run as a script: sys.path[0] is benchmarks/
-        sys.path.insert(0, str(harness.ROOT))
-    from tests._support.postgres_servers import new_session
-
-    session = new_session()
-    try:
-        found = session.server()
-        print(f"\n## {found.label} ({found.origin})\n", flush=True)
-        with server(found.url) as inside:
-            yield inside
-    finally:
-        session.close()
 
 
 class Side:
@@ -225,27 +192,18 @@ def cycles(
     return figures, rates
 
 
-def bench(_: str, args: argparse.Namespace) -> dict[str, object]:
-    with server(args.postgres_url) as url:
-        with psycopg.connect(url, autocommit=True) as conn:
-            settings = {
-                name: str((conn.execute(f"SHOW {name}").fetchone() or ("?",))[0])
-                for name in ("fsync", "synchronous_commit")
-            }
-        # A commit that waits for the disk makes the notification lock's wait longer.
-        print(f"settings: {settings}", flush=True)
-        table = f"_dmutex_bench_{uuid.uuid4().hex[:8]}"
-        handed = handoffs(url, table, args.handoffs)
-        harness.figures_table(handed, "Hand-off to a waiter (µs), retry_delay 0.1 s")
-        cycled, rates = cycles(url, table, args)
-        harness.figures_table(
-            cycled, "Uncontended cycle (µs), nobody waiting: the release's variants"
-        )
-        harness.table(
-            ["release", "cycles/s"],
-            [[name, rate] for name, rate in rates.items()],
-            f"{args.threads} threads cycling at once, a key each",
-        )
+def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
+    settings = harness.postgres_settings(url)
+    table = f"_dmutex_bench_{uuid.uuid4().hex[:8]}"
+    handed = handoffs(url, table, args.handoffs)
+    harness.figures_table(handed, "Hand-off to a waiter (µs), retry_delay 0.1 s")
+    cycled, rates = cycles(url, table, args)
+    harness.figures_table(cycled, "Uncontended cycle (µs), nobody waiting: the release's variants")
+    harness.table(
+        ["release", "cycles/s"],
+        [[name, rate] for name, rate in rates.items()],
+        f"{args.threads} threads cycling at once, a key each",
+    )
     return {
         "handoff": {name: f.summary() for name, f in handed.items()},
         "cycle": {name: f.summary() for name, f in cycled.items()},
@@ -255,7 +213,7 @@ def bench(_: str, args: argparse.Namespace) -> dict[str, object]:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    return harness.main(bench, harness.parse(__doc__, argv, OPTIONS, redis=False))
+    return harness.main(bench, harness.parse(__doc__, argv, OPTIONS, redis=False, postgres=True))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ does not: anything about speed (no figure is compared with a bound here;
 the benchmarks' own targets print PASS/MISS and are read by people, on a
 quiet machine). ``handoff.py`` is left out: its quickest run takes about a
 minute; its measurement of one process's cycle is ``redis_cycle.py``'s,
-which runs here.
+which runs here. The PostgreSQL scripts run on the server the test harness
+finds (``tests/_support/postgres_servers.py``), each starting its own.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from tests._support import postgres_servers
 from tests._support.redis_servers import discovered
 
 ROOT = Path(__file__).parent.parent
 REDIS = ["redis_cycle", "renewal_scale", "semaphore_scale"]
-SCRIPTS = ["sqlite_cycle", *REDIS]
+POSTGRES = ["postgres_cycle", "postgres_semaphore", "postgres_handoff"]
+SCRIPTS = ["sqlite_cycle", *REDIS, *POSTGRES]
 
 
 def figures(tree: object) -> Iterator[dict[str, object]]:
@@ -43,6 +46,10 @@ def figures(tree: object) -> Iterator[dict[str, object]]:
 def test_a_quick_run_writes_its_figures(script: str, tmp_path: Path) -> None:
     if script in REDIS and not discovered().labels:
         pytest.skip(discovered().reason)
+    if script in POSTGRES and not postgres_servers.required():
+        found = postgres_servers.new_session().discovery
+        if not found.sources:
+            pytest.skip(found.reason)
     out = tmp_path / "figures.json"
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--quick", "--json", str(out)],

@@ -3,7 +3,8 @@
 - :func:`run_workers`: ``count`` spawned workers started together on a barrier,
   their reports collected; in a worker, :func:`report_errors` sends its report
   or its traceback, and :func:`cycle` / :func:`cycle_async` run its cycles
-  (a plain ``acquire()``, on refusal counted and ``acquire_with_retry()``);
+  (a plain ``acquire()``, on refusal counted and ``acquire_with_retry()``),
+  counted in a :class:`Tally` that becomes its :class:`Report`;
 - :func:`spawned`: one spawned child that reports ``(kind, payload)`` over a
   queue, which the test may stop (SIGSTOP), continue, let go on or kill; in
   the child, :func:`send_results` sends its results or its traceback;
@@ -23,7 +24,7 @@ import subprocess
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias, TypeVar
 
 import pytest
@@ -143,6 +144,43 @@ def report_errors(
         reports.put((worker, traceback.format_exc()))
         raise
     reports.put((worker, tally.report()))
+
+
+@dataclass(frozen=True)
+class Report:
+    """What one worker of a counter or gauge test saw (the Redis and PostgreSQL tests')."""
+
+    worker: int
+    cycles: int  # cycles completed: acquired, worked, released
+    refused: int  # plain acquire() attempts that returned None
+    peak: int = 0  # highest reading of the gauge (semaphore test)
+    slots: tuple[int, ...] = ()  # every slot a permit reported (semaphore test)
+    foreign: int = 0  # times the lock's record did not hold this worker's token
+    failed_releases: int = 0  # release() that returned False
+
+
+@dataclass
+class Tally:
+    """A worker's running counts, turned into a :class:`Report` at the end."""
+
+    worker: int
+    cycles: int = 0
+    refused: int = 0
+    peak: int = 0
+    slots: set[int] = field(default_factory=set)
+    foreign: int = 0
+    failed_releases: int = 0
+
+    def report(self) -> Report:
+        return Report(
+            self.worker,
+            self.cycles,
+            self.refused,
+            self.peak,
+            tuple(sorted(self.slots)),
+            self.foreign,
+            self.failed_releases,
+        )
 
 
 class Done(Protocol):

@@ -298,12 +298,30 @@ async def _wait_out(task: asyncio.Future[Any]) -> asyncio.CancelledError | None:
     """Wait until ``task`` is done, even if the caller is cancelled meanwhile.
 
     Returns the caller's cancellation if one arrived (the task runs on,
-    untouched: ``asyncio.wait`` never cancels what it waits for), else None.
+    untouched: a cancellation reaches only the future awaited here, which
+    the task's completion settles), else None. What ``asyncio.wait((task,))``
+    does, without its sets and its timeout: every release of an asyncio
+    face waits here once.
     """
     cancelled: asyncio.CancelledError | None = None
     while not task.done():
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        settle = _settler(waiter)
+        task.add_done_callback(settle)
         try:
-            await asyncio.wait((task,))
+            await waiter
         except asyncio.CancelledError as exc:
             cancelled = cancelled or exc
+        finally:
+            task.remove_done_callback(settle)
     return cancelled
+
+
+def _settler(waiter: asyncio.Future[None]) -> Callable[[object], None]:
+    """A done callback that settles ``waiter`` unless it is done (cancelled)."""
+
+    def settle(_: object) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    return settle
