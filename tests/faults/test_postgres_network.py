@@ -89,7 +89,6 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any, Literal, TypeAlias
 from urllib.parse import quote
 
@@ -109,6 +108,7 @@ from dmutex._runtime.drivers import AsyncDriver, SyncDriver
 from tests._support import deadlines, fault_servers, postgres_servers, servers
 from tests._support.faces import Calls, await_calls, run_calls
 from tests._support.fault_proxy import Fault, FaultProxy, Rates
+from tests._support.tracking import Tracker
 from tests.faults import test_deadlines
 
 # A mutex's lease released by its token on a new connection: unlock(key, token), deprecated,
@@ -336,35 +336,6 @@ class Inspector:
 
 
 # --- what a run saw ---------------------------------------------------------------------------
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-class Tracker:
-    """The holders of each key, from acquire-returned to release-called, cut at their expiry."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.overlaps = 0
-        self.peak = 0
-        self._holders: dict[str, dict[int, datetime]] = {}
-        self._lock = threading.Lock()
-
-    def enter(self, key: str, who: int, expired_at: datetime) -> None:
-        with self._lock:
-            holders = self._holders.setdefault(key, {})
-            holders[who] = expired_at
-            now = utcnow()
-            live = sum(1 for expiry in holders.values() if expiry > now)
-            self.peak = max(self.peak, live)
-            if live > self.limit:
-                self.overlaps += 1
-
-    def leave(self, key: str, who: int) -> None:
-        with self._lock:
-            self._holders[key].pop(who)
 
 
 @dataclass

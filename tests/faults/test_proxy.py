@@ -70,7 +70,7 @@ from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Literal, Protocol
 
 import pymongo
@@ -89,6 +89,7 @@ from tests._support.mongo_servers import Doc, Session
 from tests._support.proxied import redis_options
 from tests._support.redis_servers import Pool, Server
 from tests._support.sampling import sampling as sampling_thread
+from tests._support.tracking import Tracker, utcnow
 
 Kind = Literal["mutex", "semaphore"]
 FaceName = Literal["sync", "async"]
@@ -132,41 +133,6 @@ REDIS_FAILURES: tuple[type[Exception], ...] = (
 MONGO_FAILURES: tuple[type[Exception], ...] = (pymongo.errors.ConnectionFailure,)
 REDIS_RUN = (REDIS_FAILURES, REDIS_TTL, REDIS_WORK)
 MONGO_RUN = (MONGO_FAILURES, MONGO_TTL, MONGO_WORK)
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-# --- what the run saw ---------------------------------------------------------------------
-
-
-class Tracker:
-    """The holders of each key, from acquire-returned to release-called."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.overlaps = 0  # times a key had more unexpired holders than its limit
-        self.peak = 0
-        self.overran = 0  # holders that called release after their lease's expiry
-        self._holders: dict[str, dict[int, datetime]] = {}
-        self._lock = threading.Lock()
-
-    def enter(self, key: str, who: int, expired_at: datetime) -> None:
-        with self._lock:
-            holders = self._holders.setdefault(key, {})
-            holders[who] = expired_at
-            now = utcnow()
-            live = sum(1 for expiry in holders.values() if expiry > now)
-            self.peak = max(self.peak, live)
-            if live > self.limit:
-                self.overlaps += 1
-
-    def leave(self, key: str, who: int) -> None:
-        with self._lock:
-            expiry = self._holders[key].pop(who)
-            if expiry <= utcnow():
-                self.overran += 1
 
 
 @dataclass

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import pytest
@@ -26,7 +25,7 @@ import redis.asyncio
 
 from dmutex import AsyncDMutex, AsyncDMutexLock, DMutex, DMutexLock, DSemaphore, DSemaphorePermit
 from tests._support import processes
-from tests._support.processes import BARRIER_TIMEOUT, DEADLINE
+from tests._support.processes import BARRIER_TIMEOUT, DEADLINE, Report, Tally
 from tests._support.redis_servers import Pool, Server, newest
 
 LOCK_KEY = "orders"
@@ -48,45 +47,8 @@ SEM_PROCESSES = 6
 SEM_PERMITS = 3
 
 
-@dataclass(frozen=True)
-class Report:
-    """What one worker saw."""
-
-    worker: int
-    cycles: int  # cycles completed: acquired, worked, released
-    refused: int  # plain acquire() attempts that returned None
-    peak: int = 0  # highest INCR reply of the gauge (semaphore test)
-    slots: tuple[int, ...] = ()  # every slot a permit reported (semaphore test)
-    foreign: int = 0  # times the slot key did not hold this worker's token
-    failed_releases: int = 0  # release() that returned False
-
-
 Reports: TypeAlias = processes.Reports
 Barrier: TypeAlias = processes.Barrier
-
-
-@dataclass
-class Tally:
-    """A worker's running counts, turned into a Report at the end."""
-
-    worker: int
-    cycles: int = 0
-    refused: int = 0
-    peak: int = 0
-    slots: set[int] = field(default_factory=set)
-    foreign: int = 0
-    failed_releases: int = 0
-
-    def report(self) -> Report:
-        return Report(
-            self.worker,
-            self.cycles,
-            self.refused,
-            self.peak,
-            tuple(sorted(self.slots)),
-            self.foreign,
-            self.failed_releases,
-        )
 
 
 def _as_str(value: object) -> str | None:
