@@ -12,10 +12,14 @@ PostgreSQL cases (``tests/_support/postgres_servers.py``): psycopg 3 and a
 psycopg_pool pool on each face, asyncpg (asyncio only), psycopg (each
 face) and asyncpg through PgBouncer in transaction mode, and SQLAlchemy
 engines: on psycopg (each face) and asyncpg (asyncio).
+``DMUTEX_POSTGRESQL_VARIANTS`` (comma-separated) runs a subset of them:
+``.ci/run`` runs the pooler's on one interpreter only, since what
+PgBouncer does to a session depends on no interpreter.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -72,6 +76,20 @@ POSTGRES_CASES: dict[FaceName, tuple[str, ...]] = {
 }
 
 
+def _postgres_variants() -> frozenset[str]:
+    """``DMUTEX_POSTGRESQL_VARIANTS``: a comma-separated subset of the variants to run (all)."""
+    chosen = os.environ.get("DMUTEX_POSTGRESQL_VARIANTS", "").strip()
+    if not chosen:
+        return frozenset(POSTGRES_VARIANTS)
+    names = frozenset(name.strip() for name in chosen.split(","))
+    unknown = sorted(names - set(POSTGRES_VARIANTS))
+    if unknown:
+        raise ValueError(
+            f"DMUTEX_POSTGRESQL_VARIANTS names {unknown}; the variants are {POSTGRES_VARIANTS}"
+        )
+    return names
+
+
 def _cases() -> dict[str, tuple[FaceName, Case]]:
     labels = discovered().labels or [""]  # "": skip with discovery's reason
     newest, others = labels[-1], labels[:-1]
@@ -89,6 +107,8 @@ def _cases() -> dict[str, tuple[FaceName, Case]]:
         for label in others:
             cases[f"redis-py-{face}@{label}"] = (face, _redis_case(label, "redis-py"))
         for variant in POSTGRES_CASES[face]:
+            if variant not in _postgres_variants():
+                continue
             cases[f"{variant}-{face}@{postgres_label()}"] = (face, _postgres_case(variant))
     return cases
 
