@@ -1,4 +1,8 @@
-"""Several OS processes hammering one lock key on a real Redis server.
+"""Several OS processes hammering one lock key on a real Redis server (the newest found).
+
+What the scripts do on each version is the contract suite's and the state
+machine's; what processes add (spawned clients, the host's scheduling) does
+not depend on the version, so these run on one.
 
 Each worker is a separate process started with ``spawn``; it builds its own
 client and its own dmutex instance, waits on a barrier so that all of them
@@ -26,7 +30,7 @@ import redis.asyncio
 from dmutex import AsyncDMutex, AsyncDMutexLock, DMutex, DMutexLock, DSemaphore, DSemaphorePermit
 from tests._support import processes
 from tests._support.processes import BARRIER_TIMEOUT, DEADLINE, Report, Tally
-from tests._support.redis_servers import Pool, Server, newest
+from tests._support.redis_servers import Pool, Server, flushed, newest
 
 LOCK_KEY = "orders"
 COUNTER = "test:counter"
@@ -179,8 +183,11 @@ def _check_counter(reports: list[Report], client: redis.Redis, workers: int) -> 
     "worker", [mutex_counter_worker, async_mutex_counter_worker], ids=["sync", "async"]
 )
 def test_mutex_serializes_read_modify_write_across_processes(
-    redis_server: Server, redis_url: str, worker: Callable[..., None]
+    redis_pool: Pool, worker: Callable[..., None]
 ) -> None:
+    """On the newest server: what processes add is the host's, not the version's."""
+    redis_server = newest(redis_pool)
+    redis_url = flushed(redis_server.url)
     started = time.monotonic()
     reports = run_workers(worker, PROCESSES, redis_url, CYCLES)
     _print_figures(f"mutex counter ({worker.__name__})", redis_server, started, reports)
@@ -188,9 +195,10 @@ def test_mutex_serializes_read_modify_write_across_processes(
         _check_counter(reports, client, PROCESSES)
 
 
-def test_semaphore_bounds_concurrency_across_processes(
-    redis_server: Server, redis_url: str
-) -> None:
+def test_semaphore_bounds_concurrency_across_processes(redis_pool: Pool) -> None:
+    """On the newest server, as the mutex's."""
+    redis_server = newest(redis_pool)
+    redis_url = flushed(redis_server.url)
     started = time.monotonic()
     reports = run_workers(semaphore_gauge_worker, SEM_PROCESSES, redis_url, CYCLES, SEM_PERMITS)
     _print_figures("semaphore gauge", redis_server, started, reports)
