@@ -23,24 +23,26 @@ class Scripted:
         return reply
 
 
-@pytest.mark.parametrize("reply", [[0, 1], ["0", "1"], [b"0", b"1"], (0, 1)])
-def test_mutex_slot_zero_in_any_decoding_grants(reply: object) -> None:
-    """A mutex acquires by script too (so that a re-sent copy is recognised): 0 is its slot."""
+@pytest.mark.parametrize("reply", [7, "7", b"7"])
+def test_mutex_fence_in_any_decoding_grants(reply: object) -> None:
+    """A mutex acquires by a script of its own, whose one number is the grant's fence."""
     client = Scripted(reply)
     lock = DMutex("svc", client).acquire("k")
     assert lock is not None
-    assert lock.fence == 1
+    assert (lock.slot if hasattr(lock, "slot") else 0, lock.fence) == (0, 7)
     assert [command[0] for command in client.commands] == ["EVALSHA"]
 
 
-@pytest.mark.parametrize("reply", [[-1, 0], ["-1", "0"], [b"-1", b"0"]])
-def test_mutex_minus_one_is_contention(reply: object) -> None:
+@pytest.mark.parametrize("reply", [0, "0", b"0"])
+def test_mutex_zero_is_contention(reply: object) -> None:
     assert DMutex("svc", Scripted(reply)).acquire("k") is None
 
 
-@pytest.mark.parametrize("reply", [True, "OK", b"OK", None, False, 1, 0, [0], [0, 1, 2], [1, 1]])
+@pytest.mark.parametrize(
+    "reply", [True, "OK", b"OK", None, False, -1, [0], [0, 1], [-1, 0], [0, 1, 2], "x", 1.0]
+)
 def test_impossible_mutex_acquire_reply_raises_not_contention(reply: object) -> None:
-    """SET's replies, and the old one-number reply, are not the script's: they raise."""
+    """SET's replies, and the semaphore script's pairs, are not the mutex script's: they raise."""
     with pytest.raises(DMutexError, match="unexpected reply"):
         DMutex("svc", Scripted(reply, 0)).acquire("k")
 
@@ -66,15 +68,22 @@ def test_impossible_acquire_reply_raises_not_contention(reply: object) -> None:
         DSemaphore("svc", Scripted(reply), max_permits=3).acquire("k")
 
 
-def test_fence_zero_means_no_counter_and_no_fence() -> None:
-    """fencing=False sends no counter key; the script then answers fence 0, which is None."""
-    client = Scripted([0, 0])
+def test_no_counter_means_no_fence() -> None:
+    """fencing=False sends no counter key; the script then answers 1 for a grant, no fence."""
+    client = Scripted(1)
     lock = DMutex("svc", client, fencing=False).acquire("k")
     assert lock is not None
     assert lock.fence is None
     (command,) = client.commands
     assert command[2:4] == (1, "_dmutex_svc:permit:0:k")
     assert "fence" not in command
+
+
+@pytest.mark.parametrize("reply", [2, 7])
+def test_a_fence_without_a_counter_raises(reply: int) -> None:
+    """Without a counter the only grant is 1: a number above it is no reply of this script."""
+    with pytest.raises(DMutexError, match="unexpected reply"):
+        DMutex("svc", Scripted(reply, 0), fencing=False).acquire("k")
 
 
 def test_the_counter_then_the_index_follow_the_slot_keys() -> None:

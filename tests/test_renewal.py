@@ -28,7 +28,14 @@ from dmutex import (
     RedisArg,
     RedisReply,
 )
-from dmutex._backends.redis.scripts import ACQUIRE, EXTEND, RELEASE, RENEW
+from dmutex._backends.redis.scripts import (
+    ACQUIRE,
+    EXTEND,
+    MUTEX_ACQUIRE,
+    MUTEX_RELEASE,
+    RELEASE,
+    RENEW,
+)
 from dmutex._core import renewal
 
 TTL = 3.0
@@ -48,8 +55,8 @@ class Flaky:
     def execute_command(self, *args: RedisArg) -> RedisReply:
         if args[1] == ACQUIRE.sha:
             return [0, 1]
-        if args[1] in (RELEASE.sha, EXTEND.sha):
-            return 1
+        if args[1] in (MUTEX_ACQUIRE.sha, MUTEX_RELEASE.sha, RELEASE.sha, EXTEND.sha):
+            return 1  # a mutex's grant with fence 1; released; extended
         assert args[1] == RENEW.sha, args
         assert args[2] == 1, "one lease in these tests: one key per renewal"
         self.extends += 1
@@ -426,7 +433,7 @@ class FailingRelease(Flaky):
     """Renewals as planned; every release raises, as through a partition."""
 
     def execute_command(self, *args: RedisArg) -> RedisReply:
-        if args[1] == RELEASE.sha:
+        if args[1] in (RELEASE.sha, MUTEX_RELEASE.sha):
             raise ConnectionError("partitioned")
         return super().execute_command(*args)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from dmutex._backends.redis.scripts import ACQUIRE
+from dmutex._backends.redis.scripts import ACQUIRE, MUTEX_ACQUIRE
 
 
 class RecordingRedis:
@@ -105,8 +105,8 @@ class AnsweringRedis:
     """Redis-shaped and sync: records every command and answers as a free server would.
 
     ``SET`` answers OK (the key was free); the acquire script answers
-    ``[0, 1]`` (slot 0 taken, fence 1), the others 0 (nothing released or
-    extended).
+    ``[0, 1]`` (slot 0 taken, fence 1), the mutex's 1 (fence 1), the others
+    0 (nothing released or extended).
     """
 
     def __init__(self) -> None:
@@ -116,6 +116,8 @@ class AnsweringRedis:
         self.calls.append(args)
         if args[0] == "SET":
             return "OK"
+        if args[1] in (MUTEX_ACQUIRE.sha, MUTEX_ACQUIRE.text):
+            return 1
         return [0, 1] if args[1] in (ACQUIRE.sha, ACQUIRE.text) else 0
 
     def execute_command(self, *args: object) -> object:

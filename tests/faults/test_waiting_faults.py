@@ -78,7 +78,7 @@ import redis.backoff
 import redis.retry
 
 from dmutex import DMutex, DMutexLock, DSemaphore, DSemaphorePermit
-from dmutex._backends.redis.scripts import ACQUIRE, RELEASE
+from dmutex._backends.redis.scripts import ACQUIRE, MUTEX_ACQUIRE, MUTEX_RELEASE, RELEASE
 from tests._support import faces, fault_servers
 from tests._support.fault_proxy import FaultProxy, Rates
 from tests._support.sampling import process_state, sampling
@@ -173,9 +173,9 @@ def _what(args: tuple[Any, ...]) -> str:
     name = str(args[0]).upper()
     if name in ("EVALSHA", "EVAL") and len(args) > 1:
         script = args[1]
-        if script in (ACQUIRE.sha, ACQUIRE.text):
+        if script in (ACQUIRE.sha, ACQUIRE.text, MUTEX_ACQUIRE.sha, MUTEX_ACQUIRE.text):
             return "acquire"
-        if script in (RELEASE.sha, RELEASE.text):
+        if script in (RELEASE.sha, RELEASE.text, MUTEX_RELEASE.sha, MUTEX_RELEASE.text):
             return "release"
     return name.lower()
 

@@ -37,7 +37,14 @@ import valkey.cluster
 
 from dmutex import AsyncDSemaphore, DMutex, DSemaphore, ManualClock
 from dmutex._backends.cluster import hash_slot
-from dmutex._backends.redis.scripts import ACQUIRE, EXTEND, RELEASE, RENEW
+from dmutex._backends.redis.scripts import (
+    ACQUIRE,
+    EXTEND,
+    MUTEX_ACQUIRE,
+    MUTEX_RELEASE,
+    RELEASE,
+    RENEW,
+)
 from dmutex._backends.shapes import is_cluster_client
 from dmutex._core.fences import US_PER_S
 from tests._support.redis_clients import slot_key
@@ -133,7 +140,7 @@ def client(cluster: Cluster) -> Iterator[redis.cluster.RedisCluster]:
     rc = redis.cluster.RedisCluster(host=cluster.host, port=cluster.port)
     try:
         rc.flushall()
-        for script in (ACQUIRE, RELEASE, EXTEND):
+        for script in (ACQUIRE, RELEASE, EXTEND, MUTEX_ACQUIRE, MUTEX_RELEASE):
             assert rc.script_load(script.text) == script.sha
         yield rc
     finally:

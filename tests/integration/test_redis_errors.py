@@ -309,8 +309,9 @@ def scripted(face: FaceName, path: Literal["command", "set_eval"], reply: object
 def test_unexpected_reply_raises_dmutex_error(
     rig: Rig, path: Literal["command", "set_eval"], kind: str, permits: int, weird: object
 ) -> None:
-    # A well-formed reply first: slot 0, fence 1 from the acquire script.
-    client = scripted(rig.face, path, [0, 1])
+    # A well-formed reply first: fence 1 from a mutex's acquire script, slot
+    # 0 and fence 1 from a semaphore's.
+    client = scripted(rig.face, path, 1 if kind == "mutex" else [0, 1])
     lock = rig.make(kind, client, permits)
     handle = held(lock.acquire("k"))
     client.reply = weird

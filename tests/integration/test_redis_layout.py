@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from dmutex import DMutex, DMutexError, DSemaphore
-from dmutex._backends.redis.scripts import ACQUIRE, EXTEND, RELEASE
+from dmutex._backends.redis.scripts import ACQUIRE, EXTEND, MUTEX_ACQUIRE, MUTEX_RELEASE, RELEASE
 from dmutex._core.fences import US_PER_S
 from tests._support.redis_clients import Recording
 
@@ -121,9 +121,9 @@ def test_ttl_is_sent_as_px_milliseconds_rounded_up(recording: Recording) -> None
     assert lock is not None
     name, sha, *rest = recording.commands[-1]
     # EVALSHA, or EVAL with the script's text where the server had not cached it yet.
-    assert (name, sha) in {("EVALSHA", ACQUIRE.sha), ("EVAL", ACQUIRE.text)}
+    assert (name, sha) in {("EVALSHA", MUTEX_ACQUIRE.sha), ("EVAL", MUTEX_ACQUIRE.text)}
     counter = "_dmutex_svc:fence:job"
-    assert rest == [2, "_dmutex_svc:permit:0:job", counter, lock.token, math.ceil(12345.1), "fence"]
+    assert rest == [2, "_dmutex_svc:permit:0:job", counter, lock.token, math.ceil(12345.1)]
     sem = DSemaphore("svc", recording, max_permits=2)
     permit = sem.acquire("api", ttl=0.0005)
     assert permit is not None
@@ -263,7 +263,7 @@ def test_every_key_a_script_touches_is_declared(redis_url: str) -> None:
     proxies, ACL key patterns and stricter Redis-compatible servers rely on it.
     """
     with redis.Redis.from_url(redis_url, decode_responses=True) as client:
-        for script in (ACQUIRE, RELEASE, EXTEND):
+        for script in (ACQUIRE, RELEASE, EXTEND, MUTEX_ACQUIRE, MUTEX_RELEASE):
             client.script_load(script.text)  # EVALSHA only: MONITOR quotes a script's text
         monitor = client.monitor()
         with monitor:

@@ -40,7 +40,7 @@ from dmutex import (
     RedisArg,
     RedisReply,
 )
-from dmutex._backends.redis.scripts import ACQUIRE, RELEASE
+from dmutex._backends.redis.scripts import ACQUIRE, MUTEX_ACQUIRE, MUTEX_RELEASE, RELEASE
 from dmutex._backends.redis.waits import TICK
 from dmutex._core.waiting import REGISTRATION_MARGIN_MS
 from tests._support.processes import stop_process
@@ -89,7 +89,9 @@ class Sent:
         """``"acquire"``, ``"release"`` (a dmutex script), or the command's name."""
         name = str(self.args[0]).upper()
         if name in ("EVALSHA", "EVAL"):
-            for label, script in (("acquire", ACQUIRE), ("release", RELEASE)):
+            scripts = [("acquire", ACQUIRE), ("release", RELEASE)]
+            scripts += [("acquire", MUTEX_ACQUIRE), ("release", MUTEX_RELEASE)]
+            for label, script in scripts:
                 if self.args[1] in (script.sha, script.text):
                     return label
         return name
@@ -296,7 +298,7 @@ def _ready(url: str) -> str:
     with redis.Redis.from_url(url) as client:
         client.flushdb()
         # Cached, so that every attempt is one EVALSHA (no NOSCRIPT, then EVAL).
-        for script in (ACQUIRE, RELEASE):
+        for script in (ACQUIRE, RELEASE, MUTEX_ACQUIRE, MUTEX_RELEASE):
             client.script_load(script.text)
     return url
 
@@ -852,7 +854,7 @@ def test_a_cluster_waiter_blocks_only_on_a_hash_tagged_key(
         redis.cluster.RedisCluster(host=host, port=port) as inner,
     ):
         holder_client.flushall()
-        for script in (ACQUIRE, RELEASE):
+        for script in (ACQUIRE, RELEASE, MUTEX_ACQUIRE, MUTEX_RELEASE):
             holder_client.script_load(script.text)
         recorded = ClusterRecorded(inner)
         holder = DMutex(SERVICE, holder_client).acquire(key, ttl=LONG)

@@ -31,6 +31,8 @@ __all__ = [
     "FOREIGN",
     "HORIZON",
     "INSPECT",
+    "MUTEX_ACQUIRE",
+    "MUTEX_RELEASE",
     "RELEASE",
     "RENEW",
     "RENEW_BATCH",
@@ -374,6 +376,63 @@ return 1
 )
 
 
+# The mutex's own pair: a lock of one permit, acquired by a call that does
+# not wait (``acquire``, and the engine's re-sent copies), and released. No
+# holders index, no waiter to register: none of the semaphore's work, and
+# one integer back, the cheapest reply a client reads.
+#
+# MUTEX_ACQUIRE. KEYS: the slot key, then the fence counter if the lock
+# keeps one. ARGV: token, ttl ms. Returns the grant's fence (1 without a
+# counter), or 0 when another token holds the key. A key that holds the
+# token already is this request's own grant, sent again (rule 3): it gets
+# a new fence, above the one whose reply was lost. The counter is read
+# only for a grant, so a refusal costs a SET NX and a GET; a counter
+# dmutex did not write then undoes the SET NX this request made (nobody
+# can see it: a script is atomic) and stops it (rule 2).
+_MUTEX_ACQUIRE = """\
+local token, counter = ARGV[1], KEYS[2]
+local taken = redis.call('SET', KEYS[1], token, 'PX', ARGV[2], 'NX')
+if not taken and redis.call('GET', KEYS[1]) ~= token then return 0 end
+if not counter then return 1 end
+local fence, stored = 0, redis.call('GET', counter)
+if stored then
+  fence = tonumber(string.match(stored, '^dmutex:fence:(%d+)$'))
+  if not fence then
+    if taken then redis.call('DEL', KEYS[1]) end
+    return redis.error_reply('DMUTEX ' .. counter .. ' holds a value dmutex did not write')
+  end
+end
+-- dmutex._core.fences, rule 1: above the counter, and at least the
+-- server's clock in microseconds, so a lost counter restarts above it.
+local t = redis.call('TIME')
+fence = math.max(fence + 1, tonumber(t[1]) * 1000000 + tonumber(t[2]))
+redis.call('SET', counter, string.format('dmutex:fence:%d', fence))
+return fence
+"""
+
+# MUTEX_RELEASE. KEYS: the slot key, then the waiters and signal records
+# when the lock's waiters are woken. ARGV: token. Deletes the slot key if
+# it holds the token and returns 1, else 0. After a deletion it pushes a
+# signal for a registered waiter unless one is already pending, as RELEASE
+# does for one permit; a waiting record dmutex did not write is left alone.
+_MUTEX_RELEASE = """\
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+local waiters, signal = KEYS[2], KEYS[3]
+-- pcall: a record of another type answers an error (a table), and is left alone.
+if waiters and type(redis.pcall('ZSCORE', waiters, 'dmutex:waiters')) == 'string'
+    and redis.call('ZCARD', waiters) > 1 then
+  local head = redis.pcall('LINDEX', signal, 0)
+  local left = redis.call('PTTL', waiters)
+  if head == false and left > 0 then
+    redis.call('LPUSH', signal, 'dmutex:signal')
+    redis.call('PEXPIRE', signal, left)
+  end
+end
+return 1
+"""
+
+
 @dataclass(frozen=True)
 class Script:
     """A script's text and the SHA-1 that ``EVALSHA`` names it by."""
@@ -440,6 +499,7 @@ return out
 FENCE_MARK = "dmutex:fence:"
 
 ACQUIRE, RELEASE, EXTEND = Script.of(_ACQUIRE), Script.of(_RELEASE), Script.of(_EXTEND)
+MUTEX_ACQUIRE, MUTEX_RELEASE = Script.of(_MUTEX_ACQUIRE), Script.of(_MUTEX_RELEASE)
 RENEW, INSPECT = Script.of(_RENEW), Script.of(_INSPECT)
 # At most this many leases per renewal request: a request of this size blocks
 # the server for well under a millisecond.

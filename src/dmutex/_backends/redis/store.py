@@ -60,6 +60,8 @@ from .scripts import (
     FENCE_MARK,
     FOREIGN,
     INSPECT,
+    MUTEX_ACQUIRE,
+    MUTEX_RELEASE,
     RELEASE,
     RENEW,
     RENEW_BATCH,
@@ -82,6 +84,15 @@ def _is_noscript(error: BaseException) -> bool:
         or message.startswith("NOSCRIPT")
         or message.startswith("No matching script")
     )
+
+
+def _foreign(error: Exception) -> DMutexError | None:
+    """A clear error for ``error`` when it is a script's refusal of a record not dmutex's."""
+    said = str(error)
+    if FOREIGN not in said:
+        return None
+    name = said[said.find("DMUTEX ") + 7 : said.find(f" {FOREIGN}")]
+    return DMutexError(f"{name!r} {FOREIGN}: dmutex leaves it alone")
 
 
 def _grant(reply: object, last: int) -> tuple[int, int, int]:
@@ -253,6 +264,12 @@ class RedisStore:
         one succeeds (at most ``max_permits``), no fence and no wake-up.
         Raises before any request when ``fencing=True`` cannot be met.
         """
+        if self._permits == 1 and (waiter is None or self._blockers is None):
+            # The mutex's own script: nothing of the semaphore, no waiter to
+            # register (a waiter that cannot be woken registers nowhere).
+            slot = f"{self._prefix}permit:0:{key}"
+            counter = self._counter(key, [[slot]])
+            return self._acquire_mutex(key, token, ttl_ms, (slot, counter) if counter else (slot,))
         groups = self._groups(key)
         counter = self._counter(key, groups)
         holders = None if self._permits == 1 else self._holders(key, groups)
@@ -264,6 +281,23 @@ class RedisStore:
             records = ([counter, holders], "fence+holders") if counter else ([holders], "holders")
         wakes = self._wakes(key, groups) if waiter is not None else []
         return self._acquire(key, token, ttl_ms, groups, records, waiter if wakes else None, wakes)
+
+    def _acquire_mutex(
+        self, key: str, token: str, ttl_ms: int, keys: tuple[str, ...]
+    ) -> Steps[Lease | None]:
+        expires = now_ms(self._clock) + ttl_ms
+        try:
+            reply = yield from self._run(MUTEX_ACQUIRE, keys, (token, ttl_ms))
+        except Exception as error:
+            clear = _foreign(error)
+            if clear is None:
+                raise
+            raise clear from error
+        counted = len(keys) > 1
+        fence = _as_int(reply, 0, 2**63 - 1 if counted else 1)
+        if fence == 0:
+            return None
+        return Lease(key, token, 0, expires, fence if counted else None)
 
     def _acquire(
         self,
@@ -291,11 +325,10 @@ class RedisStore:
             try:
                 reply = yield from self._run(ACQUIRE, keys, args)
             except Exception as error:
-                said = str(error)
-                if FOREIGN in said:
-                    name = said[said.find("DMUTEX ") + 7 : said.find(f" {FOREIGN}")]
-                    raise DMutexError(f"{name!r} {FOREIGN}: dmutex leaves it alone") from error
-                raise
+                clear = _foreign(error)
+                if clear is None:
+                    raise
+                raise clear from error
             position, fence, left = _grant(reply, len(group) - 1)
             if position >= 0:
                 if waiter is not None:
@@ -401,7 +434,13 @@ class RedisStore:
 
     def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
         """Delete the slot key that holds ``token`` and wake a waiter, in one atomic script."""
-        return (yield from self._holder(RELEASE, key, slot, (token,), wake=True))
+        if self._permits == 1:
+            name = f"{self._prefix}permit:0:{key}"
+            return self._release_mutex((name, *self._wakes(key, [[name]])), token)
+        return self._holder(RELEASE, key, slot, (token,), wake=True)
+
+    def _release_mutex(self, keys: tuple[str, ...], token: str) -> Steps[bool]:
+        return _as_int((yield from self._run(MUTEX_RELEASE, keys, (token,))), 0, 1) == 1
 
     def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
         """Set the expiry of the slot key that holds ``token`` to now + ttl."""
