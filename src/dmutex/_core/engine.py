@@ -99,11 +99,25 @@ class Engine:
         Called before any generator of the operation runs: a store refuses
         here a key it cannot serve as configured (rule 3).
         """
-        token = new_token()
+        if waiter is None:
+            token = new_token()
+        elif waiter.token:
+            token = waiter.token
+        else:
+            # One token for every attempt of a retrying acquire: a store may
+            # send an attempt ahead with a wait (waiting rule 6), and a copy
+            # of any attempt is then recognised by the next (store rule 3).
+            token = waiter.token = new_token()
+            waiter.ttl_ms = ttl_ms
         return key, token, ttl_ms, self._store.acquire(key, token, ttl_ms, waiter)
 
     def _attempt(
-        self, key: str, token: str, ttl_ms: int, steps: Steps[Lease | None]
+        self,
+        key: str,
+        token: str,
+        ttl_ms: int,
+        steps: Steps[Lease | None],
+        waiter: Waiter | None = None,
     ) -> Steps[Lease | None]:
         # Taken before the first request: the grant's deadline counts from
         # no later than the server set its expiry (renewal rule 1).
@@ -118,6 +132,10 @@ class Engine:
             with contextlib.suppress(Exception):
                 yield from completing(self._store.release(key, token, None))
             raise
+        if waiter is not None and waiter.sent is not None:
+            # The store answered from an attempt it sent with the wait before
+            # (waiting rule 6): that request went out earlier.
+            sent, waiter.sent = min(sent, waiter.sent), None
         if lease is not None:
             lease.ttl_ms = ttl_ms
             renewal.confirm(lease, sent, ttl_ms)
@@ -146,15 +164,28 @@ class Engine:
         timeout: float,
         retry_delay: float,
     ) -> Steps[Lease | None]:
-        key, _, ttl_ms, _ = request = first
+        key, token, ttl_ms, _ = request = first
         deadline = self.clock.monotonic() + timeout
         while True:
-            lease = yield from self._attempt(*request)
+            lease = yield from self._attempt(*request, waiter)
             remaining = deadline - self.clock.monotonic()
             if lease is not None or remaining <= 0 or waiter is None:
                 return lease
             seconds = waiting.next_wait(retry_delay, remaining, waiter.expires_in)
-            yield from self._store.wait(key, waiter, seconds)
+            # What an attempt sent ahead with the wait is (waiting rule 6):
+            # the last, unless a release ends the wait early.
+            waiter.last = seconds >= remaining
+            try:
+                yield from self._store.wait(key, waiter, seconds)
+            except GeneratorExit:
+                raise  # closed: no effect may be yielded any more
+            except BaseException:
+                # Rule 6: the wait may have carried an attempt that took a
+                # permit before its reply was lost; the token holds nothing else.
+                waiter.ahead = None
+                with contextlib.suppress(Exception):
+                    yield from completing(self._store.release(key, token, None))
+                raise
             waiter.last = deadline - self.clock.monotonic() <= 0
             request = self._request(key, ttl_ms, waiter)
 

@@ -23,6 +23,13 @@ Rules of this module:
 5. The policy is here, the mechanism is the store's: a store registers a
    :class:`Waiter` when its attempt fails and yields the wait itself
    (``Store.wait``), as a blocking request or a :class:`Wakeup` to wait on.
+6. A store may send the next attempt with the wait, in the same round trip
+   (Redis: ``BLPOP`` and the acquire script pipelined, so that the server
+   runs the attempt the moment the release wakes the waiter). It keeps the
+   answer as the waiter's :class:`Ahead`, and the attempt the engine asks
+   for next is that one: it was sent with the acquire's one token, before
+   the wait, so its deadline counts from then (renewal rule 1), and a lost
+   reply is found by the next attempt, as any re-sent copy is.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import random
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+from .lease import Lease
 
 # How long past its wait a waiter's registration outlives it on a server: the
 # time between the failed attempt's reply and the blocking request reaching
@@ -96,6 +105,20 @@ class Wakeup:
                 self._listeners.remove(listener)
 
 
+@dataclass(frozen=True, slots=True)
+class Ahead:
+    """An attempt a store sent with a wait (rule 6): its answer, and when it was sent.
+
+    ``error`` is what the attempt raised, for the engine's next attempt to
+    raise; ``sent`` is on the store's monotonic clock, taken before the
+    request that carried the wait and the attempt went out.
+    """
+
+    lease: Lease | None
+    error: Exception | None
+    sent: float
+
+
 @dataclass(slots=True, eq=False)
 class Waiter:
     """One retrying acquire, as the store sees it between its attempts.
@@ -109,6 +132,12 @@ class Waiter:
     4: if the attempt after it fails, the next wait starts with a pause).
     ``registered_at`` is when (on the store's monotonic clock) the store
     last registered it, so that it need not on every attempt.
+
+    ``token`` and ``ttl_ms`` are the acquire's, the same for every attempt
+    (the engine sets them), so that a store can send an attempt ahead with
+    a wait (rule 6); ``ahead`` is that attempt until the engine's next
+    attempt takes it, and ``sent`` the send time of the attempt the store
+    answered last from ``ahead`` (the engine's deadline counts from it).
     """
 
     window_ms: int
@@ -119,6 +148,10 @@ class Waiter:
     expires_in: float | None = None
     woken: bool = False
     registered_at: float = 0.0
+    token: str = ""
+    ttl_ms: int = 0
+    ahead: Ahead | None = None
+    sent: float | None = None
 
 
 def waiter(retry_delay: float) -> Waiter:

@@ -44,12 +44,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from ..._clock import Clock, SystemClock
 from ..._core.abc import Holder, Inspection, Renewed
 from ..._core.effects import Call, Sleep, Steps
 from ..._core.lease import MAX_EXPIRY_MS, Lease, now_ms
-from ..._core.waiting import Waiter, lost_pause
+from ..._core.waiting import Ahead, Waiter, lost_pause
 from ..._errors import DMutexError, InvalidArgumentError
 from ..blocking import REFRESH, Blockers
 from ..cluster import hash_slot, same_hash_slot
@@ -70,6 +71,19 @@ from .scripts import (
 from .waits import MIN_BLOCK, TICK, block_budget
 
 __all__ = ["RedisStore"]
+
+# An attempt goes ahead with a block (waiting rule 6) only while the block is
+# at most this share of the lease's TTL: the grant's deadline counts from
+# before the block, and so may lose up to that share of the lease.
+AHEAD_SHARE = 20
+
+
+class _Pipeline(Protocol):
+    """What the waits use of a client's ``pipeline(transaction=False)`` (redis-py's shape)."""
+
+    def execute_command(self, *args: object) -> object: ...
+
+    def execute(self, raise_on_error: bool = ...) -> object: ...
 
 
 def _is_noscript(error: BaseException) -> bool:
@@ -93,6 +107,15 @@ def _foreign(error: Exception) -> DMutexError | None:
         return None
     name = said[said.find("DMUTEX ") + 7 : said.find(f" {FOREIGN}")]
     return DMutexError(f"{name!r} {FOREIGN}: dmutex leaves it alone")
+
+
+def _answered(ahead: Ahead, waiter: Waiter) -> Steps[Lease | None]:
+    """The steps of an attempt answered already: no request; its send time for the engine."""
+    yield from ()
+    waiter.sent = ahead.sent
+    if ahead.error is not None:
+        raise ahead.error
+    return ahead.lease
 
 
 def _grant(reply: object, last: int) -> tuple[int, int, int]:
@@ -165,6 +188,11 @@ class RedisStore:
             self._execute = method(client, "execute_command")
         else:
             self._eval = method(client, "eval")
+        # A waiter's next attempt rides with its block where the client can
+        # pipeline; a cluster client's pipeline is another machine, left alone.
+        self._pipeline: Callable[..., _Pipeline] | None = None
+        if self._execute is not None and not self._cluster and defines(client, "pipeline"):
+            self._pipeline = getattr(client, "pipeline", None)
         self._clock = clock
         # Waiters block (BLPOP) only where that is safe: a command client
         # on the system clock, with connections to spare.
@@ -264,23 +292,36 @@ class RedisStore:
         one succeeds (at most ``max_permits``), no fence and no wake-up.
         Raises before any request when ``fencing=True`` cannot be met.
         """
+        if waiter is not None and waiter.ahead is not None and token == waiter.token:
+            # Sent with the wait before this attempt (waiting rule 6): answered already.
+            ahead, waiter.ahead = waiter.ahead, None
+            return _answered(ahead, waiter)
         if self._permits == 1 and (waiter is None or self._blockers is None):
             # The mutex's own script: nothing of the semaphore, no waiter to
             # register (a waiter that cannot be woken registers nowhere).
             slot = f"{self._prefix}permit:0:{key}"
             counter = self._counter(key, [[slot]])
             return self._acquire_mutex(key, token, ttl_ms, (slot, counter) if counter else (slot,))
+        groups, records, wakes = self._plan(key, waiter is not None)
+        return self._acquire(key, token, ttl_ms, groups, records, waiter if wakes else None, wakes)
+
+    def _plan(
+        self, key: str, waiting: bool
+    ) -> tuple[list[list[str]], tuple[list[str], str], list[str]]:
+        """The acquire script's keys for ``key``: slot key groups, extra records, waiting records.
+
+        The extra records come as KEYS and as ARGV names them; the waiting
+        records only for an attempt that ``waiting`` and whose waiter can be woken.
+        """
         groups = self._groups(key)
         counter = self._counter(key, groups)
         holders = None if self._permits == 1 else self._holders(key, groups)
-        # The extra records, as KEYS and as ARGV names them.
         records: tuple[list[str], str]
         if holders is None:
             records = ([counter], "fence") if counter else ([], "-")
         else:
             records = ([counter, holders], "fence+holders") if counter else ([holders], "holders")
-        wakes = self._wakes(key, groups) if waiter is not None else []
-        return self._acquire(key, token, ttl_ms, groups, records, waiter if wakes else None, wakes)
+        return groups, records, self._wakes(key, groups) if waiting else []
 
     def _acquire_mutex(
         self, key: str, token: str, ttl_ms: int, keys: tuple[str, ...]
@@ -312,13 +353,10 @@ class RedisStore:
         expires = now_ms(self._clock) + ttl_ms
         extra, kinds = records
         args: tuple[object, ...] = (token, ttl_ms) if not extra else (token, ttl_ms, kinds)
+        started, window = 0.0, 0
         if waiter is not None:
             started = self._clock.monotonic()
-            window = 0 if waiter.last else waiter.window_ms
-            if window and waiter.registered and started - waiter.registered_at < REFRESH:
-                window = -1  # registered a moment ago: no need to again
-            registered = "1" if waiter.registered else "0"
-            args = (token, ttl_ms, kinds, waiter.name, window, registered)
+            args, window = self._waiting_args(token, ttl_ms, kinds, waiter, started)
         first = 0
         for group in groups:
             keys = [*group, *extra, *wakes]
@@ -329,17 +367,45 @@ class RedisStore:
                 if clear is None:
                     raise
                 raise clear from error
-            position, fence, left = _grant(reply, len(group) - 1)
-            if position >= 0:
-                if waiter is not None:
-                    waiter.registered = False
-                return Lease(key, token, first + position, expires, fence or None)
+            lease = self._granted(reply, key, token, expires, group, first, waiter, started, window)
+            if lease is not None:
+                return lease
             first += len(group)
+        return None
+
+    def _waiting_args(
+        self, token: str, ttl_ms: int, kinds: str, waiter: Waiter, started: float
+    ) -> tuple[tuple[object, ...], int]:
+        """The acquire script's ARGV for an attempt of ``waiter``, and its registration window."""
+        window = 0 if waiter.last else waiter.window_ms
+        if window and waiter.registered and started - waiter.registered_at < REFRESH:
+            window = -1  # registered a moment ago: no need to again
+        registered = "1" if waiter.registered else "0"
+        return (token, ttl_ms, kinds, waiter.name, window, registered), window
+
+    def _granted(
+        self,
+        reply: object,
+        key: str,
+        token: str,
+        expires: int,
+        group: list[str],
+        first: int,
+        waiter: Waiter | None,
+        started: float,
+        window: int,
+    ) -> Lease | None:
+        """The lease an acquire script's ``reply`` grants, if any; a waiter's state follows it."""
+        position, fence, left = _grant(reply, len(group) - 1)
+        if position >= 0:
             if waiter is not None:
-                waiter.registered = not waiter.last
-                if window > 0:
-                    waiter.registered_at = started
-                waiter.expires_in = (left + 1) / 1000 if left >= 0 else None
+                waiter.registered = False
+            return Lease(key, token, first + position, expires, fence or None)
+        if waiter is not None:
+            waiter.registered = not waiter.last
+            if window > 0:
+                waiter.registered_at = started
+            waiter.expires_in = (left + 1) / 1000 if left >= 0 else None
         return None
 
     def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
@@ -378,14 +444,28 @@ class RedisStore:
             yield Sleep(seconds)
             return
         assert self._execute is not None  # blocking needs a command client
+        signal = f"{self._prefix}signal:{key}"
+        ahead = self._ahead(key, waiter, block)
+        expires = now_ms(self._clock) + waiter.ttl_ms
         started = self._clock.monotonic()
         failed = False
         try:
-            reply = yield Call(
-                self._execute, ("BLPOP", f"{self._prefix}signal:{key}", f"{block:.3f}")
-            )
+            if ahead is None:
+                reply = yield Call(self._execute, ("BLPOP", signal, f"{block:.3f}"))
+            else:
+                group, keys, args, window = ahead
+                replies = yield Call(self._send_ahead, (signal, f"{block:.3f}", keys, args))
+                if not isinstance(replies, (list, tuple)) or len(replies) != 2:
+                    raise DMutexError(f"unexpected reply from Redis: {replies!r}")
+                reply = replies[0]
+                answer = replies[1]
+                waiter.ahead = self._ahead_answer(
+                    answer, key, group, waiter, expires, started, window
+                )
         except Exception:  # noqa: BLE001 - the wait degrades to sleeping, rule 3 of waiting.py
-            failed = True
+            # An attempt that went ahead may have taken a permit: the next
+            # attempt, with the same token, finds it (rule 3 of scripts.py).
+            failed, waiter.ahead = True, None
         else:
             waiter.woken = reply is not None
         finally:
@@ -393,6 +473,65 @@ class RedisStore:
         rest = seconds - (self._clock.monotonic() - started)
         if failed and rest > 0:
             yield Sleep(rest)
+
+    def _ahead(
+        self, key: str, waiter: Waiter, block: float
+    ) -> tuple[list[str], list[str], tuple[object, ...], int] | None:
+        """The acquire request to send with a block of ``block`` s (waiting rule 6), or None.
+
+        Its slot keys, all its keys, its arguments and its registration window.
+
+        Only on a client that pipelines, for an acquire whose token the
+        engine fixed, and for a block short beside the TTL (AHEAD_SHARE).
+        """
+        if self._pipeline is None or not waiter.token or block * 1000 * AHEAD_SHARE > waiter.ttl_ms:
+            return None
+        groups, (extra, kinds), wakes = self._plan(key, True)
+        if len(groups) != 1 or not wakes:
+            return None
+        started = self._clock.monotonic()
+        args, window = self._waiting_args(waiter.token, waiter.ttl_ms, kinds, waiter, started)
+        return groups[0], [*groups[0], *extra, *wakes], args, window
+
+    def _send_ahead(
+        self, signal: str, block: str, keys: list[str], args: tuple[object, ...]
+    ) -> object:
+        """``BLPOP``, then the acquire script, pipelined: the attempt runs as the block ends.
+
+        One round trip; the client's connection is blocked for both, so the
+        attempt runs right after the block, before this client reads a
+        byte. Errors come back as values (``raise_on_error=False``).
+        """
+        assert self._pipeline is not None
+        pipe = self._pipeline(transaction=False)
+        pipe.execute_command("BLPOP", signal, block)
+        pipe.execute_command("EVALSHA", ACQUIRE.sha, len(keys), *keys, *args)
+        return pipe.execute(raise_on_error=False)
+
+    def _ahead_answer(
+        self,
+        reply: object,
+        key: str,
+        group: list[str],
+        waiter: Waiter,
+        expires: int,
+        sent: float,
+        window: int,
+    ) -> Ahead | None:
+        """What the attempt sent ahead answered, for the next attempt to return; None: ask again.
+
+        A server that had not cached the script answered NOSCRIPT, and the
+        next attempt asks again (``_run`` falls back to ``EVAL``).
+        """
+        if isinstance(reply, Exception):
+            if _is_noscript(reply):
+                return None
+            return Ahead(None, _foreign(reply) or reply, sent)
+        try:
+            lease = self._granted(reply, key, waiter.token, expires, group, 0, waiter, sent, window)
+        except DMutexError as error:
+            return Ahead(None, error, sent)
+        return Ahead(lease, None, sent)
 
     def _holder(
         self,
