@@ -106,12 +106,40 @@ def cycles(
     ttl_s: float,
 ) -> dict[str, Batch]:
     """The contenders on ``client`` and ``aclient``; the 63 held permits are left to the caller."""
-    mutex = DMutex(f"bench-{run_id}", client, default_ttl_seconds=ttl_s)
     sem64 = DSemaphore(f"bench64-{run_id}", client, max_permits=64, default_ttl_seconds=ttl_s)
     sem1 = DSemaphore(f"bench1-{run_id}", client, max_permits=1, default_ttl_seconds=ttl_s)
     held = [sem64.acquire("k", ttl=HOLDER_TTL_S) for _ in range(63)]
     if None in held:
         raise BenchmarkError("could not take the 63 held semaphore permits")
+
+    def acquire(sem: DSemaphore, slot: int) -> Batch:
+        def run(n: int) -> list[int]:
+            samples, clock = [0] * n, time.perf_counter_ns
+            for i in range(n):
+                start = clock()
+                permit: DSemaphorePermit | None = sem.acquire("k")
+                samples[i] = clock() - start
+                if permit is None or permit.slot != slot or not permit.release():
+                    raise BenchmarkError(f"semaphore: acquire did not get the free slot {slot}")
+            return samples
+
+        return run
+
+    mutexes = mutex_cycles(client, aclient, loop, run_id, ttl_s)
+    order = ("dmutex", "redis-py", "raw", "sem-64", "sem-1", "dmutex-async", "raw-async")
+    found = mutexes | {"sem-64": acquire(sem64, 63), "sem-1": acquire(sem1, 0)}
+    return {name: found[name] for name in order}
+
+
+def mutex_cycles(
+    client: redis.Redis,
+    aclient: redis.asyncio.Redis,
+    loop: asyncio.AbstractEventLoop,
+    run_id: str,
+    ttl_s: float,
+) -> dict[str, Batch]:
+    """The lock cycles: ``dmutex``, ``redis-py``, ``raw``, ``dmutex-async``, ``raw-async``."""
+    mutex = DMutex(f"bench-{run_id}", client, default_ttl_seconds=ttl_s)
     sha = str(client.script_load(RAW_RELEASE))
     # redis-py leaves execute_command unannotated; its reply is any RESP value.
     execute: Callable[..., object] = client.execute_command
@@ -149,25 +177,10 @@ def cycles(
         if not taken or await aexecute("EVALSHA", sha, 1, raw_key, token) != 1:
             raise BenchmarkError("raw-async: uncontended SET NX / compare-and-delete failed")
 
-    def acquire(sem: DSemaphore, slot: int) -> Batch:
-        def run(n: int) -> list[int]:
-            samples, clock = [0] * n, time.perf_counter_ns
-            for i in range(n):
-                start = clock()
-                permit: DSemaphorePermit | None = sem.acquire("k")
-                samples[i] = clock() - start
-                if permit is None or permit.slot != slot or not permit.release():
-                    raise BenchmarkError(f"semaphore: acquire did not get the free slot {slot}")
-            return samples
-
-        return run
-
     return {
         "dmutex": timed(dmutex),
         "redis-py": timed(redis_py),
         "raw": timed(raw),
-        "sem-64": acquire(sem64, 63),
-        "sem-1": acquire(sem1, 0),
         "dmutex-async": timed_async(loop, dmutex_async),
         "raw-async": timed_async(loop, raw_async),
     }
