@@ -630,6 +630,24 @@ def contended(spec: Spec, processes: int, cycles: int) -> Contended:
     )
 
 
+def contend_in_turns(
+    spec: Callable[[str, str], Spec], kinds: Sequence[str], args: argparse.Namespace
+) -> dict[str, list[Contended]]:
+    """Each of ``kinds`` contended, in ``args.contended_rounds`` rounds in which they take turns.
+
+    ``spec(kind, part)``: the variant's spec, under names of its own for
+    ``part`` (the round); ``args``: ``processes``, ``cycles`` (per process,
+    over all rounds), ``contended_rounds``.
+    """
+    contention: dict[str, list[Contended]] = {kind: [] for kind in kinds}
+    per_round = max(1, args.cycles // args.contended_rounds)
+    for r in range(args.contended_rounds):
+        for kind in kinds:
+            harness.progress(f"contended: {kind}, round {r + 1}")
+            contention[kind].append(contended(spec(kind, f"ct{r}"), args.processes, per_round))
+    return contention
+
+
 # --- 3. what waiting costs the server -------------------------------------------------
 
 
@@ -882,12 +900,7 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
     alone = solo_releases(spec(DMUTEX, "trs"), count, warm, slowlog=not args.url)[1]
     found["traced"] = print_steps(traced, alone.get("release"))
 
-    contention: dict[str, list[Contended]] = {kind: [] for kind in CONTENDED_KINDS}
-    per_round = max(1, args.cycles // args.contended_rounds)
-    for r in range(args.contended_rounds):
-        for kind in CONTENDED_KINDS:
-            harness.progress(f"contended: {kind}, round {r + 1}")
-            contention[kind].append(contended(spec(kind, f"ct{r}"), args.processes, per_round))
+    contention = contend_in_turns(spec, CONTENDED_KINDS, args)
     found["contended"] = print_contended(contention, args)
 
     waiting_runs = [

@@ -97,6 +97,19 @@ def redis_servers(versions: Sequence[str]) -> Generator[tuple[str, str], None, N
             source.stop()
 
 
+def one_redis(preferred: str) -> list[str]:
+    """``[preferred]`` when the test harness finds that Redis version, else the newest it finds.
+
+    For a benchmark that runs on one server unless ``--redis`` names others;
+    ``[]`` (every server: :func:`redis_servers` then says why there is none) when it finds none.
+    """
+    _test_harness()
+    from tests._support.redis_servers import discovered
+
+    found = [label.removeprefix("redis-") for label in discovered().labels]
+    return [preferred] if preferred in found else found[-1:]
+
+
 def _test_harness() -> None:
     if str(ROOT) not in sys.path:  # run as a script: sys.path[0] is benchmarks/
         sys.path.insert(0, str(ROOT))
