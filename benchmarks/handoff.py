@@ -597,9 +597,10 @@ class Contended:
             max(self.peak, other.peak),
         )
 
-    def longest_waits_ms(self) -> list[float]:
-        """Each process's longest acquire, ms (a round's processes, then the next round's)."""
-        return [max(ns) / 1e6 for ns in self.waits.rounds if ns]
+    def longest_waits_ms(self) -> tuple[float, float]:
+        """The least and the most of each process's longest acquire (ms; every round's)."""
+        longest = [max(ns) / 1e6 for ns in self.waits.rounds if ns]
+        return min(longest), max(longest)
 
 
 def calls(client: redis.Redis) -> dict[str, int]:
@@ -855,12 +856,12 @@ def print_contended(
         [c.kind, c.wall_s, c.expected / c.wall_s, f"{c.counter}/{c.expected}", c.peak, c.switches]
         + [c.per_cycle(name) for name in CONTENDED_COMMANDS]
         + [c.waits.us("p50") / 1000, c.waits.us("p99") / 1000, c.waits.us("max") / 1000]
-        + [c.longest_streak, " / ".join(f"{ms:.0f}" for ms in c.longest_waits_ms())]
+        + [c.longest_streak, "{:.1f} .. {:.1f}".format(*c.longest_waits_ms())]
         for c in runs.values()
     ]
     head = ["variant", "wall s", "cycles/s", "counter", "most holding", "hand-offs"]
     head += [f"{name.upper()} / cycle" for name in CONTENDED_COMMANDS]
-    head += ["acquire p50 ms", "p99 ms", "max ms", "longest streak", "each process's max ms"]
+    head += ["acquire p50 ms", "p99 ms", "max ms", "longest streak", "processes' max ms"]
     title = (
         f"{heading}: {args.processes} processes x {args.cycles} cycles (acquire/GET/SET/release)"
     )
@@ -868,7 +869,8 @@ def print_contended(
         head,
         rows,
         f"{title} in {args.contended_rounds} round(s); INFO commandstats calls per cycle; "
-        "most holding: processes between acquire and release at once",
+        "most holding: processes between acquire and release at once; processes' max: the "
+        "least and the most of their longest acquires",
     )
     walls = {
         kind: Figures([[round(c.wall_s * 1e9)] for c in rounds])

@@ -38,13 +38,15 @@ printing its own tables:
    own: ``INFO commandstats`` calls (which count every command a script
    runs as well as the ``EVALSHA``) and requests (round trips, every one
    the client sent timestamped by ``harness.trace_requests``).
-4. Contended: ``handoff.py``'s part 2, ``--processes`` processes x
+4. Contended: ``handoff.py``'s part 2, ``--contended-rounds`` rounds in
+   which the variants take turns, each round ``--processes`` processes x
    ``--contended-cycles`` cycles of acquire (blocking) / ``GET`` counter /
-   ``SET`` counter + 1 / release on one key, in ``--contended-rounds``
-   rounds in which the variants take turns; wall time, the counter (exact
-   for a mutex; not for the semaphore, whose 3 holders at once race on
-   it), the most processes holding at once, fairness: the longest streak
-   of one process's acquires and each process's longest acquire.
+   ``SET`` counter + 1 / release on one key; wall time (the summary gives
+   the median of the rounds, the targets the median of the rounds'
+   ratios), the counter (exact for a mutex; not for the semaphore, whose 3
+   holders at once race on it), the most processes holding at once,
+   fairness: the longest streak of one process's acquires and each
+   process's longest acquire.
 5. Hand-off to a blocked waiter: ``handoff.py``'s part 1, two processes
    ping-ponging one key, ``--handoffs`` each for the variants that wait by
    ``BLPOP`` (dmutex, dmutex-async, python-redis-lock and the semaphore,
@@ -105,9 +107,9 @@ COLUMNS = {  # contender: its column in the summary
 }
 CONTENDED = (DMUTEX, DMUTEX_ASYNC, REDIS_PY, PRL, SEMAPHORE)
 OPTIONS = {  # name: (default, under --quick)
-    "cycles": (2000, 300), "rounds": (5, 2), "chunk": (100, 100), "warmup": (300, 50),
+    "cycles": (2000, 300), "rounds": (7, 2), "chunk": (100, 100), "warmup": (300, 50),
     "counted": (500, 50), "processes": (4, 4), "contended_cycles": (500, 40),
-    "contended_rounds": (2, 1), "handoffs": (200, 20), "polled_handoffs": (60, 6),
+    "contended_rounds": (5, 1), "handoffs": (300, 20), "polled_handoffs": (60, 6),
 }  # fmt: skip
 
 
@@ -345,9 +347,9 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
         def spec(kind: str, part: str) -> handoff.Spec:
             return handoff.Spec(kind, url, f"peers-{part}-{kind}-{run_id}", permits=PERMITS)
 
-        contention_args = argparse.Namespace(
+        contention_args = argparse.Namespace(  # each round: --contended-cycles a process
             processes=args.processes,
-            cycles=args.contended_cycles,
+            cycles=args.contended_cycles * args.contended_rounds,
             contended_rounds=args.contended_rounds,
         )
         contention = handoff.contend_in_turns(spec, CONTENDED, contention_args)
@@ -357,9 +359,10 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
         handed = handoff.print_handoffs(passed, None, "5. Hand-off")
     finally:
         harness.delete_keys(url, f"*{run_id}*")  # holders, fence counters, counters
-    runs = cast(dict[str, Contended], contended["runs"])
-    summary = summarize(found, counts, runs, {r.kind: r for r in passed}, args)
-    targets = check(found, runs, {r.kind: r for r in passed})
+    runs = cast(dict[str, Contended], contended["runs"])  # the rounds together
+    walls = cast(dict[str, Figures], contended["walls"])  # ns, a round each
+    summary = summarize(found, counts, (runs, walls), {r.kind: r for r in passed}, args)
+    targets = check(found, (runs, walls), {r.kind: r for r in passed})
     harness.targets_table(targets)
     wrong = [c.kind for c in runs.values() if c.kind != SEMAPHORE and c.counter != c.expected]
     if wrong:
@@ -382,14 +385,19 @@ def median_ratio(part: Part, name: str) -> float:
     return part.ratios[f"{name} / {baseline(name)}, ops/s"].median
 
 
+Contention = tuple[dict[str, Contended], dict[str, Figures]]
+"""Each contended variant's rounds together, and its wall times (ns, a round each)."""
+
+
 def summarize(
     found: dict[str, Part],
     counts: dict[str, dict[str, Counts]],
-    runs: dict[str, Contended],
+    contention: Contention,
     passed: dict[str, HandOffs],
     args: argparse.Namespace,
 ) -> list[list[object]]:
     """Print and return the issue's table: a row a figure, a column a contender."""
+    runs, walls = contention
 
     def row(label: str, value: Callable[[str], object | None]) -> list[object]:
         return [label, *(value(name) for name in COLUMNS)]
@@ -406,7 +414,8 @@ def summarize(
         )
 
     cycle, failed = found["cycle"], found["failed"]
-    load = f"{args.processes} processes x {args.contended_cycles}"
+    load = f"{args.processes} processes x {args.contended_cycles} cycles"
+    rounds = f"median of {args.contended_rounds}" if args.contended_rounds > 1 else "1 round"
     rows = [
         row("cycle (acquire + release), ops/s", lambda n: cycle.figures[n].ops_per_s),
         row("cycle, x raw (ops/s, median of rounds)", lambda n: median_ratio(cycle, n)),
@@ -416,8 +425,11 @@ def summarize(
         row("failed acquire, x raw SET NX (ops/s, median)", lambda n: median_ratio(failed, n)),
         row("server commands per failed acquire", lambda n: counts["failed"][n].total),
         row("requests per failed acquire", lambda n: counts["failed"][n].requests),
-        row(f"contended, {load} cycles, wall s", contended(lambda c: c.wall_s)),
-        row("contended: counter", contended(lambda c: f"{c.counter}/{c.expected}")),
+        row(
+            f"contended, {load}, wall s ({rounds})",
+            lambda n: walls[n].us("p50") / 1e6 if n in walls else None,
+        ),
+        row("contended: counter (all rounds)", contended(lambda c: f"{c.counter}/{c.expected}")),
         row("contended: most holding at once", contended(lambda c: c.peak)),
         row("contended: longest streak of one process", contended(lambda c: c.longest_streak)),
         row("contended: longest acquire, ms", contended(lambda c: c.waits.us("max") / 1000)),
@@ -434,12 +446,11 @@ def summarize(
 
 
 def check(
-    found: dict[str, Part],
-    runs: dict[str, Contended],
-    passed: dict[str, HandOffs],
+    found: dict[str, Part], contention: Contention, passed: dict[str, HandOffs]
 ) -> list[Target]:
-    """The issue's targets, from this run's figures."""
+    """The issue's targets, from this run's figures (ratios: medians of the rounds' ratios)."""
     cycle, failed = found["cycle"].ratios, found["failed"].ratios
+    runs, walls = contention
     prl_ratio = harness.ratio(
         {k: passed[k].latency for k in (DMUTEX, PRL)}, DMUTEX, PRL, "p50"
     ).pooled
@@ -459,7 +470,7 @@ def check(
         ),
         Target(
             "DMutex contended wall / redis-py Lock's",
-            runs[DMUTEX].wall_s / runs[REDIS_PY].wall_s,
+            harness.ratio(walls, DMUTEX, REDIS_PY, "mean").median,
             0.9,
             False,
         ),
@@ -478,7 +489,7 @@ def check(
         ),
         Target(
             "AsyncDMutex contended wall / DMutex's",
-            runs[DMUTEX_ASYNC].wall_s / runs[DMUTEX].wall_s,
+            harness.ratio(walls, DMUTEX_ASYNC, DMUTEX, "mean").median,
             1.2,
             False,
         ),
