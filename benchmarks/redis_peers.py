@@ -1,7 +1,7 @@
 """dmutex against its peers on Redis, every figure of one table in one run (issue 25).
 
-Run from the repository root (a report, not a test; about 4 minutes on 2
-cores, ``--quick``: about 30 seconds)::
+Run from the repository root (a report, not a test; about 2 minutes on 2
+cores, ``--quick``: about 15 seconds)::
 
     .venv/bin/python benchmarks/redis_peers.py
     .venv/bin/python benchmarks/redis_peers.py --quick
@@ -72,7 +72,6 @@ never held by more than 3 at once.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import os
 import sys
@@ -89,7 +88,7 @@ import redis_cycle
 import redis_lock
 from handoff import DMUTEX, DMUTEX_ASYNC, PRL, REDIS_PY, SEMAPHORE, Contended, HandOffs
 from harness import Batch, BenchmarkError, Figures, Target
-from redis_cycle import HOLDER_TTL_S, timed, timed_async
+from redis_cycle import HOLDER_TTL_S, Connections, connections, timed, timed_async
 
 from dmutex import AsyncDMutex, DMutex, DSemaphore
 
@@ -121,14 +120,9 @@ def baseline(name: str) -> str:
 # --- 1, 2. one process: the cycle and the failed acquire -------------------------------
 
 
-def one_process(
-    client: redis.Redis,
-    aclient: redis.asyncio.Redis,
-    loop: asyncio.AbstractEventLoop,
-    run_id: str,
-) -> tuple[dict[str, Batch], dict[str, Batch]]:
+def one_process(faces: Connections, run_id: str) -> tuple[dict[str, Batch], dict[str, Batch]]:
     """Each contender's cycle, and its refused acquire (the holders taken here, long TTLs)."""
-    cycles = redis_cycle.mutex_cycles(client, aclient, loop, run_id, TTL_S)
+    cycles, client = redis_cycle.mutex_cycles(faces, run_id, TTL_S), faces.client
     sem = DSemaphore(f"peers-sem-{run_id}", client, max_permits=PERMITS, default_ttl_seconds=TTL_S)
     prl_name = f"peers-prl-{run_id}"
 
@@ -144,16 +138,12 @@ def one_process(
             raise BenchmarkError("DSemaphore: uncontended acquire/release failed")
 
     cycles |= {PRL: timed(prl_cycle), SEMAPHORE: timed(sem_cycle)}
-    return {name: cycles[name] for name in COLUMNS}, refusals(client, aclient, loop, run_id)
+    return {name: cycles[name] for name in COLUMNS}, refusals(faces, run_id)
 
 
-def refusals(
-    client: redis.Redis,
-    aclient: redis.asyncio.Redis,
-    loop: asyncio.AbstractEventLoop,
-    run_id: str,
-) -> dict[str, Batch]:
+def refusals(faces: Connections, run_id: str) -> dict[str, Batch]:
     """Each contender's one attempt on a key held by another (taken here, for an hour)."""
+    client, aclient = faces.client, faces.aclient
     held_ms = math.ceil(HOLDER_TTL_S * 1000)
     ttl_ms = math.ceil(TTL_S * 1000)
     raw_key, name = f"_raw_refused-{run_id}", f"peers-refused-{run_id}"
@@ -185,7 +175,7 @@ def refusals(
             if await attempt():
                 raise BenchmarkError(f"{who}: took a key that another holds")
 
-        return timed_async(loop, once)
+        return timed_async(faces.loop, once)
 
     return {
         RAW: refused(RAW, lambda: execute("SET", raw_key, str(uuid.uuid4()), "PX", ttl_ms, "NX")),
@@ -226,31 +216,22 @@ class Counts:
 
 def counted(url: str, run_id: str, n: int) -> dict[str, dict[str, Counts]]:
     """Each contender of parts 1 and 2 alone, ``n`` times after a warm-up: what it sent."""
-    loop = asyncio.new_event_loop()
-    aclient = redis.asyncio.Redis.from_url(url, single_connection_client=True)
-    try:
-        with (
-            redis.Redis.from_url(url, single_connection_client=True) as client,
-            redis.Redis.from_url(url) as probe,
-        ):
-            logs = [harness.trace_requests(client), harness.trace_requests(aclient)]
-            cycles, failed = one_process(client, aclient, loop, run_id)
-            parts = {"cycle": cycles, "failed": failed}
-            found: dict[str, dict[str, Counts]] = {}
-            for part, contenders in parts.items():
-                found[part] = {}
-                for name, batch in contenders.items():
-                    batch(max(10, n // 10))  # scripts loaded, connections open
-                    before, sent = harness.server_counters(probe)[0], sum(map(len, logs))
-                    batch(n)
-                    after = harness.server_counters(probe)[0]
-                    requests = sum(map(len, logs)) - sent
-                    calls = {k: c - before.get(k, (0, 0))[0] for k, (c, _) in after.items()}
-                    commands = {k: c / n for k, c in calls.items() if c and k != "info"}
-                    found[part][name] = Counts(commands, requests / n)
-    finally:
-        loop.run_until_complete(aclient.aclose())
-        loop.close()
+    found: dict[str, dict[str, Counts]] = {}
+    with connections(url) as faces, redis.Redis.from_url(url) as probe:
+        # Before dmutex binds the clients' execute_command.
+        logs = [harness.trace_requests(faces.client), harness.trace_requests(faces.aclient)]
+        cycles, failed = one_process(faces, run_id)
+        for part, contenders in {"cycle": cycles, "failed": failed}.items():
+            found[part] = {}
+            for name, batch in contenders.items():
+                batch(max(10, n // 10))  # scripts loaded, connections open
+                before, sent = harness.server_counters(probe)[0], sum(map(len, logs))
+                batch(n)
+                after = harness.server_counters(probe)[0]
+                requests = sum(map(len, logs)) - sent
+                calls = {k: c - before.get(k, (0, 0))[0] for k, (c, _) in after.items()}
+                commands = {k: c / n for k, c in calls.items() if c and k != "info"}
+                found[part][name] = Counts(commands, requests / n)
     rows = [
         [part, name, c.total, c.requests, c.breakdown()]
         for part, contenders in found.items()
@@ -279,13 +260,7 @@ class Part:
 def interleaved(title: str, contenders: Mapping[str, Batch], args: argparse.Namespace) -> Part:
     """``contenders`` in interleaved rounds; their table and their ratios to raw, ops/s and p50."""
     harness.progress(title)
-    figures = harness.interleave(
-        contenders,
-        rounds=args.rounds,
-        per_round=args.cycles,
-        turn=args.chunk,
-        warmup=args.warmup,
-    )
+    figures = redis_cycle.interleaved(contenders, args)
     harness.figures_table(figures, title)
     pairs = [(name, baseline(name)) for name in COLUMNS if name != baseline(name)]
     pairs += [(DMUTEX, REDIS_PY), (DMUTEX, PRL)]
@@ -299,19 +274,12 @@ def timed_parts(url: str, run_id: str, args: argparse.Namespace) -> dict[str, Pa
         f"{args.warmup} warm-up, one connection per face",
         flush=True,
     )
-    loop = asyncio.new_event_loop()
-    aclient = redis.asyncio.Redis.from_url(url, single_connection_client=True)
-    try:
-        with redis.Redis.from_url(url, single_connection_client=True) as client:
-            cycles, failed = one_process(client, aclient, loop, run_id)
-            found: dict[str, Part] = {
-                "cycle": interleaved("1. Cycle: acquire + release, uncontended", cycles, args),
-                "failed": interleaved("2. Failed acquire: the key held", failed, args),
-            }
-    finally:
-        loop.run_until_complete(aclient.aclose())
-        loop.close()
-    return found
+    with connections(url) as faces:
+        cycles, failed = one_process(faces, run_id)
+        return {
+            "cycle": interleaved("1. Cycle: acquire + release, uncontended", cycles, args),
+            "failed": interleaved("2. Failed acquire: the key held", failed, args),
+        }
 
 
 def handoffs(url: str, run_id: str, args: argparse.Namespace) -> list[HandOffs]:
