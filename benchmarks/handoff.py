@@ -44,8 +44,11 @@ what waking gains. Each process has its own clients; processes start by
    in 1) / ``GET`` counter / ``SET`` counter + 1 / release on one key, the
    cycles split into ``--contended-rounds`` rounds in which the variants take
    turns; wall time from the start barrier to the last finish, the final
-   counter, how many acquires took the lock over from another process, how
-   long acquires took, and ``INFO commandstats`` calls per cycle.
+   counter, the most processes holding at once (from each acquire's return
+   to its release call, on the one clock), how many acquires took the lock
+   over from another process, the longest streak of one process's acquires,
+   how long acquires took (and each process's longest), and ``INFO
+   commandstats`` calls per cycle.
 3. Waiting cost: one process holds a key while 8 waiter processes wait for
    it; over 5 s, ``INFO commandstats`` calls (which count each command a
    script runs as well) and ``INFO cpu`` per waiter per second; over the
@@ -90,7 +93,7 @@ import redis_cycle
 import redis_lock
 from harness import BenchmarkError, Figures, Request, Target
 
-from dmutex import AsyncDMutex, DMutex
+from dmutex import AsyncDMutex, DMutex, DSemaphore
 
 LOCK_TTL_S = 30  # every lease and lock: none expires during a run
 WAIT_S = 30.0  # the blocking acquires' timeout
@@ -107,7 +110,9 @@ OPTIONS = {  # name: (default, under --quick)
 
 DMUTEX, DMUTEX_ASYNC, PRL = "dmutex", "dmutex-async", "python-redis-lock"
 REDIS_PY, POLLING = "redis-py", "dmutex-polling"
+SEMAPHORE = "dsemaphore"  # a DSemaphore of Spec.permits permits (redis_peers.py)
 WOKEN = (DMUTEX, DMUTEX_ASYNC, PRL)  # the variants whose waiters BLPOP: interleaved
+BLPOP_WAITERS = (*WOKEN, SEMAPHORE)  # every variant whose waiters BLPOP
 CONTENDED_KINDS = (DMUTEX, DMUTEX_ASYNC, REDIS_PY, PRL)
 CONTENDED_COMMANDS = ("evalsha", "blpop", "set", "get")
 WAKES_BY = {
@@ -116,6 +121,7 @@ WAKES_BY = {
     PRL: "BLPOP",
     REDIS_PY: "sleep 0.1 s",
     POLLING: "sleep U(.5,1)x0.1 s",
+    SEMAPHORE: "BLPOP",
 }
 
 Release = Callable[[], Awaitable[None]]
@@ -134,6 +140,7 @@ class Spec:
     key: str = "k"
     retry_delay: float = 0.1  # dmutex only; 0.1 is its default
     trace: bool = False  # timestamp every request of the lock's client
+    permits: int = 3  # SEMAPHORE only: its max_permits
 
     @property
     def counter(self) -> str:
@@ -159,8 +166,13 @@ class Locker:
         self.aclient = redis.asyncio.Redis.from_url(spec.url)
         traced = self.aclient if spec.kind == DMUTEX_ASYNC else self.client
         self.log = harness.trace_requests(traced) if spec.trace else []  # before dmutex binds it
+        self.mutex: DMutex | DSemaphore
         if spec.kind == DMUTEX_ASYNC:
             self.amutex = AsyncDMutex(spec.service, self.aclient, default_ttl_seconds=LOCK_TTL_S)
+        elif spec.kind == SEMAPHORE:
+            self.mutex = DSemaphore(
+                spec.service, self.client, max_permits=spec.permits, default_ttl_seconds=LOCK_TTL_S
+            )
         else:
             self.mutex = DMutex(spec.service, self.client, default_ttl_seconds=LOCK_TTL_S)
 
@@ -302,7 +314,7 @@ async def pingpong(schedule: Schedule, turns: range, peer: Connection | None) ->
                 # The waiter has been trying for MIN_HEAD_S: its first attempt failed.
                 if waited and (left := since + MIN_HEAD_S - clock()) > 0:
                     await asyncio.sleep(left)
-            if waited and held.spec.kind in WOKEN:
+            if waited and held.spec.kind in BLPOP_WAITERS:
                 probes = see_blocked(held)
             else:  # the same INFO call, so that every release follows one
                 held.blocked()
@@ -446,7 +458,9 @@ def handoffs(
                 latency=by_turn(pairs, lambda a, b: b.acquired - a.releasing),
                 release=by_turn(pairs, lambda a, _: a.released - a.releasing),
                 head_start_ms=min(a.releasing - b.called for a, b in pairs) * 1000,
-                unseen=sum(1 for a, _ in pairs if a.probes == 0) if spec.kind in WOKEN else 0,
+                unseen=(
+                    sum(1 for a, _ in pairs if a.probes == 0) if spec.kind in BLPOP_WAITERS else 0
+                ),
                 overlaps=sum(1 for a, b in pairs if b.acquired < a.releasing),
                 pairs=pairs,
                 # The server's figures are the whole run's, the variants' together.
@@ -519,16 +533,19 @@ def solo_releases(
 # --- 2. contended throughput ----------------------------------------------------------
 
 
-async def contend(
-    spec: Spec, cycles: int, barrier: Any
-) -> tuple[float, float, list[float], list[float]]:
+Span = tuple[float, float, list[float], list[float], list[float]]
+"""A contending process's start, end, and each cycle's acquire return, wait and release call."""
+
+
+async def contend(spec: Spec, cycles: int, barrier: Any) -> Span:
     """Run ``cycles`` cycles after the barrier.
 
-    Returns the start, the end, when each acquire returned and how long it took.
+    Returns the start, the end, when each acquire returned, how long it took
+    and when its release was called.
     """
     held = Locker(spec)
     clock = time.perf_counter
-    acquired, waited = [0.0] * cycles, [0.0] * cycles
+    acquired, waited, releasing = [0.0] * cycles, [0.0] * cycles, [0.0] * cycles
     try:
         await held.connect()
         barrier.wait(harness.WORKER_TIMEOUT_S)
@@ -539,8 +556,9 @@ async def contend(
             acquired[i] = clock()
             waited[i] = acquired[i] - called
             await held.increment()
+            releasing[i] = clock()
             await release()
-        return start, clock(), acquired, waited
+        return start, clock(), acquired, waited, releasing
     finally:
         await held.close()
 
@@ -557,7 +575,9 @@ class Contended:
     expected: int
     commands: dict[str, int]  # INFO commandstats calls over the run (script calls included)
     switches: int  # acquires that took the lock from another process (hand-offs)
-    waits: Figures  # ns: each acquire's duration
+    waits: Figures  # ns: each acquire's duration, a round per process
+    longest_streak: int  # the most acquires in a row by one process
+    peak: int  # the most processes holding at once (acquire returned .. release called)
 
     def per_cycle(self, name: str) -> float:
         return self.commands.get(name, 0) / self.expected
@@ -573,7 +593,14 @@ class Contended:
             commands | {n: c for n, c in other.commands.items() if n not in commands},
             self.switches + other.switches,
             Figures(self.waits.rounds + other.waits.rounds),
+            max(self.longest_streak, other.longest_streak),
+            max(self.peak, other.peak),
         )
+
+    def longest_waits_ms(self) -> tuple[float, float]:
+        """The least and the most of each process's longest acquire (ms; every round's)."""
+        longest = [max(ns) / 1e6 for ns in self.waits.rounds if ns]
+        return min(longest), max(longest)
 
 
 def calls(client: redis.Redis) -> dict[str, int]:
@@ -594,8 +621,32 @@ def contended(spec: Spec, processes: int, cycles: int) -> Contended:
     stamps = sorted((t, who) for who, span in enumerate(spans) for t in span[2])
     owners = [who for _, who in stamps]
     switches = sum(1 for a, b in itertools.pairwise(owners) if a != b)
-    waits = Figures([[round(w * 1e9) for span in spans for w in span[3]]])
-    return Contended(spec.kind, wall, counter, processes * cycles, commands, switches, waits)
+    streak = max(len(list(run)) for _, run in itertools.groupby(owners))
+    waits = Figures([[round(w * 1e9) for w in span[3]] for span in spans])
+    holding = [(t, 1) for span in spans for t in span[2]]
+    holding += [(t, -1) for span in spans for t in span[4]]
+    peak = max(itertools.accumulate(step for _, step in sorted(holding)))  # ties: -1 first
+    return Contended(
+        spec.kind, wall, counter, processes * cycles, commands, switches, waits, streak, peak
+    )
+
+
+def contend_in_turns(
+    spec: Callable[[str, str], Spec], kinds: Sequence[str], args: argparse.Namespace
+) -> dict[str, list[Contended]]:
+    """Each of ``kinds`` contended, in ``args.contended_rounds`` rounds in which they take turns.
+
+    ``spec(kind, part)``: the variant's spec, under names of its own for
+    ``part`` (the round); ``args``: ``processes``, ``cycles`` (per process,
+    over all rounds), ``contended_rounds``.
+    """
+    contention: dict[str, list[Contended]] = {kind: [] for kind in kinds}
+    per_round = max(1, args.cycles // args.contended_rounds)
+    for r in range(args.contended_rounds):
+        for kind in kinds:
+            harness.progress(f"contended: {kind}, round {r + 1}")
+            contention[kind].append(contended(spec(kind, f"ct{r}"), args.processes, per_round))
+    return contention
 
 
 # --- 3. what waiting costs the server -------------------------------------------------
@@ -703,7 +754,13 @@ async def hold(spec: Spec, label: str, waiters: int, seconds: float) -> Waiting:
 # --- the run --------------------------------------------------------------------------
 
 
-def print_handoffs(results: list[HandOffs], solo: Figures) -> dict[str, object]:
+def print_handoffs(
+    results: list[HandOffs], solo: Figures | None, heading: str = "1. Hand-off"
+) -> dict[str, object]:
+    """The hand-offs' table; ratios of each BLPOP variant's to python-redis-lock's.
+
+    ``solo``: dmutex's releases with nobody waiting, beside its releases with a waiter.
+    """
     latencies = ("p50", "p99", "mean", "max")
     rows = [
         [
@@ -719,16 +776,18 @@ def print_handoffs(results: list[HandOffs], solo: Figures) -> dict[str, object]:
     ]
     head = ["variant", "waits by", "median ms", "p99 ms", "mean ms", "max ms", "release p50 µs"]
     head += ["unseen", "overlaps", "head start ms"]
-    title = "1. Hand-off (holder's release call -> waiter holding); release: the holder's "
+    title = f"{heading} (holder's release call -> waiter holding); release: the holder's "
     harness.table(head, rows, title + "release() with the waiter blocked")
     dm = next(r for r in results if r.kind == DMUTEX)
-    print(
-        f"\ndmutex release() p50: {solo.us('p50'):.1f} µs with nobody waiting, "
-        f"{dm.release.us('p50'):.1f} µs with one waiter blocked (p99 {solo.us('p99'):.1f} / "
-        f"{dm.release.us('p99'):.1f})"
-    )
-    latency = {r.kind: r.latency for r in results if r.kind in WOKEN}
-    ratios = harness.ratio_table(latency, [(DMUTEX, PRL), (DMUTEX_ASYNC, PRL)], ("p50", "p99"))
+    if solo is not None:
+        print(
+            f"\ndmutex release() p50: {solo.us('p50'):.1f} µs with nobody waiting, "
+            f"{dm.release.us('p50'):.1f} µs with one waiter blocked (p99 {solo.us('p99'):.1f} / "
+            f"{dm.release.us('p99'):.1f})"
+        )
+    latency = {r.kind: r.latency for r in results if r.kind in BLPOP_WAITERS}
+    pairs = [(kind, PRL) for kind in latency if kind != PRL]
+    ratios = harness.ratio_table(latency, pairs, ("p50", "p99"))
     return {
         "handoffs": {
             r.kind: {
@@ -783,31 +842,41 @@ def print_steps(traced: list[HandOffs], alone: Figures | None) -> dict[str, obje
 
 
 def print_contended(
-    contention: dict[str, list[Contended]], args: argparse.Namespace
+    contention: dict[str, list[Contended]],
+    args: argparse.Namespace,
+    heading: str = "2. Contended",
 ) -> dict[str, object]:
+    """The contended runs' table (``args``: ``processes``, ``cycles``, ``contended_rounds``).
+
+    Also each one's fairness: the longest streak of one process's acquires, and
+    each process's longest acquire; the wall times' ratios to redis-py Lock's.
+    """
     runs = {kind: sum(rounds[1:], rounds[0]) for kind, rounds in contention.items()}
     rows = [
-        [c.kind, c.wall_s, c.expected / c.wall_s, f"{c.counter}/{c.expected}", c.switches]
+        [c.kind, c.wall_s, c.expected / c.wall_s, f"{c.counter}/{c.expected}", c.peak, c.switches]
         + [c.per_cycle(name) for name in CONTENDED_COMMANDS]
         + [c.waits.us("p50") / 1000, c.waits.us("p99") / 1000, c.waits.us("max") / 1000]
+        + [c.longest_streak, "{:.1f} .. {:.1f}".format(*c.longest_waits_ms())]
         for c in runs.values()
     ]
-    head = ["variant", "wall s", "cycles/s", "counter", "hand-offs"]
+    head = ["variant", "wall s", "cycles/s", "counter", "most holding", "hand-offs"]
     head += [f"{name.upper()} / cycle" for name in CONTENDED_COMMANDS]
-    head += ["acquire p50 ms", "p99 ms", "max ms"]
+    head += ["acquire p50 ms", "p99 ms", "max ms", "longest streak", "processes' max ms"]
     title = (
-        f"2. Contended: {args.processes} processes x {args.cycles} cycles (acquire/GET/SET/release)"
+        f"{heading}: {args.processes} processes x {args.cycles} cycles (acquire/GET/SET/release)"
     )
     harness.table(
         head,
         rows,
-        f"{title} in {args.contended_rounds} round(s); INFO commandstats calls per cycle",
+        f"{title} in {args.contended_rounds} round(s); INFO commandstats calls per cycle; "
+        "most holding: processes between acquire and release at once; processes' max: the "
+        "least and the most of their longest acquires",
     )
     walls = {
         kind: Figures([[round(c.wall_s * 1e9)] for c in rounds])
         for kind, rounds in contention.items()
     }
-    pairs = [(kind, REDIS_PY) for kind in CONTENDED_KINDS if kind != REDIS_PY]
+    pairs = [(kind, REDIS_PY) for kind in contention if kind != REDIS_PY]
     ratios = harness.ratio_table(walls, pairs, ("mean",), "Contended wall time / redis-py Lock's:")
     return {"runs": runs, "walls": walls, "ratios": ratios}
 
@@ -833,12 +902,7 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
     alone = solo_releases(spec(DMUTEX, "trs"), count, warm, slowlog=not args.url)[1]
     found["traced"] = print_steps(traced, alone.get("release"))
 
-    contention: dict[str, list[Contended]] = {kind: [] for kind in CONTENDED_KINDS}
-    per_round = max(1, args.cycles // args.contended_rounds)
-    for r in range(args.contended_rounds):
-        for kind in CONTENDED_KINDS:
-            harness.progress(f"contended: {kind}, round {r + 1}")
-            contention[kind].append(contended(spec(kind, f"ct{r}"), args.processes, per_round))
+    contention = contend_in_turns(spec, CONTENDED_KINDS, args)
     found["contended"] = print_contended(contention, args)
 
     waiting_runs = [

@@ -6,15 +6,16 @@ Every benchmark here is a script run from the repository root
 - Servers: each Redis version the test harness finds (``tests/_support``:
   ``REDIS_URL``, Docker, or ``redis-server`` executables), or the versions
   ``--redis`` names, one after another, each started for its run and stopped
-  by pid after it; or the one server ``--url`` names, never started or
-  stopped, on which a benchmark works under its own random names. A
-  PostgreSQL benchmark (``parse(..., postgres=True)``) runs on the server the
-  test harness finds (``DMUTEX_POSTGRESQL_URL``, Docker, or ``initdb`` and
-  ``postgres`` executables), started for the run and stopped by pid after
-  it, or on the one ``--postgres-url`` names; either way in a schema of its
-  own (``dmutex_bench_<random>``) on the search path, dropped at the end.
-  Only :func:`redis_servers` and :func:`postgres_server` know the test
-  harness.
+  by pid after it (a benchmark may default to one of them: :func:`one_redis`);
+  or the one server ``--url`` names, never started or stopped, on which a
+  benchmark works under its own random names. A PostgreSQL benchmark
+  (``parse(..., postgres=True)``) runs on the server the test harness finds
+  (``DMUTEX_POSTGRESQL_URL``, Docker, or ``initdb`` and ``postgres``
+  executables), started for the run and stopped by pid after it, or on the
+  one ``--postgres-url`` names; either way in a schema of its own
+  (``dmutex_bench_<random>``) on the search path, dropped at the end. Only
+  :func:`redis_servers`, :func:`one_redis` and :func:`postgres_server` know
+  the test harness.
 - Interleaving (:func:`interleave`): contenders take turns within each round,
   the order rotating each turn, ``gc.collect()`` before each turn, so that a
   burst of load from elsewhere on a shared machine falls on all of them.
@@ -77,8 +78,8 @@ def redis_servers(versions: Sequence[str]) -> Generator[tuple[str, str], None, N
     """``(label, url)`` of each Redis server the test harness finds, or of ``versions``.
 
     Each server starts when it is reached and stops (by pid) when the loop
-    moves on or the generator is closed. The one place that imports
-    ``tests._support``.
+    moves on or the generator is closed. With :func:`one_redis`, the one
+    place that imports ``tests._support.redis_servers``.
     """
     _test_harness()
     from tests._support.redis_servers import discovered
@@ -95,6 +96,19 @@ def redis_servers(versions: Sequence[str]) -> Generator[tuple[str, str], None, N
             yield source.label, server.url
         finally:
             source.stop()
+
+
+def one_redis(preferred: str) -> list[str]:
+    """``[preferred]`` when the test harness finds that Redis version, else the newest it finds.
+
+    For a benchmark that runs on one server unless ``--redis`` names others;
+    ``[]`` (every server: :func:`redis_servers` then says why there is none) when it finds none.
+    """
+    _test_harness()
+    from tests._support.redis_servers import discovered
+
+    found = [label.removeprefix("redis-") for label in discovered().labels]
+    return [preferred] if preferred in found else found[-1:]
 
 
 def _test_harness() -> None:

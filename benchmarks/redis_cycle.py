@@ -43,12 +43,14 @@ import math
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import harness
 import redis
 import redis.asyncio
-from harness import Batch, BenchmarkError, Target
+from harness import Batch, BenchmarkError, Figures, Target
 
 from dmutex import AsyncDMutex, DMutex, DSemaphore, DSemaphorePermit
 
@@ -98,20 +100,71 @@ def timed_async(
     return lambda n: loop.run_until_complete(run(n))
 
 
-def cycles(
-    client: redis.Redis,
-    aclient: redis.asyncio.Redis,
-    loop: asyncio.AbstractEventLoop,
-    run_id: str,
-    ttl_s: float,
-) -> dict[str, Batch]:
-    """The contenders on ``client`` and ``aclient``; the 63 held permits are left to the caller."""
-    mutex = DMutex(f"bench-{run_id}", client, default_ttl_seconds=ttl_s)
+@dataclass(frozen=True)
+class Connections:
+    """One connection of each face, and the event loop the asyncio one runs on."""
+
+    client: redis.Redis
+    aclient: redis.asyncio.Redis
+    loop: asyncio.AbstractEventLoop
+
+
+@contextmanager
+def connections(url: str) -> Iterator[Connections]:
+    """One connection of each face to ``url`` (``single_connection_client``), a new loop."""
+    loop = asyncio.new_event_loop()
+    aclient = redis.asyncio.Redis.from_url(url, single_connection_client=True)
+    try:
+        with redis.Redis.from_url(url, single_connection_client=True) as client:
+            yield Connections(client, aclient, loop)
+    finally:
+        loop.run_until_complete(aclient.aclose())
+        loop.close()
+
+
+def interleaved(contenders: Mapping[str, Batch], args: argparse.Namespace) -> dict[str, Figures]:
+    """``harness.interleave`` by the options --rounds, --cycles, --chunk and --warmup."""
+    return harness.interleave(
+        contenders,
+        rounds=args.rounds,
+        per_round=args.cycles,
+        turn=args.chunk,
+        warmup=args.warmup,
+    )
+
+
+def cycles(faces: Connections, run_id: str, ttl_s: float) -> dict[str, Batch]:
+    """The contenders on ``faces``; the 63 held permits are left to the caller."""
+    client = faces.client
     sem64 = DSemaphore(f"bench64-{run_id}", client, max_permits=64, default_ttl_seconds=ttl_s)
     sem1 = DSemaphore(f"bench1-{run_id}", client, max_permits=1, default_ttl_seconds=ttl_s)
     held = [sem64.acquire("k", ttl=HOLDER_TTL_S) for _ in range(63)]
     if None in held:
         raise BenchmarkError("could not take the 63 held semaphore permits")
+
+    def acquire(sem: DSemaphore, slot: int) -> Batch:
+        def run(n: int) -> list[int]:
+            samples, clock = [0] * n, time.perf_counter_ns
+            for i in range(n):
+                start = clock()
+                permit: DSemaphorePermit | None = sem.acquire("k")
+                samples[i] = clock() - start
+                if permit is None or permit.slot != slot or not permit.release():
+                    raise BenchmarkError(f"semaphore: acquire did not get the free slot {slot}")
+            return samples
+
+        return run
+
+    mutexes = mutex_cycles(faces, run_id, ttl_s)
+    order = ("dmutex", "redis-py", "raw", "sem-64", "sem-1", "dmutex-async", "raw-async")
+    found = mutexes | {"sem-64": acquire(sem64, 63), "sem-1": acquire(sem1, 0)}
+    return {name: found[name] for name in order}
+
+
+def mutex_cycles(faces: Connections, run_id: str, ttl_s: float) -> dict[str, Batch]:
+    """The lock cycles: ``dmutex``, ``redis-py``, ``raw``, ``dmutex-async``, ``raw-async``."""
+    client, aclient, loop = faces.client, faces.aclient, faces.loop
+    mutex = DMutex(f"bench-{run_id}", client, default_ttl_seconds=ttl_s)
     sha = str(client.script_load(RAW_RELEASE))
     # redis-py leaves execute_command unannotated; its reply is any RESP value.
     execute: Callable[..., object] = client.execute_command
@@ -149,25 +202,10 @@ def cycles(
         if not taken or await aexecute("EVALSHA", sha, 1, raw_key, token) != 1:
             raise BenchmarkError("raw-async: uncontended SET NX / compare-and-delete failed")
 
-    def acquire(sem: DSemaphore, slot: int) -> Batch:
-        def run(n: int) -> list[int]:
-            samples, clock = [0] * n, time.perf_counter_ns
-            for i in range(n):
-                start = clock()
-                permit: DSemaphorePermit | None = sem.acquire("k")
-                samples[i] = clock() - start
-                if permit is None or permit.slot != slot or not permit.release():
-                    raise BenchmarkError(f"semaphore: acquire did not get the free slot {slot}")
-            return samples
-
-        return run
-
     return {
         "dmutex": timed(dmutex),
         "redis-py": timed(redis_py),
         "raw": timed(raw),
-        "sem-64": acquire(sem64, 63),
-        "sem-1": acquire(sem1, 0),
         "dmutex-async": timed_async(loop, dmutex_async),
         "raw-async": timed_async(loop, raw_async),
     }
@@ -180,21 +218,11 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
         f"{args.warmup} warm-up cycles, one connection",
         flush=True,
     )
-    loop, run_id = asyncio.new_event_loop(), uuid.uuid4().hex[:8]
-    aclient = redis.asyncio.Redis.from_url(url, single_connection_client=True)
+    run_id = uuid.uuid4().hex[:8]
     try:
-        with redis.Redis.from_url(url, single_connection_client=True) as client:
-            contenders = cycles(client, aclient, loop, run_id, args.ttl)
-            figures = harness.interleave(
-                contenders,
-                rounds=args.rounds,
-                per_round=args.cycles,
-                turn=args.chunk,
-                warmup=args.warmup,
-            )
+        with connections(url) as faces:
+            figures = interleaved(cycles(faces, run_id, args.ttl), args)
     finally:
-        loop.run_until_complete(aclient.aclose())
-        loop.close()
         harness.delete_keys(url, f"*{run_id}*")  # the held permits, the fence counters
     harness.figures_table(figures, "sem-64, sem-1: acquire alone; the others: acquire + release")
     pairs = [("dmutex", "raw"), ("redis-py", "raw"), ("dmutex", "redis-py"), ("sem-64", "sem-1")]

@@ -7,7 +7,8 @@ does not: anything about speed (no figure is compared with a bound here;
 the benchmarks' own targets print PASS/MISS and are read by people, on a
 quiet machine). ``handoff.py`` is left out: its quickest run takes about a
 minute; its measurement of one process's cycle is ``redis_cycle.py``'s,
-which runs here. The PostgreSQL scripts run on the server the test harness
+which runs here, and ``redis_peers.py``'s quick run (about 15 seconds) runs
+its hand-off and contended parts. The PostgreSQL scripts run on the server the test harness
 finds (``tests/_support/postgres_servers.py``), each starting its own.
 """
 
@@ -25,7 +26,7 @@ from tests._support import postgres_servers
 from tests._support.redis_servers import discovered
 
 ROOT = Path(__file__).parent.parent
-REDIS = ["redis_cycle", "renewal_scale", "semaphore_scale"]
+REDIS = ["redis_cycle", "renewal_scale", "semaphore_scale", "redis_peers"]
 POSTGRES = ["postgres_cycle", "postgres_semaphore", "postgres_handoff"]
 SCRIPTS = ["sqlite_cycle", *REDIS, *POSTGRES]
 
