@@ -506,7 +506,9 @@ def request_times(logged: Sequence[Mapping[str, Any]], service: str) -> dict[str
             sha = words[1].decode()
             if sha == harness.SCRIPT_SHAS["acquire"] and words[-1] in (b"0", b"1"):
                 kind = ACQUIRE_TRIES[words[-1].decode()]
-            elif sha in (harness.SCRIPT_SHAS["release"], PRL_RELEASE):
+            elif sha in (harness.SCRIPT_SHAS["release"], harness.SCRIPT_SHAS["mutex-release"]):
+                kind = "release"
+            elif sha == PRL_RELEASE:
                 kind = "release"
         elif name == b"SET" and b"NX" in (w.upper() for w in words) and len(words) > 2:
             kind = "SET NX, second (takes)" if words[2] in tokens else "SET NX, first (fails)"

@@ -60,9 +60,10 @@ import dmutex
 
 # dmutex's internals the benchmarks read: the Lua scripts' SHA1s (handoff.py
 # tells its SLOWLOG entries apart by them). A move inside src/ changes this line.
-from dmutex._backends.redis.scripts import ACQUIRE, RELEASE
+from dmutex._backends.redis.scripts import ACQUIRE, MUTEX_RELEASE, RELEASE
 
-SCRIPT_SHAS = {"acquire": ACQUIRE.sha, "release": RELEASE.sha}
+# A waiting attempt runs ACQUIRE; a mutex releases by MUTEX_RELEASE.
+SCRIPT_SHAS = {"acquire": ACQUIRE.sha, "release": RELEASE.sha, "mutex-release": MUTEX_RELEASE.sha}
 ROOT = Path(__file__).resolve().parent.parent
 WORKER_TIMEOUT_S = 120.0  # the longest the parent waits for a worker's answer
 

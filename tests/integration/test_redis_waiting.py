@@ -887,3 +887,224 @@ def test_a_cluster_waiter_blocks_only_on_a_hash_tagged_key(
             assert len(recorded.kinds) >= 4
             assert inner.exists(f"{PREFIX}waiters:{key}") == 0, "no registration"
         assert lock.release() is True
+
+
+# --- 8. the next attempt rides with the block (waiting rule 6) ----------------------------
+
+AHEAD_DELAY = 0.4  # a retry_delay whose blocks are short beside LONG: attempts go ahead
+
+
+@dataclass
+class Piped:
+    """One pipelined request: its commands, its replies, and when it was sent (monotonic)."""
+
+    commands: list[tuple[RedisArg, ...]]
+    at: float
+    replies: list[Any] | None = None
+
+
+class PipedRecorded(Recorded):
+    """:class:`Recorded` with redis-py's ``pipeline``: each pipeline is one recorded request."""
+
+    def __init__(self, inner: redis.Redis, lose: int = 0) -> None:
+        super().__init__(inner)
+        self.piped: list[Piped] = []
+        self.lose = lose  # how many pipelines' replies to lose, after the server ran them
+
+    def pipeline(self, transaction: bool = True) -> _RecordingPipeline:
+        assert isinstance(self.inner, redis.Redis)
+        return _RecordingPipeline(self, self.inner.pipeline(transaction=transaction))
+
+    def requests(self) -> list[str]:
+        """Every request in order: a command's kind, or ``PIPELINE`` (from ``sent``)."""
+        return [s.kind for s in self.sent]
+
+
+class _RecordingPipeline:
+    def __init__(self, owner: PipedRecorded, inner: redis.client.Pipeline) -> None:
+        self.owner, self.inner = owner, inner
+        self.commands: list[tuple[RedisArg, ...]] = []
+
+    def execute_command(self, *args: RedisArg) -> _RecordingPipeline:
+        self.commands.append(args)
+        queue: Callable[..., object] = self.inner.execute_command  # unannotated in redis-py
+        queue(*args)
+        return self
+
+    def execute(self, raise_on_error: bool = True) -> list[object]:
+        record = Piped(list(self.commands), time.monotonic())
+        self.owner.piped.append(record)
+        self.owner.sent.append(Sent(("PIPELINE",), None, True))
+        replies: list[Any] = self.inner.execute(raise_on_error=raise_on_error)
+        record.replies = replies
+        if self.owner.lose > 0:
+            self.owner.lose -= 1
+            raise redis.ConnectionError("the reply was lost (test)")
+        return replies
+
+
+def test_a_woken_waiter_makes_no_request_after_the_release(
+    server: redis.Redis, holder_client: redis.Redis, waiter_client: redis.Redis
+) -> None:
+    """BLPOP and the next attempt go as one pipeline: the release's wake-up reply is the grant.
+
+    The failed first attempt, then pipelines of BLPOP + acquire until one is
+    woken; that one's attempt took the lock, and nothing is sent after it.
+    Its lease's deadline counts from before that pipeline was sent.
+    """
+    holder = _hold(holder_client)
+    recorded = PipedRecorded(waiter_client)
+    waiter = _waiting(recorded, retry_delay=AHEAD_DELAY, timeout=SETTLE)
+    try:
+        until(lambda: blocked(server) == 1, "the waiter blocks on the server")
+    finally:
+        assert holder.release() is True
+    lock = waiter.result()
+    assert lock is not None
+    requests = recorded.requests()
+    assert requests[0] == "acquire"
+    assert set(requests[1:]) == {"PIPELINE"}, requests
+    last = recorded.piped[-1]
+    assert [str(c[0]) for c in last.commands] == ["BLPOP", "EVALSHA"]
+    assert last.commands[1][1] == ACQUIRE.sha
+    assert last.replies is not None
+    assert last.replies[0] is not None, "woken by the release"
+    assert last.replies[1][0] == 0, "slot 0 taken by the attempt that rode with the block"
+    # Every attempt carried the acquire's one token.
+    tokens = {str(s.args[3 + int(str(s.args[2]))]) for s in recorded.sent if s.kind == "acquire"}
+    tokens |= {str(p.commands[1][3 + int(str(p.commands[1][2]))]) for p in recorded.piped}
+    assert tokens == {lock.token}
+    assert server.get(SLOT) == lock.token
+    # Renewal rule 1: the deadline counts from no later than the request was sent.
+    assert lock._lease.confirmed <= last.at
+    assert lock.release() is True
+    assert server.zrange(WAITERS, 0, -1) == [MARK], "the winner took itself off"
+
+
+def test_a_lost_pipeline_reply_is_found_by_the_next_attempt(
+    server: redis.Redis, holder_client: redis.Redis, waiter_client: redis.Redis
+) -> None:
+    """The server ran BLPOP and the attempt, and the reply was lost: the same token finds it."""
+    holder = _hold(holder_client)
+    recorded = PipedRecorded(waiter_client, lose=1)
+    waiter = _waiting(recorded, retry_delay=AHEAD_DELAY, timeout=SETTLE)
+    try:
+        until(lambda: blocked(server) == 1, "the waiter blocks on the server")
+    finally:
+        assert holder.release() is True
+    lock = waiter.result()
+    assert lock is not None
+    lost = recorded.piped[0]
+    assert lost.replies is not None
+    assert lost.replies[1][0] == 0, "the lost one took the lock"
+    assert recorded.requests()[-1] == "acquire", "a plain attempt after the lost reply"
+    assert reply(recorded.sent[-1])[:2] == [0, lock.fence], "it found its own token in slot 0"
+    assert server.get(SLOT) == lock.token
+    assert lock.release() is True
+
+
+def test_a_long_block_beside_the_ttl_sends_no_attempt_ahead(
+    server: redis.Redis, holder_client: redis.Redis, waiter_client: redis.Redis
+) -> None:
+    """A block over a twentieth of the TTL goes alone: a grant's deadline would lose too much."""
+    holder = _hold(holder_client)
+    recorded = PipedRecorded(waiter_client)
+    mutex = DMutex(SERVICE, recorded)
+    waiter = Background(
+        lambda: mutex.acquire_with_retry(KEY, ttl=2.0, timeout=SETTLE, retry_delay=AHEAD_DELAY)
+    )
+    try:
+        until(lambda: blocked(server) == 1, "the waiter blocks on the server")
+    finally:
+        assert holder.release() is True
+    lock = waiter.result()
+    assert lock is not None
+    assert recorded.piped == []
+    assert recorded.requests()[-2:] == ["BLPOP", "acquire"]
+    assert lock.release() is True
+
+
+def test_a_cancelled_waiter_whose_attempt_rode_ahead_leaves_nothing(newest: str) -> None:
+    """Cancelled after the server ran the attempt that took the lock, before its reply: released."""
+
+    class Stalling:
+        """An asyncio client whose pipelines stall after the server answered, once told to."""
+
+        def __init__(self, inner: redis.asyncio.Redis) -> None:
+            self.inner = inner
+            self.answered = asyncio.Event()
+
+        @property
+        def connection_pool(self) -> object:
+            return self.inner.connection_pool
+
+        async def execute_command(self, *args: RedisArg) -> RedisReply:
+            send: Callable[..., Awaitable[RedisReply]] = self.inner.execute_command  # unannotated
+            return await send(*args)
+
+        def pipeline(self, transaction: bool = True) -> _StallingPipeline:
+            return _StallingPipeline(self, self.inner.pipeline(transaction=transaction))
+
+    class _StallingPipeline:
+        def __init__(self, owner: Stalling, inner: Any) -> None:
+            self.owner, self.inner = owner, inner
+
+        def execute_command(self, *args: RedisArg) -> _StallingPipeline:
+            queue: Callable[..., object] = self.inner.execute_command  # unannotated in redis-py
+            queue(*args)
+            return self
+
+        async def execute(self, raise_on_error: bool = True) -> list[object]:
+            replies: list[object] = await self.inner.execute(raise_on_error=raise_on_error)
+            if replies[0] is not None:  # woken: the attempt that rode with it took the lock
+                self.owner.answered.set()
+                await asyncio.sleep(SETTLE)
+            return replies
+
+    async def scene() -> None:
+        with redis.Redis.from_url(newest, decode_responses=True) as server:
+            holder_client = redis.asyncio.Redis.from_url(newest)
+            inner = redis.asyncio.Redis.from_url(newest, client_name=WAITER)
+            try:
+                holder = await AsyncDMutex(SERVICE, holder_client).acquire(KEY, ttl=LONG)
+                assert holder is not None
+                stalling = Stalling(inner)
+                mutex = AsyncDMutex(SERVICE, stalling)
+                task = asyncio.ensure_future(
+                    mutex.acquire_with_retry(KEY, ttl=LONG, timeout=SETTLE, retry_delay=AHEAD_DELAY)
+                )
+                await until_async(lambda: blocked(server) == 1, "the waiter blocks")
+                assert await holder.release() is True
+                await asyncio.wait_for(stalling.answered.wait(), SETTLE)
+                assert server.get(SLOT) not in (None, holder.token), "the waiter's attempt took it"
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                assert server.exists(SLOT) == 0, "the cancelled acquire released what it took"
+            finally:
+                await holder_client.aclose()
+                await inner.aclose()
+
+    asyncio.run(scene())
+
+
+def test_a_client_whose_execute_command_its_pipeline_skips_never_pipelines() -> None:
+    """A subclass that logs or retries in execute_command alone sees every request: no pipeline."""
+
+    class Logging(redis.Redis):
+        def execute_command(self, *args: Any, **options: Any) -> Any:
+            send: Callable[..., Any] = super().execute_command
+            return send(*args, **options)
+
+    class LoggingBoth(Logging):
+        def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
+            return super().pipeline(transaction, shard_hint)
+
+    def pipelines(client: object) -> bool:
+        store = DMutex(SERVICE, cast(redis.Redis, client))._engine._store
+        return getattr(store, "_pipeline", None) is not None
+
+    assert pipelines(redis.Redis()) is True
+    assert pipelines(Logging()) is False
+    assert pipelines(LoggingBoth()) is True
+    assert pipelines(Recorded(redis.Redis())) is False, "no pipeline() at all"

@@ -109,6 +109,19 @@ def _foreign(error: Exception) -> DMutexError | None:
     return DMutexError(f"{name!r} {FOREIGN}: dmutex leaves it alone")
 
 
+def _stock(client: object) -> bool:
+    """Whether ``client`` pipelines, with no ``execute_command`` of its own that its pipeline skips.
+
+    A subclass that overrides ``execute_command`` (to log, retry or
+    instrument each request) and not ``pipeline`` would not see a
+    pipelined request: its waits do not pipeline.
+    """
+    mro = type(client).__mro__
+    sends = next((i for i, c in enumerate(mro) if "execute_command" in vars(c)), None)
+    pipes = next((i for i, c in enumerate(mro) if "pipeline" in vars(c)), None)
+    return sends is not None and pipes is not None and pipes <= sends
+
+
 def _answered(ahead: Ahead, waiter: Waiter) -> Steps[Lease | None]:
     """The steps of an attempt answered already: no request; its send time for the engine."""
     yield from ()
@@ -189,9 +202,11 @@ class RedisStore:
         else:
             self._eval = method(client, "eval")
         # A waiter's next attempt rides with its block where the client can
-        # pipeline; a cluster client's pipeline is another machine, left alone.
+        # pipeline (waiting rule 6). Not on a cluster client, whose pipeline
+        # is another machine, nor where execute_command is a subclass's own:
+        # what logs, retries or instruments each request would not see these.
         self._pipeline: Callable[..., _Pipeline] | None = None
-        if self._execute is not None and not self._cluster and defines(client, "pipeline"):
+        if self._execute is not None and not self._cluster and _stock(client):
             self._pipeline = getattr(client, "pipeline", None)
         self._clock = clock
         # Waiters block (BLPOP) only where that is safe: a command client
