@@ -25,7 +25,8 @@ class Call:
 
     A sync driver calls it and needs a plain value back; an async driver needs
     an awaitable and awaits it. Either refuses the other kind as a client of
-    the wrong face. One is made per request, so it is a plain slotted class.
+    the wrong face. One is made per request, so it is a plain slotted class;
+    a store never yields the same one twice (:func:`completing` marks it).
 
     ``complete`` marks a request that must not be abandoned half-way (a
     release): an async driver lets it finish even if its task is cancelled
@@ -76,16 +77,21 @@ Steps: TypeAlias = Generator[Effect, object, T]
 
 
 def completing(steps: Steps[T]) -> Steps[T]:
-    """``steps`` with every request marked :attr:`Call.complete`."""
+    """``steps`` with every request marked :attr:`Call.complete`.
+
+    Marks each request in place: a store makes a new :class:`Call` per
+    request and never yields one twice.
+    """
+    send, throw = steps.send, steps.throw
     value: object = None
     error: BaseException | None = None
     while True:
         try:
-            effect = steps.send(value) if error is None else steps.throw(error)
+            effect = send(value) if error is None else throw(error)
         except StopIteration as done:
             return cast(T, done.value)
         if isinstance(effect, Call):
-            effect = Call(effect.fn, effect.args, effect.kwargs, True)
+            effect.complete = True
         try:
             value, error = (yield effect), None
         except BaseException as exc:  # noqa: BLE001 - handed to the wrapped steps

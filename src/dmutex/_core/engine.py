@@ -15,9 +15,11 @@ Rules of this module:
    deprecated ``lock()`` token memory, a plain dict.
 6. Nothing is left held by nobody. An acquire that raises (a connection
    error, a cancellation) may have taken its permit on the server before
-   the reply was lost, so it releases by its token before re-raising. Every
-   release is marked to run to completion (``completing``), so that a
-   cancellation cannot cut it short.
+   the reply was lost, so it releases by its token before re-raising. On a
+   face whose tasks can be cancelled (asyncio: ``shield=True``, the
+   default) every release is marked to run to completion (``completing``),
+   so that a cancellation cannot cut it short; a sync engine skips the
+   mark, which its driver has no use for (a thread is not cancelled).
 7. A release stops renewal before it is sent (``Lease.released``), and an
    answer that shows a lease gone marks it lost (``renewal.lose``); when to
    renew and when to give up is ``renewal.py``'s.
@@ -61,10 +63,16 @@ _CENTURY_MS = 100 * 365 * 86_400_000
 
 
 class Engine:
-    """One DMutex/DSemaphore instance's algorithms over one store."""
+    """One DMutex/DSemaphore instance's algorithms over one store.
 
-    def __init__(self, store: Store, *, default_ttl: float) -> None:
+    ``shield``: mark every release's requests :attr:`~.effects.Call.complete`
+    (rule 6). Only a driver that can be cancelled mid-request needs it, and
+    the mark costs a generator layer per release: the sync face turns it off.
+    """
+
+    def __init__(self, store: Store, *, default_ttl: float, shield: bool = True) -> None:
         self._store = store
+        self._shield = shield
         # The store's clock, which also times retries; fixed for the store's life.
         self.clock = store.clock
         self.default_ttl = default_ttl
@@ -89,7 +97,12 @@ class Engine:
     def acquire(self, key: str, ttl: float | None) -> Steps[Lease | None]:
         """Try once to take a permit; None only when all permits are active."""
         key = check_key(key)
-        return self._attempt(*self._request(key, self.ttl_ms(ttl)))
+        ttl_ms = self._default_ms if ttl is None else None
+        if ttl_ms is None:
+            ttl_ms = self.ttl_ms(ttl)
+        # What _request does, inline: this runs on every acquire.
+        token = new_token()
+        return self._attempt(key, token, ttl_ms, self._store.acquire(key, token, ttl_ms, None))
 
     def _request(
         self, key: str, ttl_ms: int, waiter: Waiter | None = None
@@ -130,7 +143,7 @@ class Engine:
             # Rule 6. The token is new, so this releases nothing but what
             # the failed request took; its own failure changes nothing.
             with contextlib.suppress(Exception):
-                yield from completing(self._store.release(key, token, None))
+                yield from self._finishing(self._store.release(key, token, None))
             raise
         if waiter is not None and waiter.sent is not None:
             # The store answered from an attempt it sent with the wait before
@@ -245,15 +258,13 @@ class Engine:
         """Release the permit of ``lease`` if it is still active.
 
         Renewal stops first. An answer of False means the lease had been
-        lost, and marks it so (unless an earlier release took it).
+        lost, and marks it so (unless an earlier release took it). Nothing
+        to check, so the generator is the method itself (rule 3 holds).
         """
-        return self._release(lease)
-
-    def _release(self, lease: Lease) -> Steps[bool]:
         earlier = lease.released
         lease.released = True
         try:
-            released = yield from completing(
+            released = yield from self._finishing(
                 self._store.release(lease.key, lease.token, lease.slot)
             )
         except BaseException:
@@ -264,6 +275,10 @@ class Engine:
         else:
             renewal.end(lease)
         return released
+
+    def _finishing(self, release: Steps[bool]) -> Steps[bool]:
+        """``release``, marked to run to completion where the face needs it (rule 6)."""
+        return completing(release) if self._shield else release
 
     def extend(self, lease: Lease, ttl: float | None) -> Steps[bool]:
         """Set the expiry of ``lease`` to now + ttl if it is still active.
@@ -298,7 +313,7 @@ class Engine:
         """Release the active permit of ``key`` that holds ``token``."""
         key = check_key(key)
         check_token(token)
-        return completing(self._store.release(key, token, None))
+        return self._finishing(self._store.release(key, token, None))
 
     def extend_token(self, key: str, token: str, ttl: float | None) -> Steps[bool]:
         """Extend the active permit of ``key`` that holds ``token``."""

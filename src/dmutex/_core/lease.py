@@ -9,9 +9,11 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from operator import itemgetter
 
 from .._clock import Clock
 from .._errors import InvalidArgumentError
@@ -112,13 +114,42 @@ def ttl_to_ms(seconds: float, clock: Clock, max_expiry_ms: int = MAX_EXPIRY_MS) 
 
 
 def new_token() -> str:
-    """A random UUID4 string, as ``str(uuid.uuid4())`` gives, in half the time.
+    """A random UUID4 string, as ``str(uuid.uuid4())`` gives, a fresh one per call.
 
-    It runs once per acquire: the version and variant bits are set on 16
-    random bytes, which is all ``uuid4`` does.
+    It runs once per acquire, so tokens are made 64 at a time from one
+    ``os.urandom`` read (one system call instead of 64) and handed out one
+    each; any thread may call it. A forked child drops the tokens it
+    inherited, which its parent hands out too.
     """
-    raw = bytearray(os.urandom(16))
-    raw[6] = (raw[6] & 0x0F) | 0x40
-    raw[8] = (raw[8] & 0x3F) | 0x80
+    try:
+        return _TOKENS.popleft()  # atomic: no two callers get the same one
+    except IndexError:
+        return _refill()
+
+
+_BATCH = 64
+# uuid4's version (0100) and variant (10) bits, set on every byte at once.
+_VERSION = bytes((byte & 0x0F) | 0x40 for byte in range(256))
+_VARIANT = bytes((byte & 0x3F) | 0x80 for byte in range(256))
+# A UUID's groups of hex digits, 8-4-4-4-12.
+_GROUPS = itemgetter(slice(0, 8), slice(8, 12), slice(12, 16), slice(16, 20), slice(20, 32))
+_TOKENS: deque[str] = deque()
+
+
+def _refill() -> str:
+    """Make a batch of tokens: return one, keep the others for the next callers.
+
+    Sets the version and variant bits on 16 random bytes each, which is all
+    ``uuid4`` does. Two threads that refill at once just make more.
+    """
+    raw = bytearray(os.urandom(16 * _BATCH))
+    raw[6::16] = raw[6::16].translate(_VERSION)
+    raw[8::16] = raw[8::16].translate(_VARIANT)
     h = raw.hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    tokens = ["-".join(_GROUPS(h[i : i + 32])) for i in range(0, len(h), 32)]
+    _TOKENS.extend(tokens[1:])
+    return tokens[0]
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which cannot fork
+    os.register_at_fork(after_in_child=_TOKENS.clear)

@@ -33,7 +33,7 @@ class Face(Generic[ClientT]):
 
     def _open(self, client: object, options: Options) -> None:
         store = open_store(client, options, asynchronous=self._ASYNC)
-        self._engine = Engine(store, default_ttl=options.default_ttl)
+        self._engine = Engine(store, default_ttl=options.default_ttl, shield=self._ASYNC)
         self._start_driver(self._engine)
 
     def _start_driver(self, engine: Engine) -> None:
@@ -55,6 +55,8 @@ class Wrapping(Generic[H]):
 
     def _wrapper(self, auto_renew: bool) -> Callable[[Lease], H]:
         """The wrap for ``auto_renew``, checked before any request."""
+        if auto_renew is False:
+            return self._wrap  # the common case, on every acquire
         return self._wrap_renewed if check_flag("auto_renew", auto_renew) else self._wrap
 
 
