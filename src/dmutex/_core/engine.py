@@ -15,7 +15,9 @@ Rules of this module:
    deprecated ``lock()`` token memory, a plain dict.
 6. Nothing is left held by nobody. An acquire that raises (a connection
    error, a cancellation) may have taken its permit on the server before
-   the reply was lost, so it releases by its token before re-raising. On a
+   the reply was lost, so it releases by its token before re-raising; a
+   retrying acquire keeps one token for all its attempts and does the same
+   when a wait raises, since a wait may carry an attempt (waiting rule 6). On a
    face whose tasks can be cancelled (asyncio: ``shield=True``, the
    default) every release is marked to run to completion (``completing``),
    so that a cancellation cannot cut it short; a sync engine skips the
@@ -140,8 +142,8 @@ class Engine:
         except GeneratorExit:
             raise  # closed: no effect may be yielded any more
         except BaseException:
-            # Rule 6. The token is new, so this releases nothing but what
-            # the failed request took; its own failure changes nothing.
+            # Rule 6. The token is this acquire's own, so this releases
+            # nothing but what its requests took; its own failure changes nothing.
             with contextlib.suppress(Exception):
                 yield from self._finishing(self._store.release(key, token, None))
             raise
@@ -197,7 +199,7 @@ class Engine:
                 # permit before its reply was lost; the token holds nothing else.
                 waiter.ahead = None
                 with contextlib.suppress(Exception):
-                    yield from completing(self._store.release(key, token, None))
+                    yield from self._finishing(self._store.release(key, token, None))
                 raise
             waiter.last = deadline - self.clock.monotonic() <= 0
             request = self._request(key, ttl_ms, waiter)
