@@ -481,6 +481,7 @@ def by_turn(pairs: Sequence[tuple[Turn, Turn]], span: Callable[[Turn, Turn], flo
 
 ACQUIRE_TRIES = {"0": "acquire, first attempt (fails)", "1": "acquire, after waking (takes)"}
 PRL_RELEASE = hashlib.sha1(redis_lock.UNLOCK_SCRIPT).hexdigest()
+RELEASES = (harness.SCRIPT_SHAS["release"], harness.SCRIPT_SHAS["mutex-release"], PRL_RELEASE)
 
 
 def request_times(logged: Sequence[Mapping[str, Any]], service: str) -> dict[str, Figures]:
@@ -506,9 +507,7 @@ def request_times(logged: Sequence[Mapping[str, Any]], service: str) -> dict[str
             sha = words[1].decode()
             if sha == harness.SCRIPT_SHAS["acquire"] and words[-1] in (b"0", b"1"):
                 kind = ACQUIRE_TRIES[words[-1].decode()]
-            elif sha in (harness.SCRIPT_SHAS["release"], harness.SCRIPT_SHAS["mutex-release"]):
-                kind = "release"
-            elif sha == PRL_RELEASE:
+            elif sha in RELEASES:
                 kind = "release"
         elif name == b"SET" and b"NX" in (w.upper() for w in words) and len(words) > 2:
             kind = "SET NX, second (takes)" if words[2] in tokens else "SET NX, first (fails)"
