@@ -15,12 +15,13 @@ The newest server found runs every test; the first runs on every version.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Generic, TypeVar, cast
@@ -32,6 +33,7 @@ import redis.cluster
 
 from dmutex import (
     AsyncDMutex,
+    AsyncDMutexLock,
     DMutex,
     DMutexError,
     DMutexLock,
@@ -382,32 +384,41 @@ def _woken_sync(url: str) -> Woken:
         return Woken(sent, *seen, lock.token)
 
 
-async def _woken_async(url: str) -> Woken:
+@contextlib.asynccontextmanager
+async def _held_async(
+    url: str,
+) -> AsyncIterator[tuple[redis.Redis, AsyncDMutexLock, redis.asyncio.Redis]]:
+    """The test's view of the server, a lock held by a holder's client, and a waiter's client."""
     with redis.Redis.from_url(url, decode_responses=True) as server:
         holder_client = redis.asyncio.Redis.from_url(url)
         inner = redis.asyncio.Redis.from_url(url, client_name=WAITER)
         try:
             holder = await AsyncDMutex(SERVICE, holder_client).acquire(KEY, ttl=LONG)
             assert holder is not None
-            recorded = AsyncRecorded(inner)
-            mutex = AsyncDMutex(SERVICE, recorded)
-            waiter = asyncio.ensure_future(
-                mutex.acquire_with_retry(KEY, ttl=LONG, timeout=2 * PATIENT, retry_delay=PATIENT)
-            )
-            try:
-                await until_async(lambda: blocked(server) == 1, "the waiter blocks on the server")
-                seen = _registration(server)
-            finally:
-                assert await holder.release() is True
-            lock = await asyncio.wait_for(waiter, SETTLE)
-            assert lock is not None
-            assert server.get(SLOT) == lock.token
-            sent = list(recorded.sent)
-            assert await lock.release() is True
-            return Woken(sent, *seen, lock.token)
+            yield server, holder, inner
         finally:
             await holder_client.aclose()
             await inner.aclose()
+
+
+async def _woken_async(url: str) -> Woken:
+    async with _held_async(url) as (server, holder, inner):
+        recorded = AsyncRecorded(inner)
+        mutex = AsyncDMutex(SERVICE, recorded)
+        waiter = asyncio.ensure_future(
+            mutex.acquire_with_retry(KEY, ttl=LONG, timeout=2 * PATIENT, retry_delay=PATIENT)
+        )
+        try:
+            await until_async(lambda: blocked(server) == 1, "the waiter blocks on the server")
+            seen = _registration(server)
+        finally:
+            assert await holder.release() is True
+        lock = await asyncio.wait_for(waiter, SETTLE)
+        assert lock is not None
+        assert server.get(SLOT) == lock.token
+        sent = list(recorded.sent)
+        assert await lock.release() is True
+        return Woken(sent, *seen, lock.token)
 
 
 def _registration(server: redis.Redis) -> tuple[list[tuple[str, float]], int, int, int]:
@@ -909,7 +920,7 @@ class PipedRecorded(Recorded):
     def __init__(self, inner: redis.Redis, lose: int = 0) -> None:
         super().__init__(inner)
         self.piped: list[Piped] = []
-        self.lose = lose  # how many pipelines' replies to lose, after the server ran them
+        self.lose = lose  # how many woken pipelines' replies to lose, after the server ran them
 
     def pipeline(self, transaction: bool = True) -> _RecordingPipeline:
         assert isinstance(self.inner, redis.Redis)
@@ -937,10 +948,28 @@ class _RecordingPipeline:
         self.owner.sent.append(Sent(("PIPELINE",), None, True))
         replies: list[Any] = self.inner.execute(raise_on_error=raise_on_error)
         record.replies = replies
-        if self.owner.lose > 0:
+        if self.owner.lose > 0 and replies[0] is not None:  # a woken one
             self.owner.lose -= 1
             raise redis.ConnectionError("the reply was lost (test)")
         return replies
+
+
+def _released_to(
+    recorded: PipedRecorded, server: redis.Redis, holder_client: redis.Redis, ttl: float = LONG
+) -> DMutexLock:
+    """A holder's lock released once ``recorded``'s waiter blocks; the lock the waiter took."""
+    holder = _hold(holder_client)
+    mutex = DMutex(SERVICE, recorded)
+    waiter = Background(
+        lambda: mutex.acquire_with_retry(KEY, ttl=ttl, timeout=SETTLE, retry_delay=AHEAD_DELAY)
+    )
+    try:
+        until(lambda: blocked(server) == 1, "the waiter blocks on the server")
+    finally:
+        assert holder.release() is True
+    lock = waiter.result()
+    assert lock is not None
+    return lock
 
 
 def test_a_woken_waiter_makes_no_request_after_the_release(
@@ -952,15 +981,8 @@ def test_a_woken_waiter_makes_no_request_after_the_release(
     woken; that one's attempt took the lock, and nothing is sent after it.
     Its lease's deadline counts from before that pipeline was sent.
     """
-    holder = _hold(holder_client)
     recorded = PipedRecorded(waiter_client)
-    waiter = _waiting(recorded, retry_delay=AHEAD_DELAY, timeout=SETTLE)
-    try:
-        until(lambda: blocked(server) == 1, "the waiter blocks on the server")
-    finally:
-        assert holder.release() is True
-    lock = waiter.result()
-    assert lock is not None
+    lock = _released_to(recorded, server, holder_client)
     requests = recorded.requests()
     assert requests[0] == "acquire"
     assert set(requests[1:]) == {"PIPELINE"}, requests
@@ -985,16 +1007,9 @@ def test_a_lost_pipeline_reply_is_found_by_the_next_attempt(
     server: redis.Redis, holder_client: redis.Redis, waiter_client: redis.Redis
 ) -> None:
     """The server ran BLPOP and the attempt, and the reply was lost: the same token finds it."""
-    holder = _hold(holder_client)
     recorded = PipedRecorded(waiter_client, lose=1)
-    waiter = _waiting(recorded, retry_delay=AHEAD_DELAY, timeout=SETTLE)
-    try:
-        until(lambda: blocked(server) == 1, "the waiter blocks on the server")
-    finally:
-        assert holder.release() is True
-    lock = waiter.result()
-    assert lock is not None
-    lost = recorded.piped[0]
+    lock = _released_to(recorded, server, holder_client)
+    (lost,) = [p for p in recorded.piped if p.replies is not None and p.replies[0] is not None]
     assert lost.replies is not None
     assert lost.replies[1][0] == 0, "the lost one took the lock"
     assert recorded.requests()[-1] == "acquire", "a plain attempt after the lost reply"
@@ -1007,18 +1022,8 @@ def test_a_long_block_beside_the_ttl_sends_no_attempt_ahead(
     server: redis.Redis, holder_client: redis.Redis, waiter_client: redis.Redis
 ) -> None:
     """A block over a twentieth of the TTL goes alone: a grant's deadline would lose too much."""
-    holder = _hold(holder_client)
     recorded = PipedRecorded(waiter_client)
-    mutex = DMutex(SERVICE, recorded)
-    waiter = Background(
-        lambda: mutex.acquire_with_retry(KEY, ttl=2.0, timeout=SETTLE, retry_delay=AHEAD_DELAY)
-    )
-    try:
-        until(lambda: blocked(server) == 1, "the waiter blocks on the server")
-    finally:
-        assert holder.release() is True
-    lock = waiter.result()
-    assert lock is not None
+    lock = _released_to(recorded, server, holder_client, ttl=2.0)
     assert recorded.piped == []
     assert recorded.requests()[-2:] == ["BLPOP", "acquire"]
     assert lock.release() is True
@@ -1062,28 +1067,20 @@ def test_a_cancelled_waiter_whose_attempt_rode_ahead_leaves_nothing(newest: str)
             return replies
 
     async def scene() -> None:
-        with redis.Redis.from_url(newest, decode_responses=True) as server:
-            holder_client = redis.asyncio.Redis.from_url(newest)
-            inner = redis.asyncio.Redis.from_url(newest, client_name=WAITER)
-            try:
-                holder = await AsyncDMutex(SERVICE, holder_client).acquire(KEY, ttl=LONG)
-                assert holder is not None
-                stalling = Stalling(inner)
-                mutex = AsyncDMutex(SERVICE, stalling)
-                task = asyncio.ensure_future(
-                    mutex.acquire_with_retry(KEY, ttl=LONG, timeout=SETTLE, retry_delay=AHEAD_DELAY)
-                )
-                await until_async(lambda: blocked(server) == 1, "the waiter blocks")
-                assert await holder.release() is True
-                await asyncio.wait_for(stalling.answered.wait(), SETTLE)
-                assert server.get(SLOT) not in (None, holder.token), "the waiter's attempt took it"
-                task.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await task
-                assert server.exists(SLOT) == 0, "the cancelled acquire released what it took"
-            finally:
-                await holder_client.aclose()
-                await inner.aclose()
+        async with _held_async(newest) as (server, holder, inner):
+            stalling = Stalling(inner)
+            mutex = AsyncDMutex(SERVICE, stalling)
+            task = asyncio.ensure_future(
+                mutex.acquire_with_retry(KEY, ttl=LONG, timeout=SETTLE, retry_delay=AHEAD_DELAY)
+            )
+            await until_async(lambda: blocked(server) == 1, "the waiter blocks")
+            assert await holder.release() is True
+            await asyncio.wait_for(stalling.answered.wait(), SETTLE)
+            assert server.get(SLOT) not in (None, holder.token), "the waiter's attempt took it"
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert server.exists(SLOT) == 0, "the cancelled acquire released what it took"
 
     asyncio.run(scene())
 
