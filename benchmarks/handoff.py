@@ -39,7 +39,10 @@ what waking gains. Each process has its own clients; processes start by
    lock's client timestamped (``harness.trace_requests``) and, on a server
    the benchmark started, every command in ``SLOWLOG`` (threshold 0,
    settings restored after): each step of a hand-off, and the server's time
-   per kind of request.
+   per kind of request. A dmutex waiter on a stock redis-py client sends its
+   ``BLPOP`` and its next attempt as one pipeline, which the tracing wrapper
+   of ``execute_command`` does not see: its hand-offs are then counted as
+   "without a BLPOP" and its steps show "-"; SLOWLOG still times its scripts.
 2. Contended throughput: 4 processes x 500 cycles of acquire (blocking, as
    in 1) / ``GET`` counter / ``SET`` counter + 1 / release on one key, the
    cycles split into ``--contended-rounds`` rounds in which the variants take
