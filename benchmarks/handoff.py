@@ -39,10 +39,9 @@ what waking gains. Each process has its own clients; processes start by
    lock's client timestamped (``harness.trace_requests``) and, on a server
    the benchmark started, every command in ``SLOWLOG`` (threshold 0,
    settings restored after): each step of a hand-off, and the server's time
-   per kind of request. A dmutex waiter on a stock redis-py client sends its
-   ``BLPOP`` and its next attempt as one pipeline, which the tracing wrapper
-   of ``execute_command`` does not see: its hand-offs are then counted as
-   "without a BLPOP" and its steps show "-"; SLOWLOG still times its scripts.
+   per kind of request. A dmutex waiter on a redis-py client sends its
+   ``BLPOP`` and its next attempt as one pipeline (traced as one request):
+   its ``BLPOP`` reply is its grant, so the two steps between them show "-".
 2. Contended throughput: 4 processes x 500 cycles of acquire (blocking, as
    in 1) / ``GET`` counter / ``SET`` counter + 1 / release on one key, the
    cycles split into ``--contended-rounds`` rounds in which the variants take
@@ -376,7 +375,9 @@ class HandOffs:
 
         A step runs from one timestamp to the next: the holder's release
         call, its request, the waiter's BLPOP reply, its next (successful)
-        acquire request and reply, the acquire returning.
+        acquire request and reply, the acquire returning. A dmutex waiter
+        that sent its next attempt with its BLPOP (one pipeline) has no
+        steps between its BLPOP reply and the grant: the reply is the grant.
         """
         names = (
             "release() call -> its request sent",
@@ -391,13 +392,21 @@ class HandOffs:
         skipped = 0
         for a, b in self.pairs:
             blpops = [r for r in b.acquiring if str(r[0][0]).upper() == "BLPOP"]
-            if not blpops or not a.releasing_requests:
+            piped = bool(b.acquiring) and b.acquiring[-1][0][:2] == ("PIPELINE", "BLPOP")
+            if not (blpops or piped) or not a.releasing_requests:
                 skipped += 1
                 continue
-            rel, blpop, grab = a.releasing_requests[0], blpops[-1], b.acquiring[-1]
-            stamps = (a.releasing, rel[1], blpop[2], grab[1], grab[2], b.acquired)
+            rel, grab = a.releasing_requests[0], b.acquiring[-1]
+            stamps: tuple[float, ...]
+            if piped:
+                stamps = (a.releasing, rel[1], grab[2], b.acquired)
+                taken = [names[0], names[1], names[4]]
+            else:
+                stamps = (a.releasing, rel[1], blpops[-1][2], grab[1], grab[2], b.acquired)
+                taken = list(names[:5])
             spans = [*(y - x for x, y in itertools.pairwise(stamps)), stamps[-1] - stamps[0]]
-            for name, span in zip(names, [*spans, rel[2] - rel[1]], strict=True):
+            spans.append(rel[2] - rel[1])
+            for name, span in zip([*taken, names[5], names[6]], spans, strict=True):
                 steps[name].append(round(span * 1e9))
         return {name: Figures([ns]) for name, ns in steps.items()}, skipped
 
@@ -829,6 +838,7 @@ def print_steps(traced: list[HandOffs], alone: Figures | None) -> dict[str, obje
     skipped = {kind: n for kind, (_, n) in found.items() if n}
     if skipped:
         print(f"hand-offs without a BLPOP (left out): {skipped}")
+    print("(a dmutex waiter pipelines its BLPOP and next attempt: its BLPOP reply is its grant)")
     if alone is not None:
         print(
             f"dmutex release with nobody waiting, server: p50 {alone.us('p50'):.0f} "

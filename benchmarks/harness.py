@@ -584,13 +584,17 @@ Request = tuple[tuple[object, ...], float, float]
 
 
 def trace_requests(client: redis.Redis | redis.asyncio.Redis) -> list[Request]:
-    """Note every request ``client`` sends from now on (a wrapper on ``execute_command``).
+    """Note every request ``client`` sends from now on (``execute_command``'s and pipelines').
 
-    Install it before handing the client to dmutex, which binds the method;
-    it costs two clock reads and an append per request.
+    Install it before handing the client to dmutex, which binds the methods;
+    it costs two clock reads and an append per request. A pipeline is one
+    request, noted as ``("PIPELINE", <each command's name>...)``: a dmutex
+    waiter sends its ``BLPOP`` and its next attempt so. The wrappers are the
+    instance's own attributes, so dmutex still sees the client's class as
+    redis-py's and pipelines its waits as it would.
     """
     log: list[Request] = []
-    clock, send = time.perf_counter, client.execute_command
+    clock, send, pipeline = time.perf_counter, client.execute_command, client.pipeline
 
     def traced(*args: Any, **options: Any) -> Any:
         start = clock()
@@ -606,8 +610,38 @@ def trace_requests(client: redis.Redis | redis.asyncio.Redis) -> list[Request]:
         finally:
             log.append((args, start, clock()))
 
+    def traced_pipeline(*args: Any, **options: Any) -> Any:
+        pipe = pipeline(*args, **options)
+        names: list[object] = []
+        # redis-py's two Pipeline classes, one signature: called as Callables.
+        queue: Callable[..., Any] = pipe.execute_command
+        execute: Callable[..., Any] = pipe.execute
+
+        def queued(*command: Any, **more: Any) -> Any:
+            names.append(command[0])
+            return queue(*command, **more)
+
+        def run(*more: Any, **options: Any) -> Any:
+            start = clock()
+            try:
+                return execute(*more, **options)
+            finally:
+                log.append((("PIPELINE", *names), start, clock()))
+
+        async def run_async(*more: Any, **options: Any) -> Any:
+            start = clock()
+            try:
+                return await execute(*more, **options)
+            finally:
+                log.append((("PIPELINE", *names), start, clock()))
+
+        vars(pipe)["execute_command"] = queued
+        vars(pipe)["execute"] = run_async if is_async else run
+        return pipe
+
     is_async = isinstance(client, redis.asyncio.Redis)
     vars(client)["execute_command"] = traced_async if is_async else traced
+    vars(client)["pipeline"] = traced_pipeline
     return log
 
 
