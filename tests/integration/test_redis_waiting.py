@@ -30,6 +30,8 @@ import pytest
 import redis
 import redis.asyncio
 import redis.cluster
+import valkey
+import valkey.asyncio
 
 from dmutex import (
     AsyncDMutex,
@@ -1097,11 +1099,27 @@ def test_a_client_whose_execute_command_its_pipeline_skips_never_pipelines() -> 
         def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
             return super().pipeline(transaction, shard_hint)
 
-    def pipelines(client: object) -> bool:
-        store = DMutex(SERVICE, cast(redis.Redis, client))._engine._store
-        return getattr(store, "_pipeline", None) is not None
+    assert _pipelines(redis.Redis()) is True
+    assert _pipelines(valkey.Redis()) is True
+    assert _pipelines(redis.asyncio.Redis(), face="async") is True
+    assert _pipelines(valkey.asyncio.Redis(), face="async") is True
+    assert _pipelines(Logging()) is False
+    assert _pipelines(LoggingBoth()) is True
+    assert _pipelines(Recorded(redis.Redis())) is False, "no pipeline() at all"
 
-    assert pipelines(redis.Redis()) is True
-    assert pipelines(Logging()) is False
-    assert pipelines(LoggingBoth()) is True
-    assert pipelines(Recorded(redis.Redis())) is False, "no pipeline() at all"
+
+def _pipelines(client: object, face: str = "sync") -> bool:
+    """Whether dmutex's store for ``client`` sends a waiter's attempts ahead in pipelines."""
+    lock = (
+        AsyncDMutex(SERVICE, cast(Any, client))
+        if face == "async"
+        else DMutex(SERVICE, cast(Any, client))
+    )
+    return getattr(lock._engine._store, "_pipeline", None) is not None
+
+
+def test_a_cluster_client_never_pipelines(cluster: list[tuple[str, int]]) -> None:
+    """A cluster client's pipeline is a machine of its own: its waiters block and attempt apart."""
+    host, port = cluster[0]
+    with redis.cluster.RedisCluster(host=host, port=port) as client:
+        assert _pipelines(client) is False
