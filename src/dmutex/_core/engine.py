@@ -99,12 +99,7 @@ class Engine:
     def acquire(self, key: str, ttl: float | None) -> Steps[Lease | None]:
         """Try once to take a permit; None only when all permits are active."""
         key = check_key(key)
-        ttl_ms = self._default_ms if ttl is None else None
-        if ttl_ms is None:
-            ttl_ms = self.ttl_ms(ttl)
-        # What _request does, inline: this runs on every acquire.
-        token = new_token()
-        return self._attempt(key, token, ttl_ms, self._store.acquire(key, token, ttl_ms, None))
+        return self._attempt(*self._request(key, self.ttl_ms(ttl)))
 
     def _request(
         self, key: str, ttl_ms: int, waiter: Waiter | None = None
@@ -142,10 +137,7 @@ class Engine:
         except GeneratorExit:
             raise  # closed: no effect may be yielded any more
         except BaseException:
-            # Rule 6. The token is this acquire's own, so this releases
-            # nothing but what its requests took; its own failure changes nothing.
-            with contextlib.suppress(Exception):
-                yield from self._finishing(self._store.release(key, token, None))
+            yield from self._undo(key, token)
             raise
         if waiter is not None and waiter.sent is not None:
             # The store answered from an attempt it sent with the wait before
@@ -195,11 +187,9 @@ class Engine:
             except GeneratorExit:
                 raise  # closed: no effect may be yielded any more
             except BaseException:
-                # Rule 6: the wait may have carried an attempt that took a
-                # permit before its reply was lost; the token holds nothing else.
+                # The wait may have carried an attempt (waiting rule 6).
                 waiter.ahead = None
-                with contextlib.suppress(Exception):
-                    yield from self._finishing(self._store.release(key, token, None))
+                yield from self._undo(key, token)
                 raise
             waiter.last = deadline - self.clock.monotonic() <= 0
             request = self._request(key, ttl_ms, waiter)
@@ -277,6 +267,15 @@ class Engine:
         else:
             renewal.end(lease)
         return released
+
+    def _undo(self, key: str, token: str) -> Steps[None]:
+        """Rule 6: release what a request of ``token`` may have taken before its reply was lost.
+
+        The token is this acquire's own, so this releases nothing else; its
+        own failure changes nothing (the caller re-raises what it caught).
+        """
+        with contextlib.suppress(Exception):
+            yield from self._finishing(self._store.release(key, token, None))
 
     def _finishing(self, release: Steps[bool]) -> Steps[bool]:
         """``release``, marked to run to completion where the face needs it (rule 6)."""

@@ -245,6 +245,16 @@ class RedisStore:
         # EVAL caches the script, so the next EVALSHA on this server succeeds.
         return (yield Call(self._execute, ("EVAL", script.text, len(keys), *keys, *args)))
 
+    def _take(self, script: Script, keys: Sequence[str], args: tuple[object, ...]) -> Steps[object]:
+        """Run an acquire ``script``; a record not dmutex's raises a clear :class:`DMutexError`."""
+        try:
+            return (yield from self._run(script, keys, args))
+        except Exception as error:
+            clear = _foreign(error)
+            if clear is None:
+                raise
+            raise clear from error
+
     def ready(self) -> Steps[None]:
         """Nothing to prepare: Redis needs no index."""
         yield from ()
@@ -342,13 +352,7 @@ class RedisStore:
         self, key: str, token: str, ttl_ms: int, keys: tuple[str, ...]
     ) -> Steps[Lease | None]:
         expires = now_ms(self._clock) + ttl_ms
-        try:
-            reply = yield from self._run(MUTEX_ACQUIRE, keys, (token, ttl_ms))
-        except Exception as error:
-            clear = _foreign(error)
-            if clear is None:
-                raise
-            raise clear from error
+        reply = yield from self._take(MUTEX_ACQUIRE, keys, (token, ttl_ms))
         counted = len(keys) > 1
         fence = _as_int(reply, 0, 2**63 - 1 if counted else 1)
         if fence == 0:
@@ -375,13 +379,7 @@ class RedisStore:
         first = 0
         for group in groups:
             keys = [*group, *extra, *wakes]
-            try:
-                reply = yield from self._run(ACQUIRE, keys, args)
-            except Exception as error:
-                clear = _foreign(error)
-                if clear is None:
-                    raise
-                raise clear from error
+            reply = yield from self._take(ACQUIRE, keys, args)
             lease = self._granted(reply, key, token, expires, group, first, waiter, started, window)
             if lease is not None:
                 return lease
@@ -460,15 +458,15 @@ class RedisStore:
             return
         assert self._execute is not None  # blocking needs a command client
         signal = f"{self._prefix}signal:{key}"
-        ahead = self._ahead(key, waiter, block)
-        expires = now_ms(self._clock) + waiter.ttl_ms
         started = self._clock.monotonic()
+        ahead = self._ahead(key, waiter, block, started)
         failed = False
         try:
             if ahead is None:
                 reply = yield Call(self._execute, ("BLPOP", signal, f"{block:.3f}"))
             else:
                 group, keys, args, window = ahead
+                expires = now_ms(self._clock) + waiter.ttl_ms
                 replies = yield Call(self._send_ahead, (signal, f"{block:.3f}", keys, args))
                 if not isinstance(replies, (list, tuple)) or len(replies) != 2:
                     raise DMutexError(f"unexpected reply from Redis: {replies!r}")
@@ -490,7 +488,7 @@ class RedisStore:
             yield Sleep(rest)
 
     def _ahead(
-        self, key: str, waiter: Waiter, block: float
+        self, key: str, waiter: Waiter, block: float, started: float
     ) -> tuple[list[str], list[str], tuple[object, ...], int] | None:
         """The acquire request to send with a block of ``block`` s (waiting rule 6), or None.
 
@@ -504,7 +502,6 @@ class RedisStore:
         groups, (extra, kinds), wakes = self._plan(key, True)
         if len(groups) != 1 or not wakes:
             return None
-        started = self._clock.monotonic()
         args, window = self._waiting_args(waiter.token, waiter.ttl_ms, kinds, waiter, started)
         return groups[0], [*groups[0], *extra, *wakes], args, window
 
