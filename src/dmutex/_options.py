@@ -52,11 +52,13 @@ class Options:
     fencing: bool | None
     """``fencing=``: None keeps a fence where it costs no request (Redis, SQLite, memory)."""
     table_name: str
-    """The SQLite or PostgreSQL table: ``table_name``, else ``table_prefix`` + service name."""
+    """The SQLite, PostgreSQL or MySQL table: ``table_name``, else prefix + service name."""
     table_origin: str
     """Where :attr:`table_name` came from, for error messages."""
     schema_name: str | None
     """The PostgreSQL schema of the table; None: the connection's search path."""
+    database_name: str | None
+    """The MySQL database of the table; None: the connection's current database."""
 
     @classmethod
     def check(
@@ -77,6 +79,7 @@ class Options:
         fencing: object = None,
         table_name: object = None,
         schema_name: object = None,
+        database_name: object = None,
     ) -> Options:
         """Check every argument, by the names of the constructors' parameters.
 
@@ -108,6 +111,9 @@ class Options:
             table = check_str("table_name", table_name)
             table_origin = "table_name"
         schema = None if schema_name is None else check_str("schema_name", schema_name)
+        database_of_table = (
+            None if database_name is None else check_str("database_name", database_name)
+        )
         return cls(
             kind=kind,
             service_name=service,
@@ -123,4 +129,5 @@ class Options:
             table_name=table,
             table_origin=table_origin,
             schema_name=schema,
+            database_name=database_of_table,
         )

@@ -9,10 +9,10 @@ from typing import Literal, cast
 from ._clock import Clock
 from ._errors import ArgumentTypeError, InvalidArgumentError
 
-BackendName = Literal["mongodb", "postgresql", "redis"]
+BackendName = Literal["mongodb", "mysql", "postgresql", "redis"]
 """The values ``backend=`` takes: the backend to use instead of detecting it from the client."""
 
-_BACKENDS: tuple[BackendName, ...] = ("mongodb", "postgresql", "redis")
+_BACKENDS: tuple[BackendName, ...] = ("mongodb", "mysql", "postgresql", "redis")
 
 MAX_PERMITS = 1024
 """The largest ``max_permits`` a semaphore may have.
@@ -131,14 +131,14 @@ def check_max_permits(value: object) -> int:
 
 
 def check_backend(value: object) -> BackendName | None:
-    """Return ``None``, ``"mongodb"``, ``"postgresql"`` or ``"redis"``."""
+    """Return ``None``, ``"mongodb"``, ``"mysql"``, ``"postgresql"`` or ``"redis"``."""
     if value is None:
         return None
     for name in _BACKENDS:
         if isinstance(value, str) and value == name:
             return name
     raise InvalidArgumentError(
-        f"backend must be 'mongodb', 'postgresql', 'redis' or None, not {value!r}"
+        f"backend must be 'mongodb', 'mysql', 'postgresql', 'redis' or None, not {value!r}"
     )
 
 
@@ -265,4 +265,33 @@ def _check_postgres_identifier(value: str, origin: str, what: str) -> None:
         raise InvalidArgumentError(
             f"{origin} gives PostgreSQL {what} {_shown(value)} of {size} bytes, over PostgreSQL's "
             f"{MAX_POSTGRES_IDENTIFIER_BYTES} (the server would cut it short)"
+        )
+
+
+MAX_MYSQL_IDENTIFIER = 64
+"""The longest MySQL table or database name, in characters."""
+
+
+def check_mysql_names(table: str, origin: str, database: str | None) -> None:
+    """Refuse a MySQL table or database name the server would refuse or change.
+
+    Non-empty, no NUL byte, at most 64 characters, not ending in a space
+    (MySQL and MariaDB refuse all of these, but only once a statement
+    reaches them). ``origin`` says where the table name came from.
+    """
+    if database is not None:
+        _check_mysql_identifier(database, "database_name", "database name")
+    _check_mysql_identifier(table, origin, "table name")
+
+
+def _check_mysql_identifier(value: str, origin: str, what: str) -> None:
+    if not value or "\0" in value or value.endswith(" "):
+        raise InvalidArgumentError(
+            f"{origin} gives MySQL {what} {_shown(value)}: it must be non-empty, without NUL "
+            "bytes, and not end with a space"
+        )
+    if len(value) > MAX_MYSQL_IDENTIFIER:
+        raise InvalidArgumentError(
+            f"{origin} gives MySQL {what} {_shown(value)} of {len(value)} characters, over "
+            f"MySQL's {MAX_MYSQL_IDENTIFIER}"
         )

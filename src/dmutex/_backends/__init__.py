@@ -6,7 +6,7 @@ lives below this package, in ``dmutex._core.abc``.
 - ``shapes.py``: detection and every other check of a client's shape;
 - ``clients.py``: the client contracts, published as ``typing.Protocol``;
 - ``memory.py``, ``redis/`` (with ``cluster.py``), ``mongo.py``, ``sqlite.py``,
-  ``postgres/``: one store each.
+  ``postgres/``, ``mysql/``: one store each.
 """
 
 from __future__ import annotations
@@ -15,12 +15,26 @@ from .._clock import SYSTEM_CLOCK
 from .._core.abc import Store
 from .._errors import InvalidArgumentError
 from .._options import Options
-from .._validate import check_collection_name, check_db_name, check_postgres_names
+from .._validate import (
+    check_collection_name,
+    check_db_name,
+    check_mysql_names,
+    check_postgres_names,
+)
 from .memory import InMemoryBackend, MemoryStore
 from .mongo import MongoStore
+from .mysql import MySQLStore
 from .postgres import PostgresStore
 from .redis import RedisStore
-from .shapes import defines, detect, method, postgres_method, refuse_asyncio, refuse_sync
+from .shapes import (
+    defines,
+    detect,
+    method,
+    mysql_face,
+    postgres_method,
+    refuse_asyncio,
+    refuse_sync,
+)
 from .sqlite import SQLiteBackend, SQLiteStore, quote
 
 
@@ -28,7 +42,7 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
     """The store that serves ``options``' namespace through ``client``.
 
     Detects the backend, checks what depends on it (MongoDB's and
-    PostgreSQL's names, the clock of an :class:`InMemoryBackend`, a client
+    PostgreSQL's and MySQL's names, the clock of an :class:`InMemoryBackend`, a client
     of the other face where its type tells), and makes no request: the only
     calls it makes are MongoDB's ``get_database`` and ``get_collection``,
     which do no I/O.
@@ -63,6 +77,19 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
         table, schema, permits = options.table_name, options.schema_name, options.max_permits
         return PostgresStore(
             client, table, permits, clock, schema=schema, asynchronous=asynchronous, fencing=fencing
+        )
+    if found == "mysql":
+        check_mysql_names(options.table_name, options.table_origin, options.database_name)
+        (refuse_sync if asynchronous else refuse_asyncio)(client, mysql_face(client), "client")
+        table, permits = options.table_name, options.max_permits
+        return MySQLStore(
+            client,
+            table,
+            permits,
+            clock,
+            database=options.database_name,
+            asynchronous=asynchronous,
+            fencing=options.fencing is True,
         )
     check_db_name(options.db_name)
     check_collection_name(options.collection_name, options.collection_origin, options.db_name)

@@ -33,10 +33,16 @@ from .._validate import BackendName
 from .memory import InMemoryBackend
 from .sqlite import SQLiteBackend
 
-Found = Literal["memory", "mongodb", "postgresql", "redis", "sqlite"]
+Found = Literal["memory", "mongodb", "mysql", "postgresql", "redis", "sqlite"]
 
 _NEEDS: dict[BackendName, str] = {
     "mongodb": "get_database(name)",
+    "mysql": (
+        "cursor() and get_server_info() (a PyMySQL, mysqlclient, mysql-connector, aiomysql "
+        "or asyncmy connection), get_connection() and add_connection() (a mysql-connector "
+        "pool), acquire() and freesize (an aiomysql or asyncmy pool), or raw_connection() "
+        "and a mysql or mariadb dialect (a SQLAlchemy Engine or AsyncEngine)"
+    ),
     "postgresql": (
         "execute(query, params) and info (a psycopg 3 connection), getconn() and "
         "connection() (a psycopg_pool pool), fetch(query, *args) and fetchrow() "
@@ -50,6 +56,7 @@ _NEEDS: dict[BackendName, str] = {
 }
 _LABELS: dict[BackendName, str] = {
     "mongodb": "MongoDB",
+    "mysql": "MySQL",
     "postgresql": "PostgreSQL",
     "redis": "Redis",
 }
@@ -61,6 +68,19 @@ _POSTGRES_SHAPES = (
     ("execute", "info"),
     ("raw_connection", "dialect"),
 )
+# Per MySQL client kind, the same: a DB-API connection (PyMySQL, mysqlclient,
+# mysql-connector, aiomysql, asyncmy), a mysql-connector pool, an aiomysql or
+# asyncmy pool, a SQLAlchemy engine on a MySQL dialect.
+_MYSQL_SHAPES = (
+    ("cursor", "get_server_info"),
+    ("get_connection", "add_connection"),
+    ("acquire", "freesize"),
+    ("raw_connection", "dialect"),
+)
+# The SQLAlchemy dialects of MySQL: an engine on one is a MySQL client.
+MYSQL_DIALECTS = ("mysql", "mariadb")
+# The method whose face (coroutine function or not) tells sync from asyncio, per kind.
+_MYSQL_FACES = {"cursor": "commit"}
 
 
 def _described(target: object) -> str:
@@ -91,7 +111,35 @@ def _shapes(client: object) -> set[BackendName]:
         shapes.add("redis")
     if postgres_method(client) is not None:
         shapes.add("postgresql")
+    if mysql_method(client) is not None:
+        shapes.add("mysql")
     return shapes
+
+
+def _on_mysql(engine: object) -> bool:
+    """Whether a SQLAlchemy engine's dialect is MySQL's or MariaDB's (an attribute, no I/O)."""
+    return getattr(getattr(engine, "dialect", None), "name", None) in MYSQL_DIALECTS
+
+
+def mysql_method(client: object) -> str | None:
+    """The first name of the MySQL shape ``client`` has, None if none.
+
+    ``cursor`` (a connection), ``get_connection`` (a mysql-connector pool),
+    ``acquire`` (an aiomysql or asyncmy pool) or ``raw_connection`` (a
+    SQLAlchemy engine whose dialect is ``mysql`` or ``mariadb``).
+    """
+    for name, beside in _MYSQL_SHAPES:
+        if defines(client, name) and defines(client, beside):
+            if name == "raw_connection" and not _on_mysql(client):
+                return None
+            return name
+    return None
+
+
+def mysql_face(client: object) -> str:
+    """The method of a MySQL client whose face tells sync from asyncio."""
+    kind = mysql_method(client) or "cursor"
+    return _MYSQL_FACES.get(kind, kind)
 
 
 def postgres_method(client: object) -> str | None:
@@ -104,6 +152,8 @@ def postgres_method(client: object) -> str | None:
     """
     for name, beside in _POSTGRES_SHAPES:
         if defines(client, name) and defines(client, beside):
+            if name == "raw_connection" and _on_mysql(client):
+                return None
             return name
     return None
 
@@ -139,7 +189,7 @@ def detect(client: object, backend: BackendName | None) -> Found:
     raise UnsupportedClientError(
         f"{_described(client)} is not a client dmutex can use. A MongoDB client needs "
         f"{_NEEDS['mongodb']}; a Redis client needs {_NEEDS['redis']}; a PostgreSQL "
-        f"client needs {_NEEDS['postgresql']}; "
+        f"client needs {_NEEDS['postgresql']}; a MySQL client needs {_NEEDS['mysql']}; "
         "or pass a dmutex.SQLiteBackend or dmutex.InMemoryBackend"
     )
 
@@ -175,7 +225,17 @@ def refuse_asyncio(target: object, name: str, what: str) -> None:
 # Packages whose plain (non-coroutine) client methods do their I/O before they
 # return: redis-py, valkey-py, pymongo, psycopg (with psycopg_pool) and
 # SQLAlchemy, outside their asyncio modules.
-_SYNC_PACKAGES = ("redis", "valkey", "pymongo", "psycopg", "psycopg_pool", "sqlalchemy")
+_SYNC_PACKAGES = (
+    "redis",
+    "valkey",
+    "pymongo",
+    "psycopg",
+    "psycopg_pool",
+    "sqlalchemy",
+    "pymysql",
+    "MySQLdb",
+    "mysql",
+)
 _ASYNC_MODULES = ("asyncio", "asynchronous")
 
 
@@ -198,7 +258,7 @@ def refuse_sync(target: object, name: str, what: str) -> None:
             f"{_described(target)} is a sync {what}: use DMutex / DSemaphore, or pass "
             "its asyncio counterpart (redis.asyncio, valkey.asyncio, pymongo.AsyncMongoClient, "
             "psycopg.AsyncConnection, psycopg_pool.AsyncConnectionPool, asyncpg, "
-            "sqlalchemy.ext.asyncio.AsyncEngine)"
+            "aiomysql, asyncmy, sqlalchemy.ext.asyncio.AsyncEngine)"
         )
 
 

@@ -15,6 +15,8 @@ from typing import TypeAlias, TypeVar, cast
 
 from .._backends.clients import (
     AsyncMongoClientLike,
+    AsyncMySQLConnectionLike,
+    AsyncMySQLPoolLike,
     AsyncpgLike,
     AsyncPsycopgConnectionLike,
     AsyncPsycopgPoolLike,
@@ -55,6 +57,8 @@ AsyncClient: TypeAlias = (
     | AsyncPsycopgPoolLike
     | AsyncpgLike
     | AsyncSQLAlchemyEngineLike
+    | AsyncMySQLConnectionLike
+    | AsyncMySQLPoolLike
 )
 """Any client an asyncio class accepts."""
 

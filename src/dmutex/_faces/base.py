@@ -92,33 +92,36 @@ class SemaphoreBase(Face[ClientT]):
         table_name: str | None = None,
         table_prefix: str = "_dsemaphore_",
         schema_name: str | None = None,
+        database_name: str | None = None,
     ) -> None:
         """Make a semaphore of ``max_permits`` permits per key for ``service_name``.
 
-        ``client`` is a MongoDB, Redis or PostgreSQL client (detected from its
-        shape; force with ``backend=``), an :class:`SQLiteBackend` or an
-        :class:`InMemoryBackend`. ``default_ttl_seconds`` is the lease length
+        ``client`` is a MongoDB, Redis, PostgreSQL or MySQL client (detected
+        from its shape; force with ``backend=``), an :class:`SQLiteBackend`
+        or an :class:`InMemoryBackend`. ``default_ttl_seconds`` is the lease length
         when a call gives no ``ttl``. MongoDB uses database ``db_name`` and
         collection ``collection_name`` or ``collection_prefix + service_name``;
         Redis uses keys under ``key_prefix`` (default
-        ``f"_dsemaphore_{service_name}:"``); SQLite and PostgreSQL the table
-        ``table_name`` or ``table_prefix + service_name``, PostgreSQL in schema
-        ``schema_name`` (None: where the connection's search path finds or
-        creates it). Options of the other backends are ignored.
+        ``f"_dsemaphore_{service_name}:"``); SQLite, PostgreSQL and MySQL the
+        table ``table_name`` or ``table_prefix + service_name``, PostgreSQL in
+        schema ``schema_name`` (None: where the connection's search path finds
+        or creates it), MySQL in database ``database_name`` (None: the
+        connection's current database). Options of the other backends are
+        ignored.
 
         ``clock`` is where this instance reads the time: the expiries it
         writes (MongoDB) or estimates (Redis: ``expired_at``), and its retry
         waits. A :class:`ManualClock` makes them testable without sleeping. An
         :class:`InMemoryBackend` keeps its own clock; pass none here for it.
-        PostgreSQL decides every expiry by the server's clock; there
-        ``clock`` times the retry waits only.
+        PostgreSQL and MySQL decide every expiry by the server's clock;
+        there ``clock`` times the retry waits only.
 
         ``fencing``: whether grants carry a fencing token (``handle.fence``).
         None (the default) keeps one where it costs no extra request: Redis
         (in the acquire's own script; on a cluster only for a key with a
         hash tag), SQLite (in the acquire's transaction), PostgreSQL (in the
-        acquire's statement) and :class:`InMemoryBackend`. True also on MongoDB, where
-        it costs one more request per successful acquire, and makes a
+        acquire's statement) and :class:`InMemoryBackend`. True also on MongoDB
+        and MySQL, where it costs one more request per successful acquire, and makes a
         cluster key without a hash tag an error. False keeps none, and Redis
         then writes no counter records.
 
@@ -147,6 +150,7 @@ class MutexBase(Face[ClientT]):
         table_name: str | None = None,
         table_prefix: str = "_dmutex_",
         schema_name: str | None = None,
+        database_name: str | None = None,
     ) -> None:
         """Make a mutex for ``service_name``: one holder per key at a time.
 

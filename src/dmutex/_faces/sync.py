@@ -16,6 +16,8 @@ from typing import TypeAlias, TypeVar, cast
 
 from .._backends.clients import (
     MongoClientLike,
+    MySQLConnectionLike,
+    MySQLConnectorPoolLike,
     PsycopgConnectionLike,
     PsycopgPoolLike,
     RedisCommandClient,
@@ -48,6 +50,8 @@ SyncClient: TypeAlias = (
     | PsycopgConnectionLike
     | PsycopgPoolLike
     | SQLAlchemyEngineLike
+    | MySQLConnectionLike
+    | MySQLConnectorPoolLike
 )
 """Any client a sync class accepts."""
 

@@ -1,0 +1,368 @@
+"""How one statement runs on each kind of MySQL client: the callable of the store's calls.
+
+Rules of this module:
+
+1. A runner takes a :class:`~.statements.Statement` and its parameters by
+   name, sends the statement, and returns an :class:`Outcome`: its rows as
+   tuples (none without a result), the affected-row count and the OK
+   packet's id (``cursor.lastrowid``: what ``LAST_INSERT_ID(expr)`` set, 0
+   if nothing did); an asyncio runner returns an awaitable of it. It is
+   what the store's ``Call`` effects call, so the store never touches a
+   client itself.
+2. Nothing stays open between two statements. A connection in autocommit
+   runs the statement alone. One that is not opens a transaction with it,
+   which the runner commits at once (one more round trip; rolls back if
+   the statement failed), so no row lock outlives the statement. A
+   connection already inside the caller's transaction is refused, since a
+   lease written there would commit only with the caller's work: PyMySQL,
+   aiomysql and asyncmy tell it by ``server_status``, mysql-connector by
+   ``in_transaction``. mysqlclient tells neither: it is taken in autocommit
+   only (it cannot show an explicit ``BEGIN`` then; a documented limit). A
+   pool lends a connection for the one statement.
+3. Rows may come as tuples or mappings (a ``DictCursor``): they are read in
+   column order either way.
+4. One connection runs one of dmutex's statements at a time: a lock per
+   connection (a thread lock, or an asyncio lock for aiomysql and asyncmy),
+   shared by every store, renewal and waiter on it, since none of these
+   drivers may be used by two threads or tasks at once. The caller's own
+   statements on that connection do not take these turns: they need a
+   connection of their own.
+5. A statement that InnoDB chose as a deadlock's victim (error 1213) was
+   rolled back whole, so it is sent again, up to :data:`DEADLOCK_TRIES`
+   times in all; every other error reaches the store as raised. dmutex's
+   statements each lock one row, or a key's slots in primary-key order, so
+   a deadlock needs another program's multi-row transaction.
+6. A SQLAlchemy engine is a pool: its statement runs on the driver's own
+   connection (``driver_connection``) as rules 2 to 5 say, and SQLAlchemy
+   runs none of dmutex's SQL. Which drivers: ``pymysql``, ``mysqldb`` and
+   ``mysqlconnector`` for an ``Engine``, ``aiomysql`` and ``asyncmy`` for an
+   ``AsyncEngine``, on the ``mysql`` or ``mariadb`` dialect; decided before
+   any I/O. A connection the driver then reports closed is invalidated, so
+   that the pool does not lend it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import threading
+import weakref
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias, cast
+
+from ..._errors import DMutexError, UnsupportedClientError
+from ..clients import (
+    AsyncMySQLConnectionLike,
+    AsyncMySQLPoolLike,
+    AsyncSQLAlchemyEngineLike,
+    MySQLConnectionLike,
+    MySQLConnectorPoolLike,
+    SQLAlchemyDialectLike,
+    SQLAlchemyEngineLike,
+)
+from ..shapes import defines, method, mysql_method
+from .statements import Statement
+
+__all__ = ["DEADLOCK_TRIES", "Outcome", "Params", "Row", "Runner", "runner"]
+
+Row: TypeAlias = tuple[object, ...]
+Params: TypeAlias = Mapping[str, object]
+Runner: TypeAlias = Callable[[Statement, Params], object]
+"""``run(statement, params)``: its :class:`Outcome` (sync), or an awaitable of it (asyncio)."""
+
+DEADLOCK_TRIES = 3
+_DEADLOCK = 1213  # ER_LOCK_DEADLOCK
+_IN_TRANS = 0x0001  # SERVER_STATUS_IN_TRANS
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one statement answered: its rows, its affected-row count, its OK packet's id."""
+
+    rows: list[Row]
+    count: int
+    answer: int
+
+
+def _rows(found: object) -> list[Row]:
+    """Rows as tuples in column order (rule 3)."""
+    if not isinstance(found, Sequence):
+        raise DMutexError(f"unexpected result from MySQL: {found!r}")
+    rows: list[Row] = []
+    for row in found:
+        if isinstance(row, Mapping):
+            rows.append(tuple(row.values()))
+        elif isinstance(row, Iterable) and not isinstance(row, (str, bytes)):
+            rows.append(tuple(row))
+        else:
+            raise DMutexError(f"unexpected row from MySQL: {row!r}")
+    return rows
+
+
+def _code(error: BaseException) -> object:
+    """The server's error number: ``errno`` (mysql-connector), else the first argument."""
+    errno = getattr(error, "errno", None)
+    if isinstance(errno, int):
+        return errno
+    return error.args[0] if error.args else None
+
+
+def _in_transaction(conn: object) -> bool | None:
+    """Whether the driver reports ``conn`` inside a transaction; None if it cannot tell."""
+    status = getattr(conn, "server_status", None)  # PyMySQL, aiomysql, asyncmy
+    if isinstance(status, int) and not isinstance(status, bool):
+        return bool(status & _IN_TRANS)
+    if defines(conn, "in_transaction"):  # mysql-connector: its last OK packet's flag
+        return bool(getattr(conn, "in_transaction", False))
+    return None
+
+
+def _autocommit(conn: object) -> bool:
+    """Whether ``conn`` commits each statement on its own, read without I/O (mysqlclient)."""
+    get = getattr(conn, "get_autocommit", None)
+    return bool(get()) if callable(get) else False
+
+
+def _outside_transaction(conn: object) -> None:
+    """Refuse a connection inside the caller's transaction, or one that cannot tell (rule 2)."""
+    inside = _in_transaction(conn)
+    if inside is None and not _autocommit(conn):
+        raise UnsupportedClientError(
+            f"{type(conn).__module__}.{type(conn).__qualname__} is not in autocommit and does "
+            "not tell whether it is inside a transaction: open it with autocommit=True, or "
+            "give dmutex a pool"
+        )
+    if inside:
+        raise DMutexError(
+            "the MySQL connection is inside a transaction: a lease written there would not "
+            "commit until it does. Give dmutex a connection of its own (in autocommit, or "
+            "idle between statements), or a pool"
+        )
+
+
+def _args(statement: Statement, params: Params) -> Params | None:
+    return params if statement.takes_params else None
+
+
+_TURNS: weakref.WeakKeyDictionary[object, threading.Lock] = weakref.WeakKeyDictionary()
+_ATURNS: weakref.WeakKeyDictionary[object, asyncio.Lock] = weakref.WeakKeyDictionary()
+_TURNS_LOCK = threading.Lock()
+
+
+def _turn(conn: object) -> contextlib.AbstractContextManager[object]:
+    """The turn of a statement on a sync connection (rule 4)."""
+    with _TURNS_LOCK:
+        try:
+            return _TURNS.setdefault(conn, threading.Lock())
+        except TypeError:  # takes no weak reference: no turns
+            return contextlib.nullcontext()
+
+
+def _aturn(conn: object) -> contextlib.AbstractAsyncContextManager[object]:
+    """The turn of a statement on an asyncio connection (rule 4)."""
+    try:
+        turn = _ATURNS.get(conn)
+        if turn is None:
+            turn = _ATURNS[conn] = asyncio.Lock()
+    except TypeError:
+        return contextlib.nullcontext()
+    return turn
+
+
+def _connection(client: object) -> Callable[[Statement, Params], Outcome]:
+    """A runner on a sync DB-API connection (PyMySQL, mysqlclient, mysql-connector)."""
+    conn = cast(MySQLConnectionLike, client)
+    method(conn, "cursor")
+
+    def once(statement: Statement, params: Params) -> Outcome:
+        cursor = conn.cursor()
+        try:
+            cursor.execute(statement.text, _args(statement, params))
+            rows = [] if cursor.description is None else _rows(cursor.fetchall())
+            return Outcome(rows, cursor.rowcount, cursor.lastrowid or 0)
+        finally:
+            cursor.close()
+
+    def run(statement: Statement, params: Params) -> Outcome:
+        with _turn(conn):
+            _outside_transaction(conn)
+            for attempt in range(1, DEADLOCK_TRIES + 1):
+                try:
+                    outcome = once(statement, params)
+                except Exception as error:
+                    if _in_transaction(conn):
+                        with contextlib.suppress(Exception):
+                            conn.rollback()
+                    if _code(error) != _DEADLOCK or attempt == DEADLOCK_TRIES:
+                        raise
+                    continue
+                if _in_transaction(conn):  # autocommit off: the statement opened it
+                    conn.commit()
+                return outcome
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    return run
+
+
+def _connection_async(client: object) -> Callable[[Statement, Params], Awaitable[Outcome]]:
+    """A runner on an asyncio connection (aiomysql, asyncmy)."""
+    conn = cast(AsyncMySQLConnectionLike, client)
+    method(conn, "cursor")
+
+    async def once(statement: Statement, params: Params) -> Outcome:
+        opened = conn.cursor()
+        # aiomysql's cursor() answers an awaitable of the cursor, asyncmy's the cursor.
+        cursor = await opened if inspect.isawaitable(opened) else opened
+        try:
+            await cursor.execute(statement.text, _args(statement, params))
+            rows = [] if cursor.description is None else _rows(await cursor.fetchall())
+            return Outcome(rows, cursor.rowcount, cursor.lastrowid or 0)
+        finally:
+            await cursor.close()
+
+    async def run(statement: Statement, params: Params) -> Outcome:
+        async with _aturn(conn):
+            _outside_transaction(conn)
+            for attempt in range(1, DEADLOCK_TRIES + 1):
+                try:
+                    outcome = await once(statement, params)
+                except Exception as error:
+                    if _in_transaction(conn):
+                        with contextlib.suppress(Exception):
+                            await conn.rollback()
+                    if _code(error) != _DEADLOCK or attempt == DEADLOCK_TRIES:
+                        raise
+                    continue
+                if _in_transaction(conn):  # autocommit off: the statement opened it
+                    await conn.commit()
+                return outcome
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    return run
+
+
+def _connector_pool(client: object) -> Callable[[Statement, Params], Outcome]:
+    """A runner on a mysql-connector pool: one connection lent per statement."""
+    pool = cast(MySQLConnectorPoolLike, client)
+    method(pool, "get_connection")
+
+    def run(statement: Statement, params: Params) -> Outcome:
+        conn = pool.get_connection()
+        try:
+            return _connection(conn)(statement, params)
+        finally:
+            close = getattr(conn, "close", None)
+            if callable(close):
+                close()  # gives it back to the pool
+
+    return run
+
+
+def _pool_async(client: object) -> Callable[[Statement, Params], Awaitable[Outcome]]:
+    """A runner on an aiomysql or asyncmy pool: one connection lent per statement."""
+    pool = cast(AsyncMySQLPoolLike, client)
+    method(pool, "acquire")
+
+    async def run(statement: Statement, params: Params) -> Outcome:
+        async with pool.acquire() as conn:
+            return await _connection_async(conn)(statement, params)
+
+    return run
+
+
+_ENGINE_DRIVERS = {False: ("pymysql", "mysqldb", "mysqlconnector"), True: ("aiomysql", "asyncmy")}
+
+
+def _engine_driver(engine: object, asynchronous: bool) -> str:
+    """The driver of a SQLAlchemy engine on MySQL that dmutex can run on, or an error (rule 6)."""
+    dialect = cast(SQLAlchemyDialectLike, getattr(engine, "dialect", None))
+    driver = getattr(dialect, "driver", None)
+    kind = "AsyncEngine" if asynchronous else "Engine"
+    drivers = " or ".join(_ENGINE_DRIVERS[asynchronous])
+    if driver not in _ENGINE_DRIVERS[asynchronous]:
+        raise UnsupportedClientError(
+            f"a SQLAlchemy {kind} on MySQL with the {driver!r} driver: dmutex runs its "
+            f"statements on the driver's connection, and a {kind}'s must be {drivers}"
+        )
+    return str(driver)
+
+
+def _closed(conn: object) -> bool:
+    """Whether the driver reports ``conn`` closed (PyMySQL's ``open``, aiomysql's ``closed``)."""
+    opened = getattr(conn, "open", None)
+    if isinstance(opened, bool):
+        return not opened
+    closed = getattr(conn, "closed", None)
+    if isinstance(closed, bool):
+        return closed
+    connected = getattr(conn, "is_connected", None)
+    return callable(connected) and not connected()
+
+
+def _engine(client: object) -> Callable[[Statement, Params], Outcome]:
+    """A runner on a sync SQLAlchemy engine: one driver connection lent per statement."""
+    engine = cast(SQLAlchemyEngineLike, client)
+    method(engine, "raw_connection")
+
+    def run(statement: Statement, params: Params) -> Outcome:
+        lent = engine.raw_connection()
+        conn = lent.driver_connection
+        try:
+            return _connection(conn)(statement, params)
+        except Exception as error:
+            if _closed(conn):
+                lent.invalidate(error)
+            raise
+        finally:
+            lent.close()
+
+    return run
+
+
+def _engine_async(client: object) -> Callable[[Statement, Params], Awaitable[Outcome]]:
+    """A runner on an asyncio SQLAlchemy engine: one connection opened per statement."""
+    engine = cast(AsyncSQLAlchemyEngineLike, client)
+    method(engine, "connect")
+
+    async def run(statement: Statement, params: Params) -> Outcome:
+        async with engine.connect() as opened:
+            conn = (await opened.get_raw_connection()).driver_connection
+            try:
+                return await _connection_async(conn)(statement, params)
+            except Exception as error:
+                if _closed(conn):
+                    await opened.invalidate(error)
+                raise
+
+    return run
+
+
+def runner(client: object, *, asynchronous: bool) -> Runner:
+    """The runner of ``client``, by its shape (``shapes.mysql_method``), before any I/O."""
+    kind = mysql_method(client)
+    if kind == "raw_connection":
+        is_async = defines(client, "sync_engine")
+        if is_async != asynchronous:
+            face = "AsyncDMutex / AsyncDSemaphore" if is_async else "DMutex / DSemaphore"
+            raise UnsupportedClientError(
+                f"a SQLAlchemy {'AsyncEngine' if is_async else 'Engine'} is "
+                f"{'an asyncio' if is_async else 'a sync'} client: use {face}"
+            )
+        _engine_driver(client, asynchronous)
+        return _engine_async(client) if asynchronous else _engine(client)
+    if kind == "get_connection":
+        if asynchronous:
+            raise UnsupportedClientError(
+                "a mysql-connector pool is a sync client: use DMutex / DSemaphore"
+            )
+        return _connector_pool(client)
+    if kind == "acquire":
+        if not asynchronous:
+            raise UnsupportedClientError(
+                "an aiomysql or asyncmy pool is an asyncio client: "
+                "use AsyncDMutex / AsyncDSemaphore"
+            )
+        return _pool_async(client)
+    return _connection_async(client) if asynchronous else _connection(client)

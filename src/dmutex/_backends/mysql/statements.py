@@ -1,0 +1,274 @@
+"""The SQL of the MySQL store, one builder per statement, for one table.
+
+They sit in ``dmutex._backends.mysql`` beside the store that runs them
+(``store.py``); tests and benchmarks import them from here.
+
+Rules of the statements:
+
+1. Time is the server's: :data:`NOW_MS`, the moment the statement began
+   (``UTC_TIMESTAMP(6)`` is read once per statement, as ``NOW()`` is),
+   counted from the epoch by ``TIMESTAMPDIFF``, which no session time zone
+   or daylight-saving hour can shift. Expiries are ``bigint`` epoch
+   milliseconds, as the TypeScript store writes them from its host's clock.
+2. A statement answers in its OK packet when it can, so that it needs no
+   ``SELECT`` after it: MySQL has no ``RETURNING`` on ``INSERT`` or
+   ``UPDATE`` (MariaDB's covers ``INSERT`` and ``DELETE`` only), but
+   ``LAST_INSERT_ID(expr)`` sets the id that the OK packet carries to
+   ``expr`` (the documented way to build a sequence). The take of a slot
+   sets it to one integer that says everything (:func:`granted`,
+   :func:`refused`); an extend sets it to the new expiry; a fence advance
+   to the fence. A statement that never reaches one (an ``UPDATE`` that
+   matched no row) answers 0. Affected-row counts are not read where a
+   driver's ``CLIENT_FOUND_ROWS`` flag changes them (an upsert that changed
+   nothing counts 0 without it, 1 with it).
+3. A slot is taken by an upsert whose ``ON DUPLICATE KEY UPDATE`` changes
+   only a row that has expired or already holds the caller's token (a
+   re-sent copy of an acquire whose reply was lost): InnoDB runs it under
+   the row's lock, so a held row is never overwritten. Both assignments test
+   the same condition, which reads the same on the row before and after
+   the first assignment: MySQL's left-to-right order and MariaDB's
+   ``SIMULTANEOUS_ASSIGNMENT`` mode decide it alike.
+4. The fence counter is the row ``fence:{key}``, its value the counter in
+   decimal, its ``expired_at`` :data:`FOREVER` (9999-01-01), so that no
+   acquire takes it for a lease. It advances (``dmutex._core.fences``, rule
+   1) in its own statement after a grant, only while it holds dmutex's kind
+   of value; a row of that key that dmutex did not write answers 0.
+5. Keys and values compare byte for byte: dmutex creates both columns
+   ``utf8mb4`` with the ``utf8mb4_bin`` collation, so ``permit:0:A`` and
+   ``permit:0:a`` (or ``é`` and ``e``) are two rows, and a 4-byte UTF-8
+   character is stored as sent. The columns' types and sizes are the
+   TypeScript store's; only their character set and collation are named
+   (``ready()`` refuses a table whose key column compares otherwise).
+6. Parameters are named, ``%(name)s``: PyMySQL, mysqlclient,
+   mysql-connector, aiomysql and asyncmy all take that form with a mapping,
+   and escape the values themselves. A statement without parameters is
+   sent without a mapping, so it is written without ``%%`` escapes.
+7. A semaphore's slots of one key are rows ``permit:0:k`` ..
+   ``permit:{n-1}:k``, far apart in the primary key: a statement over them
+   joins the table with the numbers 0 .. n-1 (:data:`_NUMBERS`, two tables
+   of 32 digits crossed: a recursive CTE stops at 1,000 by both servers'
+   default), so each is one primary-key lookup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..._core.lease import MAX_EXPIRY_MS
+from ..._errors import InvalidArgumentError
+from ..._validate import MAX_PERMITS
+
+__all__ = [
+    "COLLATION",
+    "FOREVER",
+    "SLOT_BITS",
+    "Statement",
+    "Statements",
+    "granted",
+    "quote",
+    "refused",
+]
+
+# Rule 1: the statement's start, in epoch microseconds and milliseconds.
+NOW_US = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
+NOW_MS = f"({NOW_US} DIV 1000)"
+# A fence row's expiry (rule 4): 9999-01-01 00:00:00 UTC in epoch ms.
+FOREVER = 253370764800000
+# Rule 5: what dmutex creates its text columns with, and needs of the key column.
+CHARSET = "utf8mb4"
+COLLATION = "utf8mb4_bin"
+
+# The take's answer (rule 2): a grant is odd, its expiry and slot above the
+# low bit; a refusal is even, the ms until the lease in the way ends.
+SLOT_BITS = 10
+assert 1 << SLOT_BITS >= MAX_PERMITS
+_GRANT_SHIFT = SLOT_BITS + 1
+# A refusal's wait is cut to this many ms (about 35 years), so that a row
+# another program wrote with a huge expiry cannot overflow the answer.
+_LONGEST_WAIT = 1 << 40
+assert ((MAX_EXPIRY_MS << SLOT_BITS) + MAX_PERMITS) * 2 + 1 < 1 << 63
+
+
+def granted(answer: int) -> tuple[int, int] | None:
+    """The (slot, expiry ms) a take's answer grants; None if it refused."""
+    if answer & 1 == 0:
+        return None
+    return (answer >> 1) & ((1 << SLOT_BITS) - 1), answer >> _GRANT_SHIFT
+
+
+def refused(answer: int) -> int:
+    """The ms until the lease in the way ends, from a refusing take's answer."""
+    return answer >> 1
+
+
+def quote(identifier: str, what: str = "table_name") -> str:
+    """An identifier in backquotes, as the TypeScript store quotes it, refusing what it does."""
+    if not isinstance(identifier, str) or not identifier or "\0" in identifier:
+        raise InvalidArgumentError(
+            f"a MySQL {what} must be a non-empty string without NUL bytes, not {identifier!r}"
+        )
+    return "`" + identifier.replace("`", "``") + "`"
+
+
+def qualified(table: str, database: str | None) -> str:
+    """The table as statements name it, in backquotes: with its database, or in the current one."""
+    name = quote(table)
+    return name if database is None else f"{quote(database, 'database_name')}.{name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Statement:
+    """One statement's text, and whether it takes parameters (rule 6)."""
+
+    text: str
+    takes_params: bool = True
+
+
+_DIGITS = "(SELECT 0 AS d" + "".join(f" UNION ALL SELECT {n}" for n in range(1, 32)) + ")"
+# Rule 7: the slots first .. last of %(key)s, as rows (i, name).
+_NUMBERS = (
+    f"(SELECT h.d * 32 + l.d AS i FROM {_DIGITS} AS h CROSS JOIN {_DIGITS} AS l\n"
+    "  WHERE h.d * 32 + l.d BETWEEN %(first)s AND %(last)s)"
+)
+_SLOT_NAME = "CONCAT('permit:', s.i, ':', %(key)s)"
+
+# Rule 3: a row the caller may take.
+_FREE = f"(`expired_at` <= {NOW_MS} OR `value` = %(token)s)"
+_GRANT = f"LAST_INSERT_ID((({NOW_MS} + %(ttl)s) * {1 << SLOT_BITS} + %(slot)s) * 2 + 1)"
+_REFUSAL = f"LAST_INSERT_ID(LEAST(`expired_at` - {NOW_MS}, {_LONGEST_WAIT}) * 2)"
+# A fence counter as dmutex writes it: decimal digits that fit a bigint plus one.
+_COUNT = "'^[0-9]{1,18}$'"
+
+
+@dataclass(frozen=True, slots=True)
+class Statements:
+    """Every statement of one table (in ``database_name``, optional)."""
+
+    table: str
+    name: str
+    database: str | None
+    shape: Statement
+    create_table: Statement
+    take: Statement
+    fence: Statement
+    release: Statement
+    release_any: Statement
+    extend: Statement
+    extend_any: Statement
+    holders: Statement
+
+    @classmethod
+    def of(cls, table: str, database: str | None = None) -> Statements:
+        """The statements of ``table`` in ``database`` (None: the connection's current one)."""
+        named = qualified(table, database)
+        # Identifiers may hold "%", which a driver would read as a placeholder.
+        t = named.replace("%", "%%")
+        active = f"`expired_at` > {NOW_MS}"
+        mine = f"`key` = %(row)s AND `value` = %(token)s AND {active}"
+        joined = f"{t} AS t JOIN {_NUMBERS} AS s ON t.`key` = {_SLOT_NAME}"
+        mine_any = f"t.`value` = %(token)s AND t.{active}"
+        return cls(
+            table=named,
+            name=table,
+            database=database,
+            shape=Statement(_SHAPE),
+            create_table=Statement(
+                f"CREATE TABLE IF NOT EXISTS {named} (\n"
+                f"  `key` varchar(512) CHARACTER SET {CHARSET} COLLATE {COLLATION} NOT NULL,\n"
+                f"  `value` varchar(128) CHARACTER SET {CHARSET} COLLATE {COLLATION} NOT NULL,\n"
+                "  `expired_at` bigint NOT NULL,\n"
+                "  PRIMARY KEY (`key`),\n"
+                "  INDEX `expired_at_idx` (`expired_at`)\n"
+                ") ENGINE=InnoDB",
+                takes_params=False,
+            ),
+            take=Statement(
+                f"INSERT INTO {t} (`key`, `value`, `expired_at`)\n"
+                f"VALUES (%(row)s, %(token)s, {_GRANT} DIV {1 << _GRANT_SHIFT})\n"
+                "ON DUPLICATE KEY UPDATE\n"
+                f"  `value` = IF({_FREE}, %(token)s, `value`),\n"
+                f"  `expired_at` = IF({_FREE}, {_GRANT} DIV {1 << _GRANT_SHIFT},\n"
+                f"    `expired_at` + 0 * {_REFUSAL})"
+            ),
+            fence=Statement(
+                f"INSERT INTO {t} (`key`, `value`, `expired_at`)\n"
+                f"VALUES (%(row)s, LAST_INSERT_ID({NOW_US}), {FOREVER})\n"
+                "ON DUPLICATE KEY UPDATE\n"
+                f"  `value` = IF(`expired_at` = {FOREVER} AND `value` REGEXP {_COUNT},\n"
+                f"    LAST_INSERT_ID(GREATEST(CAST(`value` AS UNSIGNED) + 1, {NOW_US})),\n"
+                "    CONCAT(`value`, LEFT(LAST_INSERT_ID(0), 0)))"
+            ),
+            release=Statement(f"DELETE FROM {t} WHERE {mine}"),
+            release_any=Statement(f"DELETE t FROM {joined}\nWHERE {mine_any}"),
+            extend=Statement(
+                f"UPDATE {t} SET `expired_at` = LAST_INSERT_ID({NOW_MS} + %(ttl)s)\nWHERE {mine}"
+            ),
+            extend_any=Statement(
+                f"UPDATE {joined}\nSET t.`expired_at` = LAST_INSERT_ID({NOW_MS} + %(ttl)s)\n"
+                f"WHERE {mine_any}"
+            ),
+            holders=Statement(
+                f"SELECT NULL, f.`value`, NULL, {NOW_MS}\n"
+                f"FROM (SELECT 1) AS one LEFT JOIN {t} AS f\n"
+                "  ON f.`key` = CONCAT('fence:', %(key)s)\n"
+                f"  AND f.`expired_at` = {FOREVER} AND f.`value` REGEXP {_COUNT}\n"
+                "UNION ALL\n"
+                f"SELECT s.i, t.`value`, t.`expired_at`, {NOW_MS}\n"
+                f"FROM {joined}\nWHERE t.{active}"
+            ),
+        )
+
+    def extend_many(self, count: int) -> Statement:
+        """Extend ``count`` leases (``name{n}``, ``token{n}``, ``ttl{n}``) that are still active.
+
+        Its answer is the number of rows it changed; :meth:`renewed` reads back which.
+        """
+        t = self.table.replace("%", "%%")
+        return Statement(
+            f"UPDATE {t} AS t JOIN {_asked(count, with_ttl=True)} AS a\n"
+            "  ON t.`key` = a.name AND t.`value` = a.token\n"
+            f"SET t.`expired_at` = {NOW_MS} + a.ttl\n"
+            f"WHERE t.`expired_at` > {NOW_MS}"
+        )
+
+    def renewed(self, count: int) -> Statement:
+        """The rows ``(n, expiry)`` of the ``count`` leases asked that are active, by position."""
+        t = self.table.replace("%", "%%")
+        return Statement(
+            f"SELECT a.n, t.`expired_at` FROM {_asked(count, with_ttl=False)} AS a\n"
+            f"JOIN {t} AS t ON t.`key` = a.name AND t.`value` = a.token\n"
+            f"WHERE t.`expired_at` > {NOW_MS}"
+        )
+
+
+def _asked(count: int, *, with_ttl: bool) -> str:
+    """A derived table of ``count`` leases: ``(n, name, token[, ttl])``, one row each."""
+    rows = []
+    for n in range(count):
+        ttl = f", CAST(%(ttl{n})s AS SIGNED) AS ttl" if with_ttl else ""
+        rows.append(
+            f"SELECT {n} AS n, {_text(f'name{n}')} AS name, {_text(f'token{n}')} AS token{ttl}"
+        )
+    return "(" + "\n  UNION ALL ".join(rows) + ")"
+
+
+def _text(name: str) -> str:
+    """Parameter ``name`` as text of the columns' collation, so that a join on it uses the key."""
+    return f"CAST(%({name})s AS CHAR CHARACTER SET {CHARSET}) COLLATE {COLLATION}"
+
+
+# What ready() reads: the table's kind and engine, each column as
+# (name, type, nullable, collation, key), whether the index exists, and the
+# session's character set and SQL mode. One row per column (none if absent).
+_SHAPE = """\
+SELECT tb.TABLE_TYPE, tb.ENGINE, c.COLUMN_NAME, c.COLUMN_TYPE, c.IS_NULLABLE,
+  c.COLLATION_NAME, c.COLUMN_KEY,
+  EXISTS (SELECT 1 FROM information_schema.STATISTICS AS x
+          WHERE x.TABLE_SCHEMA = tb.TABLE_SCHEMA AND x.TABLE_NAME = tb.TABLE_NAME
+            AND x.INDEX_NAME = 'expired_at_idx' AND x.COLUMN_NAME = 'expired_at'),
+  @@character_set_client, @@SESSION.sql_mode
+FROM information_schema.TABLES AS tb
+LEFT JOIN information_schema.COLUMNS AS c
+  ON c.TABLE_SCHEMA = tb.TABLE_SCHEMA AND c.TABLE_NAME = tb.TABLE_NAME
+WHERE tb.TABLE_SCHEMA = COALESCE(%(database)s, DATABASE()) AND tb.TABLE_NAME = %(table)s
+ORDER BY c.ORDINAL_POSITION"""

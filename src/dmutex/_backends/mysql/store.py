@@ -1,0 +1,393 @@
+"""The MySQL store: leases as rows of the TypeScript dmutex's table, in the fewest statements.
+
+Layout (shared with the TypeScript dmutex's MySQL store): table
+``table_name``, else ``table_prefix + service_name`` (``_dmutex_`` /
+``_dsemaphore_``), in database ``database_name`` if given (else the
+connection's current one), with columns ``key varchar(512) NOT NULL PRIMARY
+KEY, value varchar(128) NOT NULL, expired_at bigint NOT NULL`` (epoch
+milliseconds), the index ``expired_at_idx`` on ``expired_at``, and
+``ENGINE=InnoDB``; identifiers in backquotes, inner ones doubled. Slot ``i``
+of lock ``k`` is the row ``permit:{i}:{k}``, ``value`` its token. dmutex
+adds one row per fenced key, ``fence:{k}`` (``statements.py``, rule 4).
+
+Rules of this module:
+
+1. Time is the server's (``statements.py``, rule 1): every expiry is
+   decided, stored and compared by the database's clock, so that hosts
+   whose clocks disagree still agree on every lease. The TypeScript store
+   uses its host's clock instead; in a mixed fleet a TypeScript host whose
+   clock runs ahead of the server's by ``d`` takes a lease ``d`` before it
+   expires, as it does against another TypeScript host. The instance's
+   clock only times retries and renewals.
+2. Round trips (``docs/usage/mysql.md`` has the table): a mutex's acquire
+   is one statement, granted or refused; with ``fencing=True`` a grant
+   takes a second, the fence's advance. A semaphore's acquire reads the
+   key's slots first (one statement, the same as ``holders``) and then
+   takes a free one, so two; one when every slot is held; one more per
+   race lost to another caller between the read and the take. Release and
+   extend are one statement; a batch of up to :data:`RENEW_BATCH` renewals
+   two (the update, then which rows it extended, which MySQL's OK packet
+   cannot say). ``fencing=None`` keeps no fence here, since it costs a
+   statement.
+3. An acquire finds its own token first (``statements.py``, rule 3): a copy
+   re-sent after a lost reply answers with the slot the first copy took
+   (its expiry moved on), never a second. Release and extend match key,
+   token and an expiry still in the future, so a holder whose lease ran
+   out can neither remove nor prolong its successor's row.
+4. ``ready()`` creates the table if missing and checks the table it finds:
+   another kind of relation, another engine than InnoDB, another shape, a
+   key or value column that does not compare byte for byte (the TypeScript
+   store's ``CREATE TABLE`` takes the database's default collation, which
+   is case-insensitive: the error says the ``ALTER TABLE`` that fixes it),
+   or a session that could change a key silently (neither ``utf8mb4`` nor a
+   strict SQL mode) is refused with what was found and what dmutex needs.
+5. A release wakes at once the retrying acquires of its key that wait
+   through the same client object (threads and tasks of this process), as
+   the SQLite store does; a waiter registers before each attempt, so no
+   release after that attempt's read misses it. Other processes send no
+   signal: their waiters poll within ``retry_delay``, and a failed attempt
+   learns when the first lease in its way ends.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import cast
+
+from ..._clock import Clock
+from ..._core.abc import Holder, Inspection, Renewed
+from ..._core.effects import Call, Sleep, Steps, Wait
+from ..._core.lease import MAX_EXPIRY_MS, Lease
+from ..._core.waiting import Waiter, Wakeup
+from ..._errors import DMutexError
+from .runners import Outcome, Params, runner
+from .statements import COLLATION, Statement, Statements, granted, refused
+
+__all__ = ["RENEW_BATCH", "MySQLStore"]
+
+# At most this many leases per renewal statement.
+RENEW_BATCH = 128
+
+# The table's shape as ready() reads it back: (column, type, nullable) in order.
+COLUMNS = (
+    ("key", "varchar(512)", "NO"),
+    ("value", "varchar(128)", "NO"),
+    ("expired_at", "bigint(20)", "NO"),
+)
+_TEXT_COLUMNS = ("key", "value")
+_STRICT = ("STRICT_TRANS_TABLES", "STRICT_ALL_TABLES")
+
+
+def _int(value: object, what: str) -> int:
+    """An integer column of a reply; anything else is a server that does not speak this SQL."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DMutexError(f"unexpected {what} from MySQL: {value!r}")
+    return value
+
+
+def _text(value: object) -> str:
+    """A text column as str (a driver may answer bytes for a binary collation)."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode()
+    return str(value)
+
+
+class _Waiting:
+    """The retrying acquires of this process that wait through one client (rule 5)."""
+
+    __slots__ = ("__weakref__", "by_key", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_key: dict[tuple[str, str], weakref.WeakSet[Wakeup]] = {}
+
+    def register(self, name: tuple[str, str], wakeup: Wakeup) -> None:
+        with self.lock:
+            wakeup.clear()
+            self.by_key.setdefault(name, weakref.WeakSet()).add(wakeup)
+
+    def forget(self, name: tuple[str, str], wakeup: Wakeup) -> None:
+        with self.lock:
+            wakeups = self.by_key.get(name)
+            if wakeups is not None:
+                wakeups.discard(wakeup)
+                if not wakeups:
+                    del self.by_key[name]
+
+    def wake(self, name: tuple[str, str]) -> None:
+        with self.lock:
+            woken = list(self.by_key.pop(name, ()))
+        for wakeup in woken:
+            wakeup.set()  # outside the lock: a wakeup calls its listeners
+
+
+_CLIENTS: weakref.WeakKeyDictionary[object, _Waiting] = weakref.WeakKeyDictionary()
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _waiting(client: object) -> _Waiting:
+    """The waiters of ``client``, shared by every store on it; per store if it takes no weakref."""
+    with _CLIENTS_LOCK:
+        try:
+            return _CLIENTS.setdefault(client, _Waiting())
+        except TypeError:
+            return _Waiting()
+
+
+class MySQLStore:
+    """One table of lease rows on a MySQL or MariaDB server; a ``Store``.
+
+    ``client`` is a PyMySQL, mysqlclient or mysql-connector connection, a
+    mysql-connector pool (sync), an aiomysql or asyncmy connection or pool
+    (asyncio), or a SQLAlchemy ``Engine`` / ``AsyncEngine`` on one of them.
+    """
+
+    max_expiry_ms = MAX_EXPIRY_MS
+
+    def __init__(
+        self,
+        client: object,
+        table: str,
+        max_permits: int,
+        clock: Clock,
+        *,
+        database: str | None = None,
+        asynchronous: bool,
+        fencing: bool = False,
+    ) -> None:
+        self._sql = Statements.of(table, database)
+        self._run = runner(client, asynchronous=asynchronous)
+        self._waiting = _waiting(client)
+        self._permits = max_permits
+        self._clock = clock
+        self._fencing = fencing
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    @property
+    def statements(self) -> Statements:
+        """The statements this store sends."""
+        return self._sql
+
+    def _call(self, statement: Statement, params: Params) -> Steps[Outcome]:
+        outcome = yield Call(self._run, (statement, params))
+        return cast(Outcome, outcome)  # what a runner answers
+
+    # --- ready -----------------------------------------------------------------
+
+    def _shape(self) -> Steps[bool]:
+        """Whether the table exists; raises for another relation, engine or shape (rule 4)."""
+        table, database = self._sql.table, self._sql.database
+        asked = {"table": self._sql.name, "database": database}
+        rows = (yield from self._call(self._sql.shape, asked)).rows
+        if not rows:
+            return False
+        kind, engine, *_, charset, mode = rows[0]
+        if _text(kind) != "BASE TABLE":
+            raise DMutexError(f"{table} is not a table ({_text(kind)}): dmutex needs one")
+        if _text(engine).lower() != "innodb":
+            raise DMutexError(
+                f"the table {table} uses the {_text(engine)} engine: dmutex needs InnoDB"
+            )
+        found = tuple(
+            (_text(name), _text(kind_).lower().replace(" signed", ""), _text(null))
+            for _, _, name, kind_, null, *_ in rows
+        )
+        keyed = [_text(name) for _, _, name, _, _, _, key, *_ in rows if _text(key) == "PRI"]
+        indexed = bool(rows[0][7])
+        if not _same_columns(found) or keyed != ["key"] or not indexed:
+            raise DMutexError(
+                f"the table {table} has another shape than dmutex's: columns {found}, primary "
+                f"key {keyed}, index expired_at_idx {'present' if indexed else 'missing'}; dmutex "
+                "and the TypeScript dmutex need `key` varchar(512) NOT NULL PRIMARY KEY, `value` "
+                "varchar(128) NOT NULL, `expired_at` bigint NOT NULL, INDEX `expired_at_idx` "
+                "(`expired_at`)"
+            )
+        for _, _, name, kind_, _, collation, *_ in rows:
+            if _text(name) in _TEXT_COLUMNS and _text(collation) != COLLATION:
+                raise DMutexError(
+                    f"the column `{_text(name)}` of {table} compares by {_text(collation)}, "
+                    f"not {COLLATION}: keys that differ only in case or accents would be one "
+                    f"lock. Fix it with: ALTER TABLE {table} MODIFY `{_text(name)}` "
+                    f"{_text(kind_)} CHARACTER SET utf8mb4 COLLATE {COLLATION} NOT NULL"
+                )
+        if _text(charset) != "utf8mb4" and not any(m in _text(mode) for m in _STRICT):
+            raise DMutexError(
+                f"the MySQL session uses character set {_text(charset)} and a SQL mode without "
+                "STRICT_TRANS_TABLES: a key it cannot encode would be changed, not refused. "
+                "Connect with charset utf8mb4, or a strict SQL mode"
+            )
+        return True
+
+    def ready(self) -> Steps[None]:
+        """Create the table if missing; refuse a table of another shape (rule 4).
+
+        One statement when it exists; else three (read, create, read again:
+        another process may have created one of another shape meanwhile).
+        """
+        if (yield from self._shape()):
+            return
+        yield from self._call(self._sql.create_table, {})
+        if not (yield from self._shape()):
+            raise DMutexError(f"the table {self._sql.table} could not be created")
+
+    # --- operations ---------------------------------------------------------------
+
+    def acquire(
+        self, key: str, token: str, ttl_ms: int, waiter: Waiter | None = None
+    ) -> Steps[Lease | None]:
+        """Take the slot holding ``token``, else a free or expired one (rule 2)."""
+        name = (self._sql.table, key)
+        registering = waiter is not None and not waiter.last
+        if waiter is not None and registering:
+            self._waiting.register(name, waiter.wakeup)
+        try:
+            lease, ends = yield from self._take(key, token, ttl_ms)
+        except BaseException:
+            if waiter is not None:
+                self._waiting.forget(name, waiter.wakeup)
+            raise
+        if waiter is not None:
+            if lease is not None or not registering:
+                self._waiting.forget(name, waiter.wakeup)
+            waiter.registered = lease is None and registering
+            waiter.expires_in = None if ends is None else ends / 1000
+        return lease
+
+    def _take(self, key: str, token: str, ttl_ms: int) -> Steps[tuple[Lease | None, int | None]]:
+        """The lease taken, or None and the ms until the first lease in the way ends."""
+        while True:
+            if self._permits == 1:
+                slot: int | None = 0
+            else:
+                slot, ends = yield from self._pick(key, token)
+                if slot is None:
+                    return None, ends
+            params = {"row": f"permit:{slot}:{key}", "token": token, "ttl": ttl_ms, "slot": slot}
+            answer = (yield from self._call(self._sql.take, params)).answer
+            grant = granted(answer)
+            if grant is not None:
+                taken, expires = grant
+                lease = Lease(key, token, taken, expires)
+                if self._fencing:
+                    lease.fence = yield from self._fence(key)
+                return lease, None
+            if answer == 0:
+                raise DMutexError(f"unexpected answer from MySQL to a take: {answer!r}")
+            if self._permits == 1:
+                return None, refused(answer)
+            # A semaphore's pick lost its slot to another caller: read again.
+
+    def _pick(self, key: str, token: str) -> Steps[tuple[int | None, int | None]]:
+        """A slot to take: the one holding ``token``, else a random free one; else the wait."""
+        inspection = yield from self.holders(key)
+        held = {holder.slot: holder for holder in inspection.holders}
+        for holder in inspection.holders:
+            if holder.token == token:
+                return holder.slot, None
+        free = [slot for slot in range(self._permits) if slot not in held]
+        if free:
+            return random.choice(free), None  # spreads racing callers; not secrecy
+        return None, min(h.expires_ms for h in held.values()) - inspection.now_ms
+
+    def _fence(self, key: str) -> Steps[int]:
+        """Advance ``key``'s fence counter after a grant; its new value (statements rule 4)."""
+        answer = (yield from self._call(self._sql.fence, {"row": f"fence:{key}"})).answer
+        if answer == 0:
+            raise DMutexError(
+                f"the row 'fence:{key}' of table {self._sql.table} holds a value "
+                "dmutex did not write"
+            )
+        return answer
+
+    def _match(self, key: str, token: str, slot: int | None) -> tuple[Statement, dict[str, object]]:
+        """The statement form and parameters that pick ``key``'s row holding ``token``."""
+        if slot is None and self._permits == 1:
+            slot = 0
+        if slot is not None:
+            return self._sql.release, {"row": f"permit:{slot}:{key}", "token": token}
+        return self._sql.release_any, {
+            "key": key,
+            "token": token,
+            "first": 0,
+            "last": self._permits - 1,
+        }
+
+    def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
+        """Delete the active row holding ``token``: one statement; wakes this process's waiters."""
+        statement, params = self._match(key, token, slot)
+        outcome = yield from self._call(statement, params)
+        if outcome.count < 1:
+            return False
+        self._waiting.wake((self._sql.table, key))
+        return True
+
+    def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
+        """Move the expiry of the active row holding ``token`` to now + ttl: one statement."""
+        statement, params = self._match(key, token, slot)
+        extend = self._sql.extend if statement is self._sql.release else self._sql.extend_any
+        answer = (yield from self._call(extend, {**params, "ttl": ttl_ms})).answer
+        return answer or None
+
+    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
+        """Extend the leases that have not ended, :data:`RENEW_BATCH` per update (rule 2).
+
+        A failed batch fails the leases it carried, and only those.
+        """
+        answers: list[Renewed] = [None] * len(leases)
+        alive = [n for n, lease in enumerate(leases) if not lease.ended]
+        for start in range(0, len(alive), RENEW_BATCH):
+            batch = alive[start : start + RENEW_BATCH]
+            params: dict[str, object] = {}
+            for n, index in enumerate(batch):
+                lease = leases[index]
+                params[f"name{n}"] = f"permit:{lease.slot}:{lease.key}"
+                params[f"token{n}"] = lease.token
+                params[f"ttl{n}"] = lease.ttl_ms
+            try:
+                yield from self._call(self._sql.extend_many(len(batch)), params)
+                rows = (yield from self._call(self._sql.renewed(len(batch)), params)).rows
+            except Exception as error:  # noqa: BLE001 - the answer of each lease it carried
+                for index in batch:
+                    answers[index] = error
+                continue
+            for position, expires in rows:
+                answers[batch[_int(position, "position")]] = _int(expires, "expiry")
+        return answers
+
+    def holders(self, key: str) -> Steps[Inspection]:
+        """The active permits of ``key`` and its fence counter: one statement, no change."""
+        params = {"key": key, "first": 0, "last": self._permits - 1}
+        rows = (yield from self._call(self._sql.holders, params)).rows
+        found: list[Holder] = []
+        fence: int | None = None
+        now = 0
+        for slot, value, expires, at in rows:
+            now = _int(at, "time")
+            if slot is None:
+                fence = None if value is None else int(_text(value))
+            else:
+                found.append(Holder(_int(slot, "slot"), _text(value), _int(expires, "expiry")))
+        return Inspection(sorted(found), fence, now)
+
+    def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
+        """Wait for a release through this client (rule 5), or the whole time."""
+        if waiter.registered:
+            yield Wait(waiter.wakeup, seconds)
+        else:
+            yield Sleep(seconds)
+
+
+def _same_columns(found: tuple[tuple[str, str, str], ...]) -> bool:
+    """Whether the columns are dmutex's: MySQL 8 spells ``bigint`` without a display width."""
+    if len(found) != len(COLUMNS):
+        return False
+    return all(
+        name == want_name and null == want_null and (kind == want or kind + "(20)" == want)
+        for (name, kind, null), (want_name, want, want_null) in zip(found, COLUMNS, strict=True)
+    )
