@@ -4,4 +4,5 @@ pytest_plugins = [
     "tests._support.plugins.redis",
     "tests._support.plugins.mongodb",
     "tests._support.plugins.postgresql",
+    "tests._support.plugins.mysql",
 ]
