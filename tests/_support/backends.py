@@ -36,6 +36,7 @@ from dmutex._core.lease import now_ms
 from tests._support.faces import Face, FaceName, Kind, LoopThread
 from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
 from tests._support.mongo_servers import AsyncRedirectedClient, RedirectedClient, Session
+from tests._support.mysql_backend import MySQL
 from tests._support.postgres_servers import Session as PostgresSession
 from tests._support.redis_clients import SERVER_VARIANTS, Made, close_made
 
@@ -544,8 +545,8 @@ class Rig:
         self.backend = backend
         self.face = face
         self.loop = LoopThread() if face == "async" else None
-        if isinstance(backend, Postgres):
-            backend.loop = self.loop  # asyncpg's and psycopg's clients belong to their loop
+        if isinstance(backend, (Postgres, MySQL)):
+            backend.loop = self.loop  # asyncio clients belong to their loop
         self.client = backend.client(face == "async")
 
     @property
@@ -556,7 +557,7 @@ class Rig:
         """A DMutex/DSemaphore of this face over the rig's client (sync methods either way)."""
         if self.clock is not None:
             options.setdefault("clock", self.clock)
-        if isinstance(self.backend, Postgres):
+        if isinstance(self.backend, (Postgres, MySQL)):
             for name, value in self.backend.options.items():
                 options.setdefault(name, value)
         return Face(self.face, kind, self.client, loop=self.loop, **options)

@@ -15,6 +15,12 @@ engines: on psycopg (each face) and asyncpg (asyncio).
 ``DMUTEX_POSTGRESQL_VARIANTS`` (comma-separated) runs a subset of them:
 ``.ci/run`` runs the pooler's on one interpreter only, since what
 PgBouncer does to a session depends on no interpreter.
+
+MySQL cases (``tests/_support/mysql_backend.py``, on the server of
+``tests/_support/mysql_servers.py``): PyMySQL (in autocommit and out of it),
+mysqlclient, mysql-connector and its pool, a SQLAlchemy Engine (sync);
+aiomysql and asyncmy connections and pools, a SQLAlchemy AsyncEngine
+(asyncio). ``DMUTEX_MYSQL_VARIANTS`` runs a subset.
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ from tests._support.backends import (
 from tests._support.faces import FaceName
 from tests._support.mongo_servers import Session as MongoSession
 from tests._support.mongo_servers import mongo_label
+from tests._support.mysql_backend import MYSQL_CASES, MySQL, chosen_variants
+from tests._support.mysql_servers import Session as MySQLSession
+from tests._support.mysql_servers import mysql_label
 from tests._support.postgres_servers import Session as PostgresSession
 from tests._support.postgres_servers import postgres_label
 from tests._support.redis_clients import SERVER_VARIANTS
@@ -53,6 +62,7 @@ class Servers:
     redis: Pool
     mongo: MongoSession
     postgres: PostgresSession
+    mysql: MySQLSession
 
 
 Case = Callable[[Servers], Backend]
@@ -67,6 +77,10 @@ def _redis_case(label: str, variant: str) -> Case:
 
 def _postgres_case(variant: str) -> Case:
     return lambda servers: Postgres(servers.postgres, variant)
+
+
+def _mysql_case(variant: str) -> Case:
+    return lambda servers: MySQL(servers.mysql, variant)
 
 
 # PostgreSQL clients per face: asyncpg has no sync client.
@@ -110,6 +124,9 @@ def _cases() -> dict[str, tuple[FaceName, Case]]:
             if variant not in _postgres_variants():
                 continue
             cases[f"{variant}-{face}@{postgres_label()}"] = (face, _postgres_case(variant))
+        for variant in MYSQL_CASES[face]:
+            if variant in chosen_variants():
+                cases[f"{variant}-{face}@{mysql_label()}"] = (face, _mysql_case(variant))
     return cases
 
 
@@ -138,9 +155,11 @@ def env(
     redis_pool: Pool,
     mongo_session: MongoSession,
     postgres_session: PostgresSession,
+    mysql_session: MySQLSession,
 ) -> Iterator[Rig]:
     face, case = CASES[request.param]
-    rig = Rig(case(Servers(redis_pool, mongo_session, postgres_session)), face)
+    servers = Servers(redis_pool, mongo_session, postgres_session, mysql_session)
+    rig = Rig(case(servers), face)
     try:
         yield rig
     finally:

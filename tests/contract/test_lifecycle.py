@@ -17,6 +17,7 @@ from dmutex import LeaseLostError
 from dmutex._cli.holders import read_holders
 from dmutex._core.fences import US_PER_S, clock_us, next_fence
 from tests._support.backends import Memory, Mongomock, Postgres, RealMongo, Rig, SQLite
+from tests._support.mysql_backend import MySQL
 from tests._support.faces import Face, Handle, Kind
 
 # A 3 s lease is renewed every 0.9-1.0 s; the tests step the clock by a quarter second.
@@ -83,7 +84,8 @@ def stored_fence(env: Rig, kind: Kind, key: str) -> int | None:
     """
     limit = 1 if kind == "mutex" else 2
     backend = env.backend
-    client = backend.status_client() if isinstance(backend, Postgres) else backend.client(False)
+    sync = isinstance(backend, (Postgres, MySQL))
+    client = backend.status_client() if sync else backend.client(False)
     return read_holders(client, service="svc", limit=limit, key=key).fence
 
 
@@ -132,8 +134,8 @@ def test_fences_of_different_keys_and_kinds_are_separate_sequences(env: Rig) -> 
 def test_fencing_false_gives_none_and_default_depends_on_the_backend(env: Rig) -> None:
     assert held(env.make("mutex", fencing=False).acquire("job", 60)).fence is None
     default = held(env.make("semaphore", max_permits=2).acquire("job", 60)).fence
-    if is_mongo(env):
-        assert default is None, "MongoDB fences only with fencing=True (one more request)"
+    if is_mongo(env) or isinstance(env.backend, MySQL):
+        assert default is None, "MongoDB and MySQL fence only with fencing=True (one more request)"
     else:
         assert isinstance(default, int)
         assert default >= 1

@@ -114,9 +114,9 @@ def _in_transaction(conn: object) -> bool | None:
     status = getattr(conn, "server_status", None)  # PyMySQL, aiomysql, asyncmy
     if isinstance(status, int) and not isinstance(status, bool):
         return bool(status & _IN_TRANS)
-    if defines(conn, "in_transaction"):  # mysql-connector: its last OK packet's flag
-        return bool(getattr(conn, "in_transaction", False))
-    return None
+    # mysql-connector: its last OK packet's flag (a pooled connection forwards it).
+    inside = getattr(conn, "in_transaction", None)
+    return inside if isinstance(inside, bool) else None
 
 
 def _autocommit(conn: object) -> bool:
