@@ -84,8 +84,10 @@ def stored_fence(env: Rig, kind: Kind, key: str) -> int | None:
     """
     limit = 1 if kind == "mutex" else 2
     backend = env.backend
-    sync = isinstance(backend, (Postgres, MySQL))
-    client = backend.status_client() if sync else backend.client(False)
+    if isinstance(backend, (Postgres, MySQL)):
+        client = backend.status_client()
+    else:
+        client = backend.client(False)
     return read_holders(client, service="svc", limit=limit, key=key).fence
 
 
