@@ -37,7 +37,8 @@ BACKEND_ENV = "DMUTEX_BACKEND"
 _BACKEND_HELP = (
     "where the locks live: sqlite:///PATH, redis://..., rediss://..., mongodb://..., "
     "mongodb+srv://..., postgresql://... or postgres://... (?schema=NAME: the tables' "
-    "schema; other parameters go to libpq) "
+    "schema; other parameters go to libpq), or mysql://USER:PASSWORD@HOST:PORT/DATABASE or "
+    "mariadb://... (the tables' database, required; ?unix_socket=PATH, ?ssl_ca=PATH) "
     f"(default: ${BACKEND_ENV}, else the SQLite file "
     "$XDG_STATE_HOME/dmutex/locks.sqlite3, else ~/.local/state/dmutex/locks.sqlite3)"
 )
@@ -63,6 +64,7 @@ examples:
                                                    # at most 4 at a time, across hosts
   DMUTEX_BACKEND=mongodb://db/ops dmutex run migrate -- ./migrate.sh
   dmutex run --backend 'postgresql://app@db/ops?schema=locks' report -- ./report.sh
+  dmutex run --backend 'mysql://app@db:3306/ops' report -- ./report.sh
 """
 
 _STATUS_EPILOG = """\
@@ -168,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dmutex",
         description="Run commands under distributed locks (mutexes and semaphores) "
-        "kept in SQLite, Redis, MongoDB or PostgreSQL.",
+        "kept in SQLite, Redis, MongoDB, PostgreSQL or MySQL/MariaDB.",
         epilog=_MAIN_EPILOG,
         formatter_class=_Formatter,
     )

@@ -8,8 +8,8 @@ shown where the backend keeps one.
 
 Caveats: what it shows was true when it was read. A SQLite file that does
 not exist (in a directory that does, or the default file) is reported free
-and is not created; reading an existing one, or a PostgreSQL database,
-creates the lock table if it is missing, as any operation does.
+and is not created; reading an existing one, or a PostgreSQL or MySQL
+database, creates the lock table if it is missing, as any operation does.
 """
 
 from __future__ import annotations

@@ -26,10 +26,33 @@ PostgreSQL (``postgresql://`` or ``postgres://``, as libpq takes them):
    holder's release. Without ``psycopg_pool``, ``run`` keeps the one
    connection, shared by the threads, and its waits poll.
 
+MySQL and MariaDB (``mysql://`` or ``mariadb://``, the same):
+
+4. The form is ``mysql://[USER[:PASSWORD]@]HOST[:PORT]/DATABASE``. The
+   database is required: the lock tables live in it (the connection's
+   current database), and a URL without one is refused (status 64) with
+   that form, as are a port out of 1-65535, a path of more than one
+   database, a fragment, and any query parameter but the two the command
+   knows: ``unix_socket=PATH`` (connect through that socket; the host is
+   then not used) and ``ssl_ca=PATH`` (TLS required, the server's
+   certificate checked against that CA file and its name against HOST).
+   Percent-escapes are decoded in the user, password and database. No
+   user: the login name, as PyMySQL and the ``mysql`` client take it; no
+   host: localhost, over TCP; no port: 3306.
+5. One PyMySQL connection (the ``dmutex[mysql]`` extra): autocommit,
+   character set ``utf8mb4``, ``program_name`` ``dmutex``, a connect timeout
+   of the request timeout (at most 5 s) and read and write timeouts of the
+   request timeout (:func:`mysql_timeouts`). ``run`` shares it between its
+   threads (the store's runner gives them turns), and its waits poll: MySQL
+   has no cross-process wake-up. A request that fails on the wire (a
+   timeout included) leaves PyMySQL's connection closed; the next request
+   opens it again, so that a renewal after a passing outage succeeds.
+
 Caveats: ``sqlite:`` URLs follow ``file:`` URLs, not SQLAlchemy's:
 ``sqlite:///var/x.db`` is the absolute path ``/var/x.db``; a relative path
 is written ``sqlite:x.db``. Redis and MongoDB URLs are passed to their
-client packages as given, which validate them. A PostgreSQL server that
+client packages as given, which validate them. A ``mysql:`` URL takes no
+client certificate, and no other PyMySQL option. A PostgreSQL server that
 accepts a request and never answers it (a paused server) holds it until it
 answers: libpq has no reply timeout. ``run`` still stops the command by the
 lease's deadline, which does not wait for a renewal to answer.
@@ -47,11 +70,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, unquote_to_bytes, urlsplit
 
 from .._errors import InvalidArgumentError
 from .._faces.sync import SyncClient
-from .._validate import check_postgres_schema
+from .._validate import MAX_MYSQL_IDENTIFIER, check_postgres_schema
 from .errors import UNAVAILABLE, USAGE, Failure, one_line
 
 __all__ = [
@@ -60,12 +83,14 @@ __all__ = [
     "connect",
     "default_sqlite_path",
     "make_private_dirs",
+    "mysql_options",
+    "mysql_timeouts",
     "parse",
     "postgres_timeouts",
     "redact",
 ]
 
-Kind = Literal["sqlite", "redis", "mongodb", "postgresql"]
+Kind = Literal["sqlite", "redis", "mongodb", "postgresql", "mysql"]
 
 _SCHEMES: dict[str, Kind] = {
     "sqlite": "sqlite",
@@ -75,14 +100,19 @@ _SCHEMES: dict[str, Kind] = {
     "mongodb+srv": "mongodb",
     "postgresql": "postgresql",
     "postgres": "postgresql",
+    "mysql": "mysql",
+    "mariadb": "mysql",
 }
 _EXTRA: dict[Kind, tuple[str, str]] = {
     "redis": ("redis", "dmutex[redis]"),
     "mongodb": ("pymongo", "dmutex[mongodb]"),
     "postgresql": ("psycopg", "dmutex[postgresql]"),
+    "mysql": ("PyMySQL", "dmutex[mysql]"),
 }
 SCHEMA_PARAM = "schema"  # the PostgreSQL query parameter the command reads itself (rule 1)
 POOL_SIZE = 2  # run's pool: a waiter may LISTEN on half of it (listening.py, rule 1)
+MYSQL_PARAMS = ("unix_socket", "ssl_ca")  # the only query parameters of a mysql: URL (rule 4)
+MYSQL_FORM = "mysql://USER:PASSWORD@HOST:PORT/DATABASE"
 # userinfo "user:password@" in the authority of scheme://authority/...
 _USERINFO = re.compile(
     r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/?#@:]*):(?P<secret>[^/?#]*)@"
@@ -145,6 +175,8 @@ class Target:
     """SQLite: the per-user default file, whose directory is created on first use."""
     schema: str | None = None
     """PostgreSQL: the ``schema=`` parameter, which :attr:`url` no longer has."""
+    database: str | None = None
+    """MySQL: the URL's database, where the lock tables live (rule 4)."""
 
 
 def parse(url: str | None, env: Mapping[str, str]) -> Target:
@@ -158,10 +190,14 @@ def parse(url: str | None, env: Mapping[str, str]) -> Target:
         raise Failure(
             USAGE,
             f"unsupported backend URL {redact(url)!r}: use sqlite:///PATH, redis://, rediss://, "
-            "mongodb://, mongodb+srv://, postgresql:// or postgres://",
+            "mongodb://, mongodb+srv://, postgresql://, postgres://, mysql:// or mariadb://",
         )
     if kind == "postgresql":
         return _postgres_target(url)
+    if kind == "mysql":
+        database = _mysql_address(url)["database"]
+        assert isinstance(database, str)  # _mysql_address refuses a URL without one
+        return Target("mysql", url, redact(url), database=database)
     if kind != "sqlite":
         return Target(kind, url, redact(url))
     return Target("sqlite", url, url, _sqlite_path(url))
@@ -189,6 +225,70 @@ def _postgres_target(url: str) -> Target:
     head = f"{scheme.lower()}:{rest}"  # libpq knows its schemes in lower case only
     libpq = f"{head}?{'&'.join(kept)}" if kept else head
     return Target("postgresql", libpq, shown, schema=schema)
+
+
+def _mysql_address(url: str) -> dict[str, object]:
+    """PyMySQL's ``connect()`` arguments that ``url`` gives, checked without I/O (rule 4).
+
+    ``host``, ``port``, ``user`` and ``password`` (bytes: PyMySQL would
+    encode a ``str`` one as Latin-1) where the URL has them, ``database``
+    always, and ``unix_socket`` or the TLS arguments of ``ssl_ca``.
+    Raises :class:`Failure` (status 64) for anything else.
+    """
+    shown = redact(url)
+
+    def bad(why: str) -> Failure:
+        return Failure(USAGE, f"bad MySQL URL {shown}: {_scrubbed(why, url)}")
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as error:  # a port out of 0-65535 or not a number, a bad IPv6 address
+        raise bad(one_line(error)) from None
+    if port == 0:
+        raise bad("port 0 is not 1-65535")
+    if parts.fragment:
+        raise bad("it takes no #fragment")
+    found: dict[str, object] = {}
+    if parts.hostname:
+        found["host"] = parts.hostname
+    if port is not None:
+        found["port"] = port
+    if parts.username:
+        found["user"] = unquote(parts.username)
+    if parts.password is not None:
+        found["password"] = unquote_to_bytes(parts.password)
+    database = unquote(parts.path[1:]) if parts.path.startswith("/") else ""
+    if not database:
+        raise Failure(
+            USAGE,
+            f"a {parts.scheme}: URL must name the database of the lock tables: "
+            f"{MYSQL_FORM} (got {shown})",
+        )
+    if "/" in parts.path[1:]:
+        raise bad("its path names one database (write a '/' in its name as %2F)")
+    if "\0" in database or database.endswith(" ") or len(database) > MAX_MYSQL_IDENTIFIER:
+        raise bad(
+            f"database {database!r}: MySQL refuses a name with a NUL byte, ending in a space, "
+            f"or over {MAX_MYSQL_IDENTIFIER} characters"
+        )
+    found["database"] = database
+    for item in parts.query.split("&") if parts.query else []:
+        name, _, value = (unquote(text) for text in item.partition("="))
+        if name not in MYSQL_PARAMS:
+            raise bad(
+                f"unknown parameter {name!r}: a mysql: URL takes only "
+                f"{' and '.join(f'{known}=PATH' for known in MYSQL_PARAMS)}"
+            )
+        if name in found:
+            raise bad(f"{name}= is given twice")
+        if not value:
+            raise bad(f"{name}= needs a path")
+        found[name] = value
+    if "ssl_ca" in found:  # PyMySQL checks neither the certificate nor the name unless told
+        found["ssl_verify_cert"] = True
+        found["ssl_verify_identity"] = True
+    return found
 
 
 def _sqlite_path(url: str) -> Path:
@@ -236,7 +336,7 @@ def connect(target: Target, *, timeout: float, waits: bool = False) -> Backend:
     be connected to). Redis and MongoDB connect on first use, so an
     unreachable server surfaces at the first request. ``waits``: the client
     will wait for locks, from more than one thread (PostgreSQL: a pool where
-    ``psycopg_pool`` is installed, rule 3).
+    ``psycopg_pool`` is installed, rule 3; MySQL: the one connection, rule 5).
     """
     if target.kind == "sqlite":
         return _connect_sqlite(target, timeout)
@@ -244,6 +344,8 @@ def connect(target: Target, *, timeout: float, waits: bool = False) -> Backend:
         return _connect_redis(target, timeout)
     if target.kind == "postgresql":
         return _connect_postgres(target, timeout, waits)
+    if target.kind == "mysql":
+        return _connect_mysql(target, timeout)
     return _connect_mongodb(target, timeout)
 
 
@@ -409,3 +511,54 @@ def _connect_postgres(target: Target, timeout: float, waits: bool) -> Backend:
         text = _scrubbed(one_line(error), target.url)
         raise Failure(UNAVAILABLE, f"cannot connect to {target.shown}: {text}") from None
     return Backend(target, pool, errors, closer=lambda: pool.close(timeout=1.0))
+
+
+def mysql_timeouts(timeout: float) -> dict[str, float]:
+    """PyMySQL's timeouts for ``timeout`` seconds a request (rule 5).
+
+    PyMySQL waits 10 s to connect and for ever for a reply by default; the
+    command's requests must fail well within the TTL.
+    """
+    return {
+        "connect_timeout": min(timeout, 5.0),
+        "read_timeout": timeout,
+        "write_timeout": timeout,
+    }
+
+
+def mysql_options(url: str, timeout: float) -> dict[str, object]:
+    """Every argument of PyMySQL's ``connect()`` for ``url`` (rules 4 and 5); no I/O."""
+    return {
+        **_mysql_address(url),
+        **mysql_timeouts(timeout),
+        "autocommit": True,
+        "charset": "utf8mb4",
+        "program_name": "dmutex",
+    }
+
+
+def _connect_mysql(target: Target, timeout: float) -> Backend:
+    try:
+        import pymysql
+    except ImportError:
+        raise _missing(target) from None
+    options = mysql_options(target.url, timeout)
+    errors = (pymysql.err.MySQLError, OSError)
+    try:
+        # Any: connect() takes its options as keywords of many types.
+        args: dict[str, Any] = options
+        conn = pymysql.connect(**args)
+    except errors as error:
+        text = _scrubbed(one_line(error), target.url)
+        raise Failure(UNAVAILABLE, f"cannot connect to {target.shown}: {text}") from None
+    send = conn.query
+
+    def query(sql: str | bytes, unbuffered: bool = False) -> int:
+        """A query, on the connection opened again if a failure closed it (rule 5)."""
+        if not conn.open:
+            conn.connect()
+        return send(sql, unbuffered)
+
+    # The instance's own attribute: every cursor's statement goes through it.
+    vars(conn)["query"] = query
+    return Backend(target, conn, errors, closer=conn.close)
