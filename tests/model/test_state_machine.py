@@ -37,6 +37,8 @@ from hypothesis.stateful import (
 from dmutex._core.lease import EPOCH
 from tests._support.backends import Backend, Memory, Mongomock, Postgres, RealRedis, Rig, SQLite
 from tests._support.faces import FaceName, Handle, Kind
+from tests._support.mysql_backend import MySQL
+from tests._support.mysql_servers import Session as MySQLSession
 from tests._support.postgres_servers import Session as PostgresSession
 from tests._support.redis_servers import Pool, Server
 from tests.model.model import Model
@@ -374,3 +376,10 @@ def test_postgresql(
     """The same machine against a real PostgreSQL server: psycopg (sync), asyncpg (asyncio)."""
     variant = "psycopg" if face == "sync" else "asyncpg"
     check_machine(lambda: Postgres(postgres_session, variant), face, kind, max_permits)
+
+
+@pytest.mark.parametrize(("face", "kind", "max_permits"), CONFIGS)
+def test_mysql(mysql_session: MySQLSession, face: FaceName, kind: Kind, max_permits: int) -> None:
+    """The same machine against a real MySQL server: PyMySQL (sync), asyncmy (asyncio)."""
+    variant = "pymysql" if face == "sync" else "asyncmy"
+    check_machine(lambda: MySQL(mysql_session, variant), face, kind, max_permits)

@@ -80,7 +80,8 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
         )
     if found == "mysql":
         check_mysql_names(options.table_name, options.table_origin, options.database_name)
-        (refuse_sync if asynchronous else refuse_asyncio)(client, mysql_face(client), "client")
+        face = mysql_face(client, asynchronous)
+        (refuse_sync if asynchronous else refuse_asyncio)(client, face, "client")
         table, permits = options.table_name, options.max_permits
         return MySQLStore(
             client,

@@ -79,8 +79,10 @@ _MYSQL_SHAPES = (
 )
 # The SQLAlchemy dialects of MySQL: an engine on one is a MySQL client.
 MYSQL_DIALECTS = ("mysql", "mariadb")
-# The method whose face (coroutine function or not) tells sync from asyncio, per kind.
-_MYSQL_FACES = {"cursor": "commit"}
+# The method whose face tells sync from asyncio, per kind: a connection's
+# commit is a coroutine function on aiomysql and asyncmy; its cursor is a
+# function of the sync driver's own module (mysqlclient's commit is C's).
+_MYSQL_FACES = {True: {"cursor": "cursor"}, False: {"cursor": "commit"}}
 
 
 def _described(target: object) -> str:
@@ -136,10 +138,10 @@ def mysql_method(client: object) -> str | None:
     return None
 
 
-def mysql_face(client: object) -> str:
-    """The method of a MySQL client whose face tells sync from asyncio."""
+def mysql_face(client: object, asynchronous: bool) -> str:
+    """The method of a MySQL client whose face tells it is not ``asynchronous``'s."""
     kind = mysql_method(client) or "cursor"
-    return _MYSQL_FACES.get(kind, kind)
+    return _MYSQL_FACES[asynchronous].get(kind, kind)
 
 
 def postgres_method(client: object) -> str | None:

@@ -213,7 +213,7 @@ def _engine_driver(engine: object, asynchronous: bool) -> str:
     if name != "postgresql":
         raise UnsupportedClientError(
             f"a SQLAlchemy {kind} on {name!r} ({driver!r}): dmutex takes SQLAlchemy engines "
-            f"on PostgreSQL only, with the {drivers} driver (for SQLite, pass a "
+            f"on PostgreSQL, with the {drivers} driver, or on MySQL (for SQLite, pass a "
             "dmutex.SQLiteBackend)"
         )
     if driver not in _ENGINE_DRIVERS[asynchronous]:
