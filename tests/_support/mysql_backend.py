@@ -1,4 +1,4 @@
-"""The MySQL backend of the behaviour suites: a real server through one client package, in real time.
+"""The MySQL backend of the behaviour suites: a real server through one client package.
 
 Variants, per face (``MYSQL_CASES``): PyMySQL in autocommit and out of it
 (each statement then committed by dmutex), mysqlclient (autocommit: it
@@ -19,9 +19,9 @@ from typing import Any
 
 import aiomysql
 import asyncmy
-import MySQLdb
 import mysql.connector
 import mysql.connector.pooling
+import MySQLdb
 import pymysql
 import sqlalchemy
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -61,7 +61,9 @@ def chosen_variants() -> frozenset[str]:
     names = frozenset(name.strip() for name in chosen.split(","))
     unknown = sorted(names - set(MYSQL_VARIANTS))
     if unknown:
-        raise ValueError(f"DMUTEX_MYSQL_VARIANTS names {unknown}; the variants are {MYSQL_VARIANTS}")
+        raise ValueError(
+            f"DMUTEX_MYSQL_VARIANTS names {unknown}; the variants are {MYSQL_VARIANTS}"
+        )
     return names
 
 
@@ -98,7 +100,9 @@ class MySQL:
 
     def _engine_url(self, driver: str) -> str:
         a = self.args
-        return f"mysql+{driver}://{a['user']}:{a['password']}@{a['host']}:{a['port']}/{a['database']}"
+        return (
+            f"mysql+{driver}://{a['user']}:{a['password']}@{a['host']}:{a['port']}/{a['database']}"
+        )
 
     def client(self, asynchronous: bool) -> object:
         if asynchronous:

@@ -17,8 +17,8 @@ from dmutex import LeaseLostError
 from dmutex._cli.holders import read_holders
 from dmutex._core.fences import US_PER_S, clock_us, next_fence
 from tests._support.backends import Memory, Mongomock, Postgres, RealMongo, Rig, SQLite
-from tests._support.mysql_backend import MySQL
 from tests._support.faces import Face, Handle, Kind
+from tests._support.mysql_backend import MySQL
 
 # A 3 s lease is renewed every 0.9-1.0 s; the tests step the clock by a quarter second.
 TTL = 3.0

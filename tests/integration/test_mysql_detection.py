@@ -17,10 +17,10 @@ from typing import Any
 
 import aiomysql
 import asyncmy
-import MySQLdb
 import mysql.connector
 import mysql.connector.connection
 import mysql.connector.pooling
+import MySQLdb
 import psycopg
 import pymysql
 import pytest
