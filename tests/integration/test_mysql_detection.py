@@ -38,6 +38,7 @@ from dmutex import (
 from dmutex._backends.shapes import detect
 from tests._support.mysql_servers import connect_args
 
+ASYNCMY_CONNECTION: Any = asyncmy.Connection
 SYNC: list[Any] = [DMutex, DSemaphore]
 ASYNC: list[Any] = [AsyncDMutex, AsyncDSemaphore]
 OTHERS: tuple[BackendName, ...] = ("mongodb", "postgresql", "redis")
@@ -72,7 +73,8 @@ UNCONNECTED: dict[str, tuple[Callable[[], Any], bool]] = {
     ),
     "mysql.connector.MySQLConnection": (mysql.connector.connection.MySQLConnection, False),
     "aiomysql.Connection": (lambda: aiomysql.Connection(host="127.0.0.1", port=1), True),
-    "asyncmy.Connection": (lambda: asyncmy.Connection(host="127.0.0.1", port=1), True),
+    # asyncmy's Cython classes carry no annotations for their constructor.
+    "asyncmy.Connection": (lambda: ASYNCMY_CONNECTION(host="127.0.0.1", port=1), True),
 }
 
 
@@ -88,7 +90,7 @@ def test_unconnected_clients_detected_and_faces_told_apart(name: str) -> None:
 
 def test_mysqlclient_connection(mysql_server: str, mysql_database: str) -> None:
     a = connect_args(mysql_server)
-    conn = MySQLdb.connect(
+    conn: Any = MySQLdb.connect(
         host=a["host"], port=a["port"], user=a["user"], password=a["password"], autocommit=True
     )
     try:
