@@ -260,15 +260,17 @@ def _text(name: str) -> str:
 # What ready() reads: the table's kind and engine, each column as
 # (name, type, nullable, collation, key), whether the index exists, and the
 # session's character set and SQL mode. One row per column (none if absent).
-_SHAPE = """\
-SELECT tb.TABLE_TYPE, tb.ENGINE, c.COLUMN_NAME, c.COLUMN_TYPE, c.IS_NULLABLE,
-  c.COLLATION_NAME, c.COLUMN_KEY,
-  EXISTS (SELECT 1 FROM information_schema.STATISTICS AS x
-          WHERE x.TABLE_SCHEMA = tb.TABLE_SCHEMA AND x.TABLE_NAME = tb.TABLE_NAME
-            AND x.INDEX_NAME = 'expired_at_idx' AND x.COLUMN_NAME = 'expired_at'),
+# Each information_schema table is filtered by constant schema and table
+# names, which lets both servers read one table's definition instead of
+# every table's.
+_WHERE = "TABLE_SCHEMA = COALESCE(%(database)s, DATABASE()) AND TABLE_NAME = %(table)s"
+_SHAPE = f"""\
+SELECT (SELECT TABLE_TYPE FROM information_schema.TABLES WHERE {_WHERE}),
+  (SELECT ENGINE FROM information_schema.TABLES WHERE {_WHERE}),
+  c.COLUMN_NAME, c.COLUMN_TYPE, c.IS_NULLABLE, c.COLLATION_NAME, c.COLUMN_KEY,
+  EXISTS (SELECT 1 FROM information_schema.STATISTICS
+          WHERE {_WHERE} AND INDEX_NAME = 'expired_at_idx' AND COLUMN_NAME = 'expired_at'),
   @@character_set_client, @@SESSION.sql_mode
-FROM information_schema.TABLES AS tb
-LEFT JOIN information_schema.COLUMNS AS c
-  ON c.TABLE_SCHEMA = tb.TABLE_SCHEMA AND c.TABLE_NAME = tb.TABLE_NAME
-WHERE tb.TABLE_SCHEMA = COALESCE(%(database)s, DATABASE()) AND tb.TABLE_NAME = %(table)s
+FROM information_schema.COLUMNS AS c
+WHERE c.{_WHERE}
 ORDER BY c.ORDINAL_POSITION"""
