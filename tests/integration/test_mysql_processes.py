@@ -156,7 +156,7 @@ def sync_client(place: Place, *, autocommit: bool) -> Iterator[MySQLConnectionLi
     """A sync worker's dmutex connection, in autocommit or out of it."""
     conn = place.connect(autocommit=autocommit)
     try:
-        # cast: types-PyMySQL's Cursor.execute takes a dict, not a Mapping (mypy only).
+        # The cast is for mypy only (test_mysql_store.client says why).
         yield cast(MySQLConnectionLike, conn)
     finally:
         conn.close()

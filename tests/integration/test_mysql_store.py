@@ -110,11 +110,11 @@ class Counting(_Connection):
 
 
 def client(conn: object) -> MySQLConnectionLike:
-    """``conn`` as the type DMutex and DSemaphore take.
+    """``conn`` as the type DMutex and DSemaphore take (for mypy only; nothing changes).
 
-    Only for mypy: types-PyMySQL's ``Cursor.execute`` takes a ``dict``, not the
-    ``Mapping`` that ``MySQLConnectionLike`` promises to pass, so a PyMySQL
-    connection does not meet the protocol statically (it does at run time).
+    A PyMySQL connection meets ``MySQLConnectionLike`` at run time; statically
+    only while the protocol leaves out ``execute``, whose parameters
+    types-PyMySQL annotates as a ``dict`` (clients.py). The cast holds either way.
     """
     return cast(MySQLConnectionLike, conn)
 
