@@ -13,9 +13,11 @@ Every benchmark here is a script run from the repository root
   (``DMUTEX_POSTGRESQL_URL``, Docker, or ``initdb`` and ``postgres``
   executables), started for the run and stopped by pid after it, or on the
   one ``--postgres-url`` names; either way in a schema of its own
-  (``dmutex_bench_<random>``) on the search path, dropped at the end. Only
-  :func:`redis_servers`, :func:`one_redis` and :func:`postgres_server` know
-  the test harness.
+  (``dmutex_bench_<random>``) on the search path, dropped at the end. A
+  benchmark of another server may bring its own (:func:`main`'s ``server``,
+  with ``parse(..., url=...)`` for its ``--url``). Only
+  :func:`redis_servers`, :func:`one_redis`, :func:`postgres_server` and such
+  a benchmark's own server know the test harness.
 - Interleaving (:func:`interleave`): contenders take turns within each round,
   the order rotating each turn, ``gc.collect()`` before each turn, so that a
   burst of load from elsewhere on a shared machine falls on all of them.
@@ -45,7 +47,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
-from contextlib import closing, contextmanager
+from contextlib import AbstractContextManager, closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,11 +193,14 @@ def parse(
     *,
     redis: bool = True,
     postgres: bool = False,
+    url: str = "",
 ) -> argparse.Namespace:
     """The common options (``--url``, ``--redis``, ``--quick``, ``--json``) and ``options``.
 
     ``redis=False``: no Redis options; ``postgres=True``: ``--postgres-url``
-    (the benchmark then runs on PostgreSQL, :func:`postgres_server`).
+    (the benchmark then runs on PostgreSQL, :func:`postgres_server`);
+    ``url`` (with ``redis=False``): ``--url``, with that help, for the
+    server of a benchmark that brings its own (:func:`main`'s ``server``).
 
     ``--help`` shows the script's docstring, which says what each option is.
     An option's type is its default's (a list: one or more values); every
@@ -209,6 +214,8 @@ def parse(
         parser.add_argument(
             "--redis", nargs="+", default=[], metavar="VERSION", help="Redis versions (all found)"
         )
+    if url and not redis:
+        parser.add_argument("--url", default="", help=url)
     if postgres:
         parser.add_argument(
             "--postgres-url",
@@ -240,14 +247,38 @@ def parse(
 
 
 Bench = Callable[[str, argparse.Namespace], Mapping[str, object]]
+Server = Callable[[], AbstractContextManager[tuple[str, str]]]
+"""A benchmark's own server: a context that yields its ``(label, url)`` and stops it after."""
 
 
-def main(bench: Bench, args: argparse.Namespace) -> int:
-    """Run ``bench(url, args)`` on each server (url "" without one); write ``--json``."""
+def main(
+    bench: Bench,
+    args: argparse.Namespace,
+    *,
+    server: Server | None = None,
+    errors: tuple[type[Exception], ...] = (),
+) -> int:
+    """Run ``bench(url, args)`` on each server (url "" without one); write ``--json``.
+
+    ``server``: the one server of a benchmark that brings its own, whatever
+    ``args`` says; ``errors``: its client's exceptions, which end the run
+    with status 2 as a Redis or PostgreSQL error does.
+    """
     report: dict[str, object] = {"machine": machine(), "options": vars(args)}
     runs: dict[str, object] = {}
+    caught: tuple[type[Exception], ...] = (
+        BenchmarkError,
+        redis.RedisError,
+        psycopg.Error,
+        OSError,
+        *errors,
+    )
     try:
-        if hasattr(args, "postgres_url"):
+        if server is not None:
+            with server() as (label, url):
+                print(f"\n## {label} ({shown(url)})\n", flush=True)
+                runs[label] = {"url": shown(url), **bench(url, args)}
+        elif hasattr(args, "postgres_url"):
             with postgres_server(args.postgres_url) as (label, url):
                 print(f"\n## {label} ({shown(url)})\n", flush=True)
                 runs[label] = {"url": shown(url), **bench(url, args)}
@@ -259,7 +290,7 @@ def main(bench: Bench, args: argparse.Namespace) -> int:
             with closing(redis_servers(args.redis)) as servers:
                 for label, url in servers:
                     runs[label] = run_on(label, url, bench, args)
-    except (BenchmarkError, redis.RedisError, psycopg.Error, OSError) as error:
+    except caught as error:
         print(f"benchmark failed: {error}", file=sys.stderr)
         return 2
     report["runs"] = runs
