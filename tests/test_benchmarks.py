@@ -9,7 +9,10 @@ quiet machine). ``handoff.py`` is left out: its quickest run takes about a
 minute; its measurement of one process's cycle is ``redis_cycle.py``'s,
 which runs here, and ``redis_peers.py``'s quick run (about 15 seconds) runs
 its hand-off and contended parts. The PostgreSQL scripts run on the server the test harness
-finds (``tests/_support/postgres_servers.py``), each starting its own.
+finds (``tests/_support/postgres_servers.py``), each starting its own; ``mysql_cycle.py`` on
+the MariaDB/MySQL server it finds (``tests/_support/mysql_servers.py``), whose statement counts
+are checked too: they are what that script reports beside its timings, and the documented
+counts (one statement per mutex acquire, two fenced) show that it counted what it claims.
 """
 
 from __future__ import annotations
@@ -22,13 +25,26 @@ from pathlib import Path
 
 import pytest
 
-from tests._support import postgres_servers
+from tests._support import mysql_servers, postgres_servers
 from tests._support.redis_servers import discovered
 
 ROOT = Path(__file__).parent.parent
 REDIS = ["redis_cycle", "renewal_scale", "semaphore_scale", "redis_peers"]
 POSTGRES = ["postgres_cycle", "postgres_semaphore", "postgres_handoff"]
-SCRIPTS = ["sqlite_cycle", *REDIS, *POSTGRES]
+MYSQL = ["mysql_cycle"]
+SCRIPTS = ["sqlite_cycle", *REDIS, *POSTGRES, *MYSQL]
+# What mysql_cycle.py must count (the MySQL store's documented statements per operation).
+MYSQL_STATEMENTS = {
+    "DMutex.acquire, granted": 1,
+    "DMutex.acquire, refused": 1,
+    "DMutex(fencing=True).acquire, granted": 2,
+    "DMutexLock.release": 1,
+    "DSemaphore.acquire, full, N=64": 1,
+    "DSemaphore.acquire, empty, N=64": 2,
+    "cycle: dmutex": 2,
+    "cycle: raw ts": 3,
+    "cycle: dmutex aiomysql": 2,
+}
 
 
 def figures(tree: object) -> Iterator[dict[str, object]]:
@@ -51,6 +67,10 @@ def test_a_quick_run_writes_its_figures(script: str, tmp_path: Path) -> None:
         found = postgres_servers.new_session().discovery
         if not found.sources:
             pytest.skip(found.reason)
+    if script in MYSQL and not mysql_servers.required():
+        discovery = mysql_servers.new_session().discovery
+        if not discovery.sources:
+            pytest.skip(discovery.reason)
     out = tmp_path / "figures.json"
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--quick", "--json", str(out)],
@@ -70,3 +90,8 @@ def test_a_quick_run_writes_its_figures(script: str, tmp_path: Path) -> None:
             value = figure[name]
             assert isinstance(value, float | int), figure
             assert value > 0, figure
+    if script in MYSQL:
+        for run in runs.values():
+            counted = run["statements"]
+            assert all(value > 0 for value in counted.values()), counted
+            assert {name: counted[name] for name in MYSQL_STATEMENTS} == MYSQL_STATEMENTS
