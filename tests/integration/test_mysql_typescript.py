@@ -57,7 +57,7 @@ import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiomysql
 import asyncmy
@@ -74,7 +74,6 @@ from dmutex import (
     DMutexError,
     DMutexLock,
     DSemaphore,
-    MySQLConnectionLike,
 )
 from dmutex._backends.mysql.statements import COLLATION, FOREVER, NOW_MS
 from dmutex._cli.holders import read_holders
@@ -323,16 +322,6 @@ def typescript_connection(server: Server) -> Counted:
     return connect(server, client_flag=CLIENT.FOUND_ROWS, collation="utf8mb4_unicode_ci")
 
 
-def client(conn: Counted) -> MySQLConnectionLike:
-    """``conn`` as dmutex's classes are typed to take it.
-
-    types-PyMySQL's ``cursor()`` and ``Cursor.execute`` are overloads that
-    ``MySQLConnectionLike`` does not match under mypy, though dmutex runs
-    on the connection as it is.
-    """
-    return cast(MySQLConnectionLike, conn)
-
-
 class Python:
     """dmutex's public classes on one kind of client, each call run to its end."""
 
@@ -485,9 +474,9 @@ def side(request: pytest.FixtureRequest, server: Server) -> Iterator[Python]:
 def made_by_dmutex(raw: Counted, service: str, *, permits: int = 1) -> None:
     """dmutex's table for ``service`` (``utf8mb4_bin`` key and value), made before any use."""
     if permits == 1:
-        DMutex(service, client(raw)).ready()
+        DMutex(service, raw).ready()
     else:
-        DSemaphore(service, client(raw), max_permits=permits).ready()
+        DSemaphore(service, raw, max_permits=permits).ready()
 
 
 # --- exclusion ------------------------------------------------------------------------------
@@ -585,7 +574,7 @@ def test_a_race_of_both_semaphores_never_exceeds_max_permits(
 
     def pymysql_side(who: str) -> None:
         with connect(server) as conn:
-            sem = DSemaphore(service, client(conn), max_permits=permits)
+            sem = DSemaphore(service, conn, max_permits=permits)
             start.wait()
             for _ in range(rounds):
                 permit = sem.acquire_with_retry(KEY, ttl=30, timeout=20, retry_delay=0.005)
@@ -643,7 +632,7 @@ def test_a_dmutex_grant_that_a_typescript_commit_overtook_tries_again(
 ) -> None:
     table = f"_dsemaphore_{service}"
     with connect(server) as conn:
-        sem = DSemaphore(service, client(conn), max_permits=2)
+        sem = DSemaphore(service, conn, max_permits=2)
         sem.ready()
         ts = TypeScript(ts_conn, service, max_permits=2)
         assert ts.acquire(KEY, 30) is not None  # slot 0
@@ -750,7 +739,7 @@ def test_status_shows_typescript_grants_and_they_do_not_move_the_fence(
         (p.slot, p.token, p.expired_at) for p in theirs if p is not None
     ]
     assert found.fence is None, "the TypeScript store keeps no fence"
-    sem = DSemaphore(service, client(raw), max_permits=3, fencing=True)
+    sem = DSemaphore(service, raw, max_permits=3, fencing=True)
     ours = sem.acquire(KEY, 30)
     assert ours is not None
     assert ours.fence is not None
@@ -792,13 +781,13 @@ def test_dmutexs_fence_row_is_no_permit_to_the_typescript_store(
 ) -> None:
     table = f"_dsemaphore_{service}"
     # Without fencing=True dmutex writes no row but its permits here.
-    plain = DSemaphore(service, client(raw), max_permits=2)
+    plain = DSemaphore(service, raw, max_permits=2)
     held = plain.acquire(KEY, 30)
     assert held is not None
     assert held.fence is None
     assert held.release()
     assert rows(raw, table) == {}
-    fenced = DSemaphore(service, client(raw), max_permits=2, fencing=True)
+    fenced = DSemaphore(service, raw, max_permits=2, fencing=True)
     for ours in [fenced.acquire(KEY, 30) for _ in range(2)]:
         assert ours is not None
         assert ours.release()
@@ -814,7 +803,7 @@ def test_dmutexs_fence_row_is_no_permit_to_the_typescript_store(
         assert ts.release(KEY, permit.token)
     assert rows(raw, table) == extra, "never changed by the TypeScript store"
     # A mutex's fence row, in its own table, alike.
-    mutex = DMutex(service, client(raw), fencing=True)
+    mutex = DMutex(service, raw, fencing=True)
     lock = mutex.acquire(KEY, 30)
     assert lock is not None
     assert lock.fence is not None
@@ -874,7 +863,7 @@ def test_on_the_typescript_stores_table_dmutex_refuses_until_altered_as_advised(
     theirs = ts.acquire("Job", 30)
     assert theirs is not None
     assert ts.acquire("job", 30) is None
-    mutex = DMutex(service, client(raw))
+    mutex = DMutex(service, raw)
     with pytest.raises(DMutexError, match=rf"ALTER TABLE `{table}` MODIFY `key` .*{COLLATION}"):
         mutex.acquire("job", 30)
     assert {k: v for k, (v, _) in rows(raw, table).items()} == {"permit:0:Job": theirs.token}
@@ -930,7 +919,7 @@ def test_both_name_a_table_in_a_named_database_alike(
     ):
         assert run(nowhere, "SELECT DATABASE()")[1] == [(None,)]
         ts = TypeScript.mutex(ts_nowhere, service, database_name=server.database)
-        mutex = DMutex(service, client(nowhere), database_name=server.database)
+        mutex = DMutex(service, nowhere, database_name=server.database)
         theirs = ts.acquire(KEY, 30)
         assert theirs is not None
         assert mutex.acquire(KEY, 30) is None
@@ -990,7 +979,7 @@ def test_the_typescript_stores_clock_is_its_hosts_and_dmutexs_the_servers(
 ) -> None:
     made_by_dmutex(raw, service)
     table, row = f"_dmutex_{service}", f"permit:0:{KEY}"
-    mutex = DMutex(service, client(raw))
+    mutex = DMutex(service, raw)
     # On one machine the two clocks agree: a grant by either ends where the
     # other expects it, to within the moment between the two readings.
     before = server_now(raw)
@@ -1044,7 +1033,7 @@ def test_a_typescript_acquire_costs_two_statements_per_slot(
     sent = ts_conn.sent
     assert TypeScript.mutex(ts_conn, service).acquire(KEY, 30) is not None
     assert ts_conn.sent - sent == 1 + 2, "a mutex: CREATE, then upsert and read-back"
-    sem = DSemaphore(service, client(raw), max_permits=permits)
+    sem = DSemaphore(service, raw, max_permits=permits)
     sem.ready()
     sent = raw.sent
     ours = sem.acquire(KEY, 30)
@@ -1057,7 +1046,7 @@ def test_a_typescript_acquire_costs_two_statements_per_slot(
     assert sem.extend(KEY, ours.token, 30)
     assert sem.release(KEY, ours.token)
     assert raw.sent - sent == 2, "by token: one statement each"
-    mutex = DMutex(service, client(raw))
+    mutex = DMutex(service, raw)
     mutex.ready()
     sent = raw.sent
     assert mutex.acquire("other", 30) is not None
@@ -1098,7 +1087,7 @@ def test_the_typescript_store_needs_create_and_dmutex_does_not(
             with pytest.raises(pymysql.err.OperationalError) as refused:
                 TypeScript.mutex(limited_ts, service)
             assert refused.value.args[0] == 1142, "CREATE command denied"
-            mutex = DMutex(service, client(limited))
+            mutex = DMutex(service, limited)
             mutex.ready()
             lock = mutex.acquire(KEY, 30)
             assert lock is not None
@@ -1115,7 +1104,7 @@ def test_a_typescript_release_wakes_no_dmutex_waiter_and_a_dmutex_release_does(
     # behind it tries again at the end of its wait: here its deadline.
     made_by_dmutex(raw, service)
     ts = TypeScript.mutex(ts_conn, service)
-    mutex = DMutex(service, client(raw))
+    mutex = DMutex(service, raw)
 
     def waited(release: Callable[[], bool]) -> float:
         got: list[DMutexLock | None] = []

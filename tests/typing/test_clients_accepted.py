@@ -27,6 +27,7 @@ from dmutex import (
     DSemaphore,
     InMemoryBackend,
 )
+from tests.typing.mysql_clients import MySQLClients
 from tests.typing.postgres_clients import PostgresClients
 
 
@@ -70,6 +71,18 @@ def postgresql_clients_are_accepted_by_their_face(c: PostgresClients) -> None:
     recognised(lambda: AsyncDSemaphore("svc", c.apool, max_permits=3))
     recognised(lambda: AsyncDMutex("svc", c.apg))
     recognised(lambda: AsyncDSemaphore("svc", c.apg_pool, max_permits=3))
+
+
+def mysql_clients_are_accepted_by_their_face(c: MySQLClients) -> None:
+    """Static only: see ``mysql_clients.py``."""
+    recognised(lambda: DMutex("svc", c.pymysql_conn))
+    recognised(lambda: DSemaphore("svc", c.mysqldb_conn, max_permits=3))
+    recognised(lambda: DMutex("svc", c.connector_conn))
+    recognised(lambda: DSemaphore("svc", c.connector_pool, max_permits=3))
+    recognised(lambda: AsyncDMutex("svc", c.aiomysql_conn))
+    recognised(lambda: AsyncDSemaphore("svc", c.aiomysql_pool, max_permits=3))
+    recognised(lambda: AsyncDMutex("svc", c.asyncmy_conn))
+    recognised(lambda: AsyncDSemaphore("svc", c.asyncmy_pool, max_permits=3))
 
 
 # Engines connect on first use only, so these are built for real (nothing listens on port 1).

@@ -454,8 +454,8 @@ class MySQLCursorLike(Protocol):
         ...
 
     @property
-    def rowcount(self) -> int:
-        """The rows the statement changed (or returned)."""
+    def rowcount(self) -> object:
+        """The rows the statement changed (or returned): an int (asyncmy annotates no type)."""
         ...
 
     @property
@@ -463,9 +463,10 @@ class MySQLCursorLike(Protocol):
         """The id of the statement's OK packet: what ``LAST_INSERT_ID(expr)`` set, else 0."""
         ...
 
-    def execute(self, query: str, args: Mapping[str, object] | None = ..., /) -> object:
-        """Run one statement, ``%(name)s`` parameters taken from ``args``."""
-        ...
+    # dmutex also calls execute(query, params), params a dict of str and int
+    # values by name (%(name)s) or None; the drivers annotate its second
+    # parameter too differently (a dict of Any, of their own union) for one
+    # protocol to state it.
 
     def fetchall(self) -> Sequence[object]:
         """Every row of the result (tuples or mappings)."""
@@ -511,8 +512,8 @@ class AsyncMySQLCursorLike(Protocol):
         ...
 
     @property
-    def rowcount(self) -> int:
-        """The rows the statement changed (or returned)."""
+    def rowcount(self) -> object:
+        """The rows the statement changed (or returned): an int (asyncmy annotates no type)."""
         ...
 
     @property
@@ -520,9 +521,7 @@ class AsyncMySQLCursorLike(Protocol):
         """The id of the statement's OK packet."""
         ...
 
-    def execute(self, query: str, args: Mapping[str, object] | None = ..., /) -> Awaitable[object]:
-        """Run one statement, ``%(name)s`` parameters taken from ``args``."""
-        ...
+    # dmutex also awaits execute(query, params), as for MySQLCursorLike.
 
     def fetchall(self) -> Awaitable[Sequence[object]]:
         """Every row of the result."""
@@ -564,8 +563,9 @@ class MySQLConnectorPoolLike(Protocol):
         """A connection of the pool, lent until its ``close()``."""
         ...
 
-    def add_connection(self, cnx: object = ..., /) -> object:
-        """Never called: beside ``get_connection`` it tells the pool."""
+    @property
+    def pool_name(self) -> str:
+        """Never used: beside ``get_connection`` it tells the pool."""
         ...
 
 

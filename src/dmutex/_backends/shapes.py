@@ -39,8 +39,8 @@ _NEEDS: dict[BackendName, str] = {
     "mongodb": "get_database(name)",
     "mysql": (
         "cursor() and get_server_info() (a PyMySQL, mysqlclient, mysql-connector, aiomysql "
-        "or asyncmy connection), get_connection() and add_connection() (a mysql-connector "
-        "pool), acquire() and freesize (an aiomysql or asyncmy pool), or raw_connection() "
+        "or asyncmy connection), get_connection() and pool_name (a mysql-connector pool), "
+        "acquire() and freesize (an aiomysql or asyncmy pool), or raw_connection() "
         "and a mysql or mariadb dialect (a SQLAlchemy Engine or AsyncEngine)"
     ),
     "postgresql": (
@@ -73,7 +73,7 @@ _POSTGRES_SHAPES = (
 # asyncmy pool, a SQLAlchemy engine on a MySQL dialect.
 _MYSQL_SHAPES = (
     ("cursor", "get_server_info"),
-    ("get_connection", "add_connection"),
+    ("get_connection", "pool_name"),
     ("acquire", "freesize"),
     ("raw_connection", "dialect"),
 )

@@ -50,15 +50,17 @@ import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias, cast
+from typing import Protocol, TypeAlias, cast
 
 from ..._errors import DMutexError, UnsupportedClientError
 from ..clients import (
     AsyncMySQLConnectionLike,
+    AsyncMySQLCursorLike,
     AsyncMySQLPoolLike,
     AsyncSQLAlchemyEngineLike,
     MySQLConnectionLike,
     MySQLConnectorPoolLike,
+    MySQLCursorLike,
     SQLAlchemyDialectLike,
     SQLAlchemyEngineLike,
 )
@@ -142,8 +144,21 @@ def _outside_transaction(conn: object) -> None:
         )
 
 
-def _args(statement: Statement, params: Params) -> Params | None:
-    return params if statement.takes_params else None
+class _Executes(Protocol):
+    """The ``execute`` of every driver's cursor, as dmutex calls it (why here: ``clients.py``)."""
+
+    def execute(self, query: str, args: Params | None, /) -> object: ...
+
+
+def _execute(cursor: object, statement: Statement, params: Params) -> object:
+    """Send ``statement``; with its parameters only if it takes some (statements rule 6)."""
+    args = params if statement.takes_params else None
+    return cast(_Executes, cursor).execute(statement.text, args)
+
+
+def _outcome(cursor: MySQLCursorLike | AsyncMySQLCursorLike, rows: list[Row]) -> Outcome:
+    count = cursor.rowcount
+    return Outcome(rows, count if isinstance(count, int) else -1, cursor.lastrowid or 0)
 
 
 _TURNS: weakref.WeakKeyDictionary[object, threading.Lock] = weakref.WeakKeyDictionary()
@@ -179,9 +194,8 @@ def _connection(client: object) -> Callable[[Statement, Params], Outcome]:
     def once(statement: Statement, params: Params) -> Outcome:
         cursor = conn.cursor()
         try:
-            cursor.execute(statement.text, _args(statement, params))
-            rows = [] if cursor.description is None else _rows(cursor.fetchall())
-            return Outcome(rows, cursor.rowcount, cursor.lastrowid or 0)
+            _execute(cursor, statement, params)
+            return _outcome(cursor, [] if cursor.description is None else _rows(cursor.fetchall()))
         finally:
             cursor.close()
 
@@ -216,9 +230,9 @@ def _connection_async(client: object) -> Callable[[Statement, Params], Awaitable
         # aiomysql's cursor() answers an awaitable of the cursor, asyncmy's the cursor.
         cursor = await opened if inspect.isawaitable(opened) else opened
         try:
-            await cursor.execute(statement.text, _args(statement, params))
+            await cast("Awaitable[object]", _execute(cursor, statement, params))
             rows = [] if cursor.description is None else _rows(await cursor.fetchall())
-            return Outcome(rows, cursor.rowcount, cursor.lastrowid or 0)
+            return _outcome(cursor, rows)
         finally:
             await cursor.close()
 

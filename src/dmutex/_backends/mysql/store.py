@@ -208,14 +208,23 @@ class MySQLStore:
                 "varchar(128) NOT NULL, `expired_at` bigint NOT NULL, INDEX `expired_at_idx` "
                 "(`expired_at`)"
             )
-        for _, _, name, kind_, _, collation, *_ in rows:
-            if _text(name) in _TEXT_COLUMNS and _text(collation) != COLLATION:
-                raise DMutexError(
-                    f"the column `{_text(name)}` of {table} compares by {_text(collation)}, "
-                    f"not {COLLATION}: keys that differ only in case or accents would be one "
-                    f"lock. Fix it with: ALTER TABLE {table} MODIFY `{_text(name)}` "
-                    f"{_text(kind_)} CHARACTER SET utf8mb4 COLLATE {COLLATION} NOT NULL"
-                )
+        loose = [
+            (_text(name), _text(kind_), _text(collation))
+            for _, _, name, kind_, _, collation, *_ in rows
+            if _text(name) in _TEXT_COLUMNS and _text(collation) != COLLATION
+        ]
+        if loose:
+            found_as = ", ".join(f"`{name}` by {collation}" for name, _, collation in loose)
+            fix = ", ".join(
+                f"MODIFY `{name}` {kind_} CHARACTER SET utf8mb4 COLLATE {COLLATION} NOT NULL"
+                for name, kind_, _ in loose
+            )
+            raise DMutexError(
+                f"the table {table} compares {found_as}, not {COLLATION}: keys that differ "
+                "only in case or accents would be one lock (the TypeScript store's CREATE "
+                f"TABLE takes the database's default collation). Fix it with: ALTER TABLE "
+                f"{table} {fix}"
+            )
         if _text(charset) != "utf8mb4" and not any(m in _text(mode) for m in _STRICT):
             raise DMutexError(
                 f"the MySQL session uses character set {_text(charset)} and a SQL mode without "
