@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from dmutex import ManualClock
 from tests._support.faces import FaceName, LoopThread
-from tests._support.mysql_servers import Session, connect_args
+from tests._support.mysql_servers import Session, connect_args, without_tls
 
 Runner = Callable[[Awaitable[object]], object]
 
@@ -85,6 +85,7 @@ class MySQL:
         self.database = server.database
         self.args: dict[str, Any] = {**connect_args(server.url), "database": server.database}
         self.options: dict[str, object] = {}
+        self.plain = without_tls(server.url)  # PyMySQL: no TLS context to build on loopback
         self.loop: LoopThread | None = None
         """The rig's loop, where asyncio clients are made (and must be used)."""
         self._inspector = server.connect()
@@ -111,9 +112,9 @@ class MySQL:
         a = self.args
         made: Any
         if self.variant == "pymysql":
-            made = pymysql.connect(**a, autocommit=True)
+            made = pymysql.connect(**a, autocommit=True, ssl_disabled=self.plain)
         elif self.variant == "pymysql-transactions":
-            made = pymysql.connect(**a)
+            made = pymysql.connect(**a, ssl_disabled=self.plain)
         elif self.variant == "mysqlclient":
             made = MySQLdb.connect(
                 host=a["host"],
@@ -133,7 +134,11 @@ class MySQL:
             self._closers.append(lambda: made._remove_connections())
             return made
         elif self.variant == "sqlalchemy-pymysql":
-            engine = sqlalchemy.create_engine(self._engine_url("pymysql"), pool_size=4)
+            engine = sqlalchemy.create_engine(
+                self._engine_url("pymysql"),
+                pool_size=4,
+                connect_args={"ssl_disabled": self.plain},
+            )
             self._closers.append(engine.dispose)
             return engine
         else:
@@ -191,7 +196,7 @@ class MySQL:
 
     def status_client(self) -> object:
         """A sync PyMySQL connection in the test database: what ``dmutex status`` is given."""
-        conn = pymysql.connect(**self.args, autocommit=True)
+        conn = pymysql.connect(**self.args, autocommit=True, ssl_disabled=self.plain)
         self._closers.append(conn.close)
         return conn
 

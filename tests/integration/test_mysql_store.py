@@ -201,8 +201,8 @@ def store_driver(store: MySQLStore) -> SyncDriver:
 def server(mysql_session: Session) -> Server:
     found = mysql_session.server()
     if found.flavour != "mariadb":
-        # @@in_transaction and INNODB_TRX's columns as read here, utf8mb4_bin's
-        # pad attribute and the users' SQL are MariaDB's.
+        # @@in_transaction and INNODB_TRX's columns as read here, the collation
+        # (utf8mb4_nopad_bin) and the users' SQL are MariaDB's.
         pytest.skip(f"these tests read MariaDB's session variables; the server is {found.label}")
     return found
 
@@ -252,8 +252,8 @@ def test_ready_creates_the_typescript_layout_with_byte_for_byte_text_columns(
         (table,),
     )
     assert columns == [
-        ("key", "varchar(512)", "NO", "utf8mb4", "utf8mb4_bin", "PRI"),
-        ("value", "varchar(128)", "NO", "utf8mb4", "utf8mb4_bin", ""),
+        ("key", "varchar(512)", "NO", "utf8mb4", "utf8mb4_nopad_bin", "PRI"),
+        ("value", "varchar(128)", "NO", "utf8mb4", "utf8mb4_nopad_bin", ""),
         ("expired_at", "bigint(20)", "NO", None, None, "MUL"),
     ]
     indexes = fetch(
@@ -266,8 +266,8 @@ def test_ready_creates_the_typescript_layout_with_byte_for_byte_text_columns(
     ((name, ddl),) = fetch(raw, f"SHOW CREATE TABLE {quoted(table)}")
     assert name == table
     assert ") ENGINE=InnoDB" in ddl
-    assert "`key` varchar(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL" in ddl
-    assert "`value` varchar(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL" in ddl
+    assert "`key` varchar(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL" in ddl
+    assert "`value` varchar(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL" in ddl
     assert "PRIMARY KEY (`key`)" in ddl
     assert "KEY `expired_at_idx` (`expired_at`)" in ddl
     DSemaphore("svc", client(conn), max_permits=2, table_name=table).ready()
@@ -493,14 +493,6 @@ def test_round_trips_outside_autocommit_commit_each_write(
         conn.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "runners.py: a SELECT outside autocommit opens a transaction that PyMySQL's "
-        "server_status does not show (read from OK packets only), so no COMMIT follows it"
-    ),
-)
 def test_round_trips_outside_autocommit_commit_each_read_too(
     server: Server, raw: _Connection, table: str
 ) -> None:
@@ -551,14 +543,6 @@ def test_keys_that_differ_in_case_accents_or_4_byte_characters_are_distinct_lock
     assert rows(raw, table) == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "statements.py rule 5: utf8mb4_bin is a PAD SPACE collation, so 'permit:0:k' and "
-        "'permit:0:k ' are one primary key: keys that differ in trailing spaces are one lock"
-    ),
-)
 def test_keys_that_differ_in_trailing_spaces_are_distinct_locks(
     conn: Counting, raw: _Connection, table: str
 ) -> None:
@@ -610,14 +594,16 @@ def test_the_typescript_tables_collation_is_refused_until_the_alter_it_names_is_
         mutex.acquire("k")
     message = str(refused.value)
     assert re.search(
-        rf"the table `{table}` compares `key` by (\w+_ci), `value` by \1, not utf8mb4_bin", message
+        rf"the table `{table}` compares `key` by (\w+_ci), `value` by \1, "
+        r"not byte for byte \(utf8mb4_nopad_bin\)",
+        message,
     ), message
-    assert "differ only in case or accents would be one lock" in message
+    assert "differ only in case, accents or trailing spaces would be one lock" in message
     fix = _fix(message)
     assert fix == (
         f"ALTER TABLE `{table}` "
-        "MODIFY `key` varchar(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, "
-        "MODIFY `value` varchar(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL"
+        "MODIFY `key` varchar(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL, "
+        "MODIFY `value` varchar(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL"
     )
     assert conn.taken() == ["SELECT"], "the shape read, nothing written"
     assert rows(raw, table) == before
@@ -635,7 +621,7 @@ def test_a_table_with_one_loose_column_is_told_the_alter_of_that_column(
     fetch(
         raw,
         f"ALTER TABLE {quoted(table)} MODIFY `key` varchar(512) CHARACTER SET utf8mb4"
-        " COLLATE utf8mb4_bin NOT NULL",
+        " COLLATE utf8mb4_nopad_bin NOT NULL",
     )
     mutex = DMutex("svc", client(conn), table_name=table)
     with pytest.raises(DMutexError) as refused:
@@ -643,7 +629,7 @@ def test_a_table_with_one_loose_column_is_told_the_alter_of_that_column(
     fix = _fix(str(refused.value))
     assert fix == (
         f"ALTER TABLE `{table}` "
-        "MODIFY `value` varchar(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL"
+        "MODIFY `value` varchar(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL"
     )
     fetch(raw, fix)
     assert mutex.acquire("k") is not None
@@ -668,7 +654,7 @@ def test_a_table_with_one_loose_column_is_told_the_alter_of_that_column(
         pytest.param(
             "CREATE TABLE {table} (`key` varchar(512) NOT NULL PRIMARY KEY,"
             " `value` varchar(128) NOT NULL, `expired_at` int NOT NULL,"
-            " INDEX `expired_at_idx` (`expired_at`)) ENGINE=InnoDB COLLATE utf8mb4_bin",
+            " INDEX `expired_at_idx` (`expired_at`)) ENGINE=InnoDB COLLATE utf8mb4_nopad_bin",
             "has another shape than dmutex's: columns (('key', 'varchar(512)', 'NO'), "
             "('value', 'varchar(128)', 'NO'), ('expired_at', 'int(11)', 'NO'))",
             id="int-expiry",
@@ -676,21 +662,21 @@ def test_a_table_with_one_loose_column_is_told_the_alter_of_that_column(
         pytest.param(
             "CREATE TABLE {table} (`key` varchar(512) NOT NULL PRIMARY KEY,"
             " `value` varchar(64) NULL, `expired_at` bigint NOT NULL,"
-            " INDEX `expired_at_idx` (`expired_at`)) ENGINE=InnoDB COLLATE utf8mb4_bin",
+            " INDEX `expired_at_idx` (`expired_at`)) ENGINE=InnoDB COLLATE utf8mb4_nopad_bin",
             "('value', 'varchar(64)', 'YES')",
             id="short-nullable-value",
         ),
         pytest.param(
             "CREATE TABLE {table} (`key` varchar(512) NOT NULL,"
             " `value` varchar(128) NOT NULL, `expired_at` bigint NOT NULL,"
-            " INDEX `expired_at_idx` (`expired_at`)) ENGINE=InnoDB COLLATE utf8mb4_bin",
+            " INDEX `expired_at_idx` (`expired_at`)) ENGINE=InnoDB COLLATE utf8mb4_nopad_bin",
             "primary key [], index expired_at_idx present",
             id="no-primary-key",
         ),
         pytest.param(
             "CREATE TABLE {table} (`key` varchar(512) NOT NULL PRIMARY KEY,"
             " `value` varchar(128) NOT NULL, `expired_at` bigint NOT NULL)"
-            " ENGINE=InnoDB COLLATE utf8mb4_bin",
+            " ENGINE=InnoDB COLLATE utf8mb4_nopad_bin",
             "primary key ['key'], index expired_at_idx missing",
             id="no-index",
         ),
@@ -969,14 +955,6 @@ def test_mysqlclient_outside_autocommit_is_refused(
             assert lock.release() is True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "runners.py: the semaphore's read outside autocommit leaves its transaction open "
-        "(PyMySQL's server_status is stale after a SELECT), so later reads see its snapshot"
-    ),
-)
 def test_a_semaphore_outside_autocommit_sees_a_release_by_another_connection(
     server: Server, raw: _Connection, table: str
 ) -> None:

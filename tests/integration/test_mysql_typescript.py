@@ -27,7 +27,7 @@ What must hold:
   and a dmutex waiter behind one is let in when it expires;
 - dmutex's fence row (``fence:{key}``, with ``fencing=True`` only) is never
   a permit to the TypeScript store nor in its way, and it never changes it;
-- the table, whoever makes it first: made by dmutex (``utf8mb4_bin`` key and
+- the table, whoever makes it first: made by dmutex (``utf8mb4_nopad_bin`` key and
   value), the TypeScript ``CREATE TABLE IF NOT EXISTS`` changes nothing and
   both use it; made by the TypeScript store (the database's default
   collation, case-insensitive here), dmutex refuses it, naming the
@@ -75,7 +75,7 @@ from dmutex import (
     DMutexLock,
     DSemaphore,
 )
-from dmutex._backends.mysql.statements import COLLATION, FOREVER, NOW_MS
+from dmutex._backends.mysql.statements import COLLATIONS, FOREVER, NOW_MS
 from dmutex._cli.holders import read_holders
 from tests._support.mysql_servers import Server, Session, connect_args
 from tests._support.sampling import until
@@ -83,6 +83,9 @@ from tests._support.sampling import until
 T = TypeVar("T")
 KEY = "job"
 SIDES = ["pymysql", "aiomysql", "asyncmy"]
+# The collation dmutex gives its text columns on the test server (MariaDB; MySQL 8's is
+# COLLATIONS["mysql"]): binary, no padding.
+COLLATION = COLLATIONS["mariadb"]
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
@@ -472,7 +475,7 @@ def side(request: pytest.FixtureRequest, server: Server) -> Iterator[Python]:
 
 
 def made_by_dmutex(raw: Counted, service: str, *, permits: int = 1) -> None:
-    """dmutex's table for ``service`` (``utf8mb4_bin`` key and value), made before any use."""
+    """dmutex's table for ``service`` (``utf8mb4_nopad_bin`` key and value), made before any use."""
     if permits == 1:
         DMutex(service, raw).ready()
     else:

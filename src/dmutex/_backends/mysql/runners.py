@@ -12,7 +12,8 @@ Rules of this module:
 2. Nothing stays open between two statements. A connection in autocommit
    runs the statement alone. One that is not opens a transaction with it,
    which the runner commits at once (one more round trip; rolls back if
-   the statement failed), so no row lock outlives the statement. A
+   the statement failed), reads included (:func:`_opened`), so no row lock
+   and no old snapshot outlives the statement. A
    connection already inside the caller's transaction is refused, since a
    lease written there would commit only with the caller's work: PyMySQL,
    aiomysql and asyncmy tell it by ``server_status``, mysql-connector by
@@ -127,6 +128,23 @@ def _autocommit(conn: object) -> bool:
     return bool(get()) if callable(get) else False
 
 
+def _opened(conn: object) -> bool:
+    """Whether the statement just sent may have opened a transaction that must end now (rule 2).
+
+    PyMySQL, aiomysql and asyncmy read the transaction flag from OK packets
+    only, not from the end of a result set: after a ``SELECT`` on a
+    connection out of autocommit, ``server_status`` says no transaction
+    while one is open. So out of autocommit (their ``get_autocommit()``,
+    read from the same flags, no I/O) every statement is ended; a driver
+    without it (mysql-connector) is trusted for its own flag, which it
+    reads from both.
+    """
+    get = getattr(conn, "get_autocommit", None)
+    if callable(get):
+        return not get()
+    return bool(_in_transaction(conn))
+
+
 def _outside_transaction(conn: object) -> None:
     """Refuse a connection inside the caller's transaction, or one that cannot tell (rule 2)."""
     inside = _in_transaction(conn)
@@ -206,13 +224,13 @@ def _connection(client: object) -> Callable[[Statement, Params], Outcome]:
                 try:
                     outcome = once(statement, params)
                 except Exception as error:
-                    if _in_transaction(conn):
+                    if _opened(conn):
                         with contextlib.suppress(Exception):
                             conn.rollback()
                     if _code(error) != _DEADLOCK or attempt == DEADLOCK_TRIES:
                         raise
                     continue
-                if _in_transaction(conn):  # autocommit off: the statement opened it
+                if _opened(conn):
                     conn.commit()
                 return outcome
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
@@ -243,13 +261,13 @@ def _connection_async(client: object) -> Callable[[Statement, Params], Awaitable
                 try:
                     outcome = await once(statement, params)
                 except Exception as error:
-                    if _in_transaction(conn):
+                    if _opened(conn):
                         with contextlib.suppress(Exception):
                             await conn.rollback()
                     if _code(error) != _DEADLOCK or attempt == DEADLOCK_TRIES:
                         raise
                     continue
-                if _in_transaction(conn):  # autocommit off: the statement opened it
+                if _opened(conn):
                     await conn.commit()
                 return outcome
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises

@@ -34,11 +34,16 @@ Rules of the statements:
    1) in its own statement after a grant, only while it holds dmutex's kind
    of value; a row of that key that dmutex did not write answers 0.
 5. Keys and values compare byte for byte: dmutex creates both columns
-   ``utf8mb4`` with the ``utf8mb4_bin`` collation, so ``permit:0:A`` and
-   ``permit:0:a`` (or ``é`` and ``e``) are two rows, and a 4-byte UTF-8
-   character is stored as sent. The columns' types and sizes are the
-   TypeScript store's; only their character set and collation are named
-   (``ready()`` refuses a table whose key column compares otherwise).
+   ``utf8mb4`` with a binary collation that does not pad (MariaDB's
+   ``utf8mb4_nopad_bin``, MySQL 8's ``utf8mb4_0900_bin``: :data:`COLLATIONS`),
+   so ``permit:0:A`` and ``permit:0:a``, ``é`` and ``e``, ``k`` and ``k ``
+   are two rows each (``utf8mb4_bin`` pads with spaces, so the last two
+   would be one), and a 4-byte UTF-8 character is stored as sent. The
+   columns' types and sizes are the TypeScript store's; only their character
+   set and collation are named (``ready()`` refuses a table whose text
+   columns compare otherwise). No statement names a collation: every text
+   it compares with a column is a literal or a parameter, which takes the
+   column's, so any of :data:`COLLATIONS` serves, and the key's index too.
 6. Parameters are named, ``%(name)s``: PyMySQL, mysqlclient,
    mysql-connector, aiomysql and asyncmy all take that form with a mapping,
    and escape the values themselves. A statement without parameters is
@@ -59,7 +64,7 @@ from ..._errors import InvalidArgumentError
 from ..._validate import MAX_PERMITS
 
 __all__ = [
-    "COLLATION",
+    "COLLATIONS",
     "FOREVER",
     "SLOT_BITS",
     "Statement",
@@ -76,7 +81,7 @@ NOW_MS = f"({NOW_US} DIV 1000)"
 FOREVER = 253370764800000
 # Rule 5: what dmutex creates its text columns with, and needs of the key column.
 CHARSET = "utf8mb4"
-COLLATION = "utf8mb4_bin"
+COLLATIONS = {"mariadb": "utf8mb4_nopad_bin", "mysql": "utf8mb4_0900_bin"}
 
 # The take's answer (rule 2): a grant is odd, its expiry and slot above the
 # low bit; a refusal is even, the ms until the lease in the way ends.
@@ -148,7 +153,6 @@ class Statements:
     name: str
     database: str | None
     shape: Statement
-    create_table: Statement
     take: Statement
     fence: Statement
     release: Statement
@@ -172,16 +176,6 @@ class Statements:
             name=table,
             database=database,
             shape=Statement(_SHAPE),
-            create_table=Statement(
-                f"CREATE TABLE IF NOT EXISTS {named} (\n"
-                f"  `key` varchar(512) CHARACTER SET {CHARSET} COLLATE {COLLATION} NOT NULL,\n"
-                f"  `value` varchar(128) CHARACTER SET {CHARSET} COLLATE {COLLATION} NOT NULL,\n"
-                "  `expired_at` bigint NOT NULL,\n"
-                "  PRIMARY KEY (`key`),\n"
-                "  INDEX `expired_at_idx` (`expired_at`)\n"
-                ") ENGINE=InnoDB",
-                takes_params=False,
-            ),
             take=Statement(
                 f"INSERT INTO {t} (`key`, `value`, `expired_at`)\n"
                 f"VALUES (%(row)s, %(token)s, {_GRANT} DIV {1 << _GRANT_SHIFT})\n"
@@ -218,59 +212,67 @@ class Statements:
             ),
         )
 
+    def create(self, flavour: str) -> Statement:
+        """The TypeScript store's ``CREATE TABLE``, its text columns in ``flavour``'s collation."""
+        collation = COLLATIONS[flavour]
+        text = f"CHARACTER SET {CHARSET} COLLATE {collation} NOT NULL"
+        return Statement(
+            f"CREATE TABLE IF NOT EXISTS {self.table} (\n"
+            f"  `key` varchar(512) {text},\n"
+            f"  `value` varchar(128) {text},\n"
+            "  `expired_at` bigint NOT NULL,\n"
+            "  PRIMARY KEY (`key`),\n"
+            "  INDEX `expired_at_idx` (`expired_at`)\n"
+            ") ENGINE=InnoDB",
+            takes_params=False,
+        )
+
     def extend_many(self, count: int) -> Statement:
         """Extend ``count`` leases (``name{n}``, ``token{n}``, ``ttl{n}``) that are still active.
 
         Its answer is the number of rows it changed; :meth:`renewed` reads back which.
         """
         t = self.table.replace("%", "%%")
+        ttls = "".join(
+            f" WHEN `key` = %(name{n})s AND `value` = %(token{n})s THEN %(ttl{n})s"
+            for n in range(count)
+        )
         return Statement(
-            f"UPDATE {t} AS t JOIN {_asked(count, with_ttl=True)} AS a\n"
-            "  ON t.`key` = a.name AND t.`value` = a.token\n"
-            f"SET t.`expired_at` = {NOW_MS} + a.ttl\n"
-            f"WHERE t.`expired_at` > {NOW_MS}"
+            f"UPDATE {t} SET `expired_at` = {NOW_MS} + CASE{ttls} END\n"
+            f"WHERE (`key`, `value`) IN ({_pairs(count)}) AND `expired_at` > {NOW_MS}"
         )
 
     def renewed(self, count: int) -> Statement:
-        """The rows ``(n, expiry)`` of the ``count`` leases asked that are active, by position."""
+        """The rows ``(key, value, expiry)`` of the ``count`` leases asked that are active."""
         t = self.table.replace("%", "%%")
         return Statement(
-            f"SELECT a.n, t.`expired_at` FROM {_asked(count, with_ttl=False)} AS a\n"
-            f"JOIN {t} AS t ON t.`key` = a.name AND t.`value` = a.token\n"
-            f"WHERE t.`expired_at` > {NOW_MS}"
+            f"SELECT `key`, `value`, `expired_at` FROM {t}\n"
+            f"WHERE (`key`, `value`) IN ({_pairs(count)}) AND `expired_at` > {NOW_MS}"
         )
 
 
-def _asked(count: int, *, with_ttl: bool) -> str:
-    """A derived table of ``count`` leases: ``(n, name, token[, ttl])``, one row each."""
-    rows = []
-    for n in range(count):
-        ttl = f", CAST(%(ttl{n})s AS SIGNED) AS ttl" if with_ttl else ""
-        rows.append(
-            f"SELECT {n} AS n, {_text(f'name{n}')} AS name, {_text(f'token{n}')} AS token{ttl}"
-        )
-    return "(" + "\n  UNION ALL ".join(rows) + ")"
+def _pairs(count: int) -> str:
+    """The rows ``(name{n}, token{n})`` for n < ``count``: an index range on the key."""
+    return ", ".join(f"(%(name{n})s, %(token{n})s)" for n in range(count))
 
 
-def _text(name: str) -> str:
-    """Parameter ``name`` as text of the columns' collation, so that a join on it uses the key."""
-    return f"CAST(%({name})s AS CHAR CHARACTER SET {CHARSET}) COLLATE {COLLATION}"
-
-
-# What ready() reads: the table's kind and engine, each column as
-# (name, type, nullable, collation, key), whether the index exists, and the
-# session's character set and SQL mode. One row per column (none if absent).
-# Each information_schema table is filtered by constant schema and table
-# names, which lets both servers read one table's definition instead of
-# every table's.
+# What ready() reads, in one statement: first a row of the session (the
+# server's version, the session's character set and SQL mode), then a row
+# per column of the table if it exists (the table's kind and engine, the
+# column's name, type, nullability, collation and key, whether the index
+# exists). Each information_schema table is filtered by constant schema and
+# table names, which lets both servers read one table's definition instead
+# of every table's.
 _WHERE = "TABLE_SCHEMA = COALESCE(%(database)s, DATABASE()) AND TABLE_NAME = %(table)s"
 _SHAPE = f"""\
-SELECT (SELECT TABLE_TYPE FROM information_schema.TABLES WHERE {_WHERE}),
+SELECT 0, VERSION(), @@character_set_client, @@SESSION.sql_mode, NULL, NULL, NULL, NULL, NULL
+UNION ALL
+SELECT c.ORDINAL_POSITION,
+  (SELECT TABLE_TYPE FROM information_schema.TABLES WHERE {_WHERE}),
   (SELECT ENGINE FROM information_schema.TABLES WHERE {_WHERE}),
   c.COLUMN_NAME, c.COLUMN_TYPE, c.IS_NULLABLE, c.COLLATION_NAME, c.COLUMN_KEY,
   EXISTS (SELECT 1 FROM information_schema.STATISTICS
-          WHERE {_WHERE} AND INDEX_NAME = 'expired_at_idx' AND COLUMN_NAME = 'expired_at'),
-  @@character_set_client, @@SESSION.sql_mode
+          WHERE {_WHERE} AND INDEX_NAME = 'expired_at_idx' AND COLUMN_NAME = 'expired_at')
 FROM information_schema.COLUMNS AS c
 WHERE c.{_WHERE}
-ORDER BY c.ORDINAL_POSITION"""
+ORDER BY 1"""

@@ -64,7 +64,7 @@ from ..._core.lease import MAX_EXPIRY_MS, Lease
 from ..._core.waiting import Waiter, Wakeup
 from ..._errors import DMutexError
 from .runners import Outcome, Params, runner
-from .statements import COLLATION, Statement, Statements, granted, refused
+from .statements import COLLATIONS, Statement, Statements, granted, refused
 
 __all__ = ["RENEW_BATCH", "MySQLStore"]
 
@@ -180,26 +180,33 @@ class MySQLStore:
 
     # --- ready -----------------------------------------------------------------
 
-    def _shape(self) -> Steps[bool]:
-        """Whether the table exists; raises for another relation, engine or shape (rule 4)."""
+    def _shape(self) -> Steps[str | None]:
+        """The server's flavour if the table is absent, else None; raises as rule 4 says."""
         table, database = self._sql.table, self._sql.database
         asked = {"table": self._sql.name, "database": database}
-        rows = (yield from self._call(self._sql.shape, asked)).rows
-        if not rows:
-            return False
-        kind, engine, *_, charset, mode = rows[0]
-        if _text(kind) != "BASE TABLE":
-            raise DMutexError(f"{table} is not a table ({_text(kind)}): dmutex needs one")
-        if _text(engine).lower() != "innodb":
+        session, *rows = (yield from self._call(self._sql.shape, asked)).rows
+        _, version, charset, mode, *_ = session
+        if _text(charset) != "utf8mb4" and not any(m in _text(mode) for m in _STRICT):
             raise DMutexError(
-                f"the table {table} uses the {_text(engine)} engine: dmutex needs InnoDB"
+                f"the MySQL session uses character set {_text(charset)} and a SQL mode without "
+                "STRICT_TRANS_TABLES: a key it cannot encode would be changed, not refused. "
+                "Connect with charset utf8mb4, or a strict SQL mode"
             )
+        flavour = "mariadb" if "mariadb" in _text(version).lower() else "mysql"
+        if not rows:
+            return flavour
+        columns = [tuple(_text(part) for part in row[1:8]) for row in rows]
+        kind, engine = columns[0][0], columns[0][1]
+        if kind != "BASE TABLE":
+            raise DMutexError(f"{table} is not a table ({kind}): dmutex needs one")
+        if engine.lower() != "innodb":
+            raise DMutexError(f"the table {table} uses the {engine} engine: dmutex needs InnoDB")
         found = tuple(
-            (_text(name), _text(kind_).lower().replace(" signed", ""), _text(null))
-            for _, _, name, kind_, null, *_ in rows
+            (name, kind_.lower().replace(" signed", ""), null)
+            for _, _, name, kind_, null, _, _ in columns
         )
-        keyed = [_text(name) for _, _, name, _, _, _, key, *_ in rows if _text(key) == "PRI"]
-        indexed = bool(rows[0][7])
+        keyed = [name for _, _, name, _, _, _, key in columns if key == "PRI"]
+        indexed = bool(rows[0][8])
         if not _same_columns(found) or keyed != ["key"] or not indexed:
             raise DMutexError(
                 f"the table {table} has another shape than dmutex's: columns {found}, primary "
@@ -209,29 +216,24 @@ class MySQLStore:
                 "(`expired_at`)"
             )
         loose = [
-            (_text(name), _text(kind_), _text(collation))
-            for _, _, name, kind_, _, collation, *_ in rows
-            if _text(name) in _TEXT_COLUMNS and _text(collation) != COLLATION
+            (name, kind_, collation)
+            for _, _, name, kind_, _, collation, _ in columns
+            if name in _TEXT_COLUMNS and collation not in COLLATIONS.values()
         ]
         if loose:
+            needed = COLLATIONS[flavour]
             found_as = ", ".join(f"`{name}` by {collation}" for name, _, collation in loose)
             fix = ", ".join(
-                f"MODIFY `{name}` {kind_} CHARACTER SET utf8mb4 COLLATE {COLLATION} NOT NULL"
+                f"MODIFY `{name}` {kind_} CHARACTER SET utf8mb4 COLLATE {needed} NOT NULL"
                 for name, kind_, _ in loose
             )
             raise DMutexError(
-                f"the table {table} compares {found_as}, not {COLLATION}: keys that differ "
-                "only in case or accents would be one lock (the TypeScript store's CREATE "
-                f"TABLE takes the database's default collation). Fix it with: ALTER TABLE "
-                f"{table} {fix}"
+                f"the table {table} compares {found_as}, not byte for byte ({needed}): keys "
+                "that differ only in case, accents or trailing spaces would be one lock (the "
+                "TypeScript store's CREATE TABLE takes the database's default collation). "
+                f"Fix it with: ALTER TABLE {table} {fix}"
             )
-        if _text(charset) != "utf8mb4" and not any(m in _text(mode) for m in _STRICT):
-            raise DMutexError(
-                f"the MySQL session uses character set {_text(charset)} and a SQL mode without "
-                "STRICT_TRANS_TABLES: a key it cannot encode would be changed, not refused. "
-                "Connect with charset utf8mb4, or a strict SQL mode"
-            )
-        return True
+        return None
 
     def ready(self) -> Steps[None]:
         """Create the table if missing; refuse a table of another shape (rule 4).
@@ -239,10 +241,11 @@ class MySQLStore:
         One statement when it exists; else three (read, create, read again:
         another process may have created one of another shape meanwhile).
         """
-        if (yield from self._shape()):
+        flavour = yield from self._shape()
+        if flavour is None:
             return
-        yield from self._call(self._sql.create_table, {})
-        if not (yield from self._shape()):
+        yield from self._call(self._sql.create(flavour), {})
+        if (yield from self._shape()) is not None:
             raise DMutexError(f"the table {self._sql.table} could not be created")
 
     # --- operations ---------------------------------------------------------------
@@ -365,8 +368,11 @@ class MySQLStore:
                 for index in batch:
                     answers[index] = error
                 continue
-            for position, expires in rows:
-                answers[batch[_int(position, "position")]] = _int(expires, "expiry")
+            renewed = {(_text(name), _text(token)): expires for name, token, expires in rows}
+            for n, index in enumerate(batch):
+                expires = renewed.get((str(params[f"name{n}"]), str(params[f"token{n}"])))
+                if expires is not None:
+                    answers[index] = _int(expires, "expiry")
         return answers
 
     def holders(self, key: str) -> Steps[Inspection]:
