@@ -32,10 +32,12 @@ from dmutex import (
 from tests._support.doubles import (
     AnsweringRedis,
     AsyncAnsweringRedis,
+    AsyncRecordingMySQL,
     AsyncRecordingPsycopg,
     RecordingAsyncpg,
     RecordingBoth,
     RecordingMongo,
+    RecordingMySQL,
     RecordingPsycopg,
     RecordingRedis,
     RecordingRedisPsycopg,
@@ -160,7 +162,9 @@ def test_invalid_mongodb_names(cls: Any, options: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("cls", CLASSES)
-@pytest.mark.parametrize("value", ["mysql", "Redis", "", 1, True, "postgres", "PostgreSQL"])
+@pytest.mark.parametrize(
+    "value", ["MySQL", "mariadb", "Redis", "", 1, True, "postgres", "PostgreSQL"]
+)
 def test_backend_name(cls: Any, value: object) -> None:
     client = RecordingRedis()
     check_error(ValueError, lambda: make(cls, client, backend=value), client.calls)
@@ -205,7 +209,8 @@ def test_backend_naming_an_unmet_contract(cls: Any, client: Any, backend: str) -
 
 @pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize(
-    "option", ["db_name", "collection_prefix", "key_prefix", "table_prefix", "schema_name"]
+    "option",
+    ["db_name", "collection_prefix", "key_prefix", "table_prefix", "schema_name", "database_name"],
 )
 def test_option_types(cls: Any, option: str) -> None:
     client = RecordingRedis()
@@ -335,6 +340,58 @@ def test_postgresql_names_are_not_judged_for_other_backends(cls: Any) -> None:
     made = make(cls, client, table_name="t" * 100, schema_name="s" * 100)
     assert isinstance(made, cls)
     assert client.calls == []
+
+
+# --- MySQL ------------------------------------------------------------------------
+
+
+def recording_mysql(cls: Any) -> RecordingMySQL:
+    """A MySQL-shaped double of ``cls``'s face that records any call."""
+    return AsyncRecordingMySQL() if cls in ASYNC_CLASSES else RecordingMySQL()
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize(
+    ("options", "error", "said"),
+    [
+        ({"table_name": ""}, ValueError, "table_name"),
+        ({"table_name": "a\x00b"}, ValueError, "NUL"),
+        ({"table_name": "t "}, ValueError, "end with a space"),
+        ({"table_name": "t" * 65}, ValueError, "65 characters, over MySQL's 64"),
+        ({"table_prefix": "p" * 62}, ValueError, "table_prefix"),
+        ({"database_name": ""}, ValueError, "database_name"),
+        ({"database_name": "d\x00"}, ValueError, "NUL"),
+        ({"database_name": "d" * 65}, ValueError, "over MySQL's 64"),
+        ({"database_name": 5}, TypeError, "database_name"),
+        ({"database_name": b"d"}, TypeError, "database_name"),
+        ({"database_name": "a\ud800"}, ValueError, "UTF-8"),
+    ],
+)
+def test_invalid_mysql_names(
+    cls: Any, options: dict[str, Any], error: type[Exception], said: str
+) -> None:
+    client = recording_mysql(cls)
+    extra: dict[str, Any] = {"max_permits": 1} if cls in (DSemaphore, AsyncDSemaphore) else {}
+    with pytest.raises(error, match=said):
+        cls("svc", client, **options, **extra)
+    check_error(error, lambda: cls("svc", client, **options, **extra), client.calls)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_longest_mysql_names_are_accepted(cls: Any) -> None:
+    """64 characters, 4-byte ones included: the server's limit counts characters."""
+    client = recording_mysql(cls)
+    made = make(cls, client, table_name="\U0001f512" * 64, database_name="d" * 64)
+    assert isinstance(made, cls)
+    assert client.calls == []
+
+
+@pytest.mark.parametrize("cls", SYNC_CLASSES)
+def test_asyncio_mysql_client_refused_by_sync_classes_before_any_call(cls: Any) -> None:
+    """Its ``commit`` is a coroutine function. (A sync client of a package dmutex does not
+    know reaches an asyncio class's first call, which refuses its plain answer.)"""
+    client = AsyncRecordingMySQL()
+    check_error(UnsupportedClientError, lambda: make(cls, client), client.calls)
 
 
 # --- operation rows ---------------------------------------------------------------

@@ -195,3 +195,41 @@ class AsyncPreparingMongo:
 
     async def distinct(self, *args: object) -> list[object]:
         return []
+
+
+class RecordingMySQL:
+    """A MySQL DB-API connection's shape (``cursor`` beside ``get_server_info``), sync.
+
+    Records every call and answers none.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+
+    def cursor(self) -> Any:
+        self.calls.append(("cursor",))
+        raise AssertionError("no statement should reach the client")
+
+    def commit(self) -> None:
+        self.calls.append(("commit",))
+        raise AssertionError("no call should reach the client")
+
+    def rollback(self) -> None:
+        self.calls.append(("rollback",))
+        raise AssertionError("no call should reach the client")
+
+    def get_server_info(self) -> str:
+        self.calls.append(("get_server_info",))
+        raise AssertionError("no call should reach the client")
+
+
+class AsyncRecordingMySQL(RecordingMySQL):
+    """The same, asyncio: ``commit`` and ``rollback`` are coroutine functions (aiomysql's)."""
+
+    async def commit(self) -> None:  # type: ignore[override]  # the asyncio face of commit
+        self.calls.append(("commit",))
+        raise AssertionError("no call should reach the client")
+
+    async def rollback(self) -> None:  # type: ignore[override]  # the asyncio face of rollback
+        self.calls.append(("rollback",))
+        raise AssertionError("no call should reach the client")
