@@ -48,7 +48,7 @@ from dmutex import (
 from dmutex._backends.clients import MySQLConnectionLike
 from dmutex._backends.mysql import MySQLStore
 from dmutex._backends.mysql.runners import DEADLOCK_TRIES, Outcome, runner
-from dmutex._backends.mysql.statements import FOREVER, Statement, granted
+from dmutex._backends.mysql.statements import FOREVER, LISTED, Statement, granted
 from dmutex._clock import SYSTEM_CLOCK
 from dmutex._runtime.drivers import SyncDriver
 from tests._support import mysql_servers
@@ -237,6 +237,53 @@ def conn(server: Server) -> Iterator[Counting]:
 
 
 # --- the layout ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("permits", [2, LISTED, LISTED + 1, 64, 1024])
+def test_a_semaphore_picks_its_own_slot_then_a_free_one_then_reports_the_wait(
+    conn: Counting, raw: _Connection, table: str, permits: int
+) -> None:
+    """Both forms of the read before a take (statements rule 7): listed and aggregated."""
+    sem = DSemaphore("svc", client(conn), max_permits=permits, table_name=table)
+    sem.ready()
+    key = "k"
+    # Every slot but one held by others, the last ending first: the free one is found.
+    free = permits // 2
+    now = server_ms(raw)
+    held = [
+        (f"permit:{slot}:{key}", f"other{slot}", now + 60_000 + slot)
+        for slot in range(permits)
+        if slot != free
+    ]
+    for start in range(0, len(held), 256):
+        fetch(
+            raw,
+            f"INSERT INTO {quoted(table)} VALUES "
+            + ", ".join(["(%s, %s, %s)"] * len(held[start : start + 256])),
+            tuple(part for row in held[start : start + 256] for part in row),
+        )
+    permit = sem.acquire(key, 30)
+    assert permit is not None
+    assert permit.slot == free, "the one free slot, whichever the read's start"
+    assert rows(raw, table)[f"permit:{free}:{key}"][0] == permit.token
+    # Full: refused, the wait is until the earliest of the others' expiries.
+    assert sem.acquire(key, 30) is None
+    # The same token again (a re-sent copy): its own slot, not another.
+    store = MySQLStore(client(conn), table, permits, SYSTEM_CLOCK, asynchronous=False)
+    drive = store_driver(store)
+    again = drive(store.acquire(key, permit.token, 30_000))
+    assert again is not None
+    assert again.slot == free
+    # A stranger is told the wait until the earliest lease ends: this one's, renewed just now.
+    earliest = min(again.expires_ms, *(expires for _, _, expires in held))
+    slot, wait = drive(store._pick(key, "a stranger"))
+    assert slot is None
+    assert wait is not None
+    assert abs(wait - (earliest - server_ms(raw))) < 2_000
+    expire(raw, table, f"permit:{(free + 1) % permits}:{key}")
+    other = sem.acquire(key, 30)
+    assert other is not None
+    assert other.slot == (free + 1) % permits, "an expired row is free"
 
 
 def test_ready_creates_the_typescript_layout_with_byte_for_byte_text_columns(

@@ -49,10 +49,16 @@ Rules of the statements:
    and escape the values themselves. A statement without parameters is
    sent without a mapping, so it is written without ``%%`` escapes.
 7. A semaphore's slots of one key are rows ``permit:0:k`` ..
-   ``permit:{n-1}:k``, far apart in the primary key: a statement over them
-   joins the table with the numbers 0 .. n-1 (:data:`_NUMBERS`, two tables
-   of 32 digits crossed: a recursive CTE stops at 1,000 by both servers'
-   default), so each is one primary-key lookup.
+   ``permit:{n-1}:k``, far apart in the primary key, so each is one
+   primary-key lookup. Up to :data:`LISTED` permits a statement names them
+   as parameters (an ``IN`` list: no table to build); beyond, it joins the
+   table with the numbers 0 .. n-1 built in the statement (:data:`_NUMBERS`:
+   0 .. 31 by a recursive CTE, crossed with itself, since both servers stop
+   a recursion at 1,000 rows by default), and the semaphore's read before a
+   take aggregates what it found into one row (:meth:`Statements.pick`)
+   rather than answer a row per held slot (1,024 rows cost PyMySQL more to
+   parse than the server to find). ``benchmarks/README.md`` has the
+   measurements that chose both.
 """
 
 from __future__ import annotations
@@ -75,7 +81,8 @@ __all__ = [
 ]
 
 # Rule 1: the statement's start, in epoch microseconds and milliseconds.
-NOW_US = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
+# (The epoch as a typed literal: parsed once, not cast from a string at each use.)
+NOW_US = "TIMESTAMPDIFF(MICROSECOND, TIMESTAMP'1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
 NOW_MS = f"({NOW_US} DIV 1000)"
 # A fence row's expiry (rule 4): 9999-01-01 00:00:00 UTC in epoch ms.
 FOREVER = 253370764800000
@@ -129,11 +136,13 @@ class Statement:
     takes_params: bool = True
 
 
-_DIGITS = "(SELECT 0 AS d" + "".join(f" UNION ALL SELECT {n}" for n in range(1, 32)) + ")"
-# Rule 7: the slots first .. last of %(key)s, as rows (i, name).
+# Rule 7: at most this many permits are named in a statement as parameters.
+LISTED = 32
+# Rule 7: the slots first .. last of %(key)s, as rows (i), from 0 .. 31 crossed.
 _NUMBERS = (
-    f"(SELECT h.d * 32 + l.d AS i FROM {_DIGITS} AS h CROSS JOIN {_DIGITS} AS l\n"
-    "  WHERE h.d * 32 + l.d BETWEEN %(first)s AND %(last)s)"
+    "(WITH RECURSIVE d(n) AS (SELECT 0 UNION ALL SELECT n + 1 FROM d WHERE n < 31)\n"
+    "  SELECT h.n * 32 + l.n AS i FROM d AS h JOIN d AS l ON h.n <= %(last)s DIV 32\n"
+    "  WHERE h.n * 32 + l.n BETWEEN %(first)s AND %(last)s)"
 )
 _SLOT_NAME = "CONCAT('permit:', s.i, ':', %(key)s)"
 
@@ -225,6 +234,35 @@ class Statements:
             "  INDEX `expired_at_idx` (`expired_at`)\n"
             ") ENGINE=InnoDB",
             takes_params=False,
+        )
+
+    def pick(self, permits: int) -> Statement:
+        """A semaphore's read before its take: what it needs to choose a slot (rule 7).
+
+        Up to :data:`LISTED` permits: the active rows among ``name0`` ..
+        ``name{permits-1}``, as ``(key, value, expiry, now)``, then a row
+        ``(NULL, NULL, NULL, now)``. Beyond: one row ``(mine, after, ends,
+        now)``: the slot holding ``%(token)s`` (NULL if none), the first free
+        slot at or after ``%(start)s`` as its distance from it, cyclically
+        (NULL if none: a random start spreads racing callers), and the
+        earliest expiry of another's active lease.
+        """
+        t = self.table.replace("%", "%%")
+        if permits <= LISTED:
+            names = ", ".join(f"%(name{n})s" for n in range(permits))
+            return Statement(
+                f"SELECT `key`, `value`, `expired_at`, {NOW_MS} FROM {t}\n"
+                f"WHERE `key` IN ({names}) AND `expired_at` > {NOW_MS}\n"
+                f"UNION ALL SELECT NULL, NULL, NULL, {NOW_MS}"
+            )
+        active = f"t.`expired_at` > {NOW_MS}"
+        return Statement(
+            f"SELECT MAX(IF({active} AND t.`value` = %(token)s, s.i, NULL)),\n"
+            f"  MIN(IF(t.`key` IS NULL OR NOT {active},\n"
+            f"    (s.i + {permits} - %(start)s) MOD {permits}, NULL)),\n"
+            f"  MIN(IF({active} AND t.`value` <> %(token)s, t.`expired_at`, NULL)),\n"
+            f"  {NOW_MS}\n"
+            f"FROM {_NUMBERS} AS s LEFT JOIN {t} AS t ON t.`key` = {_SLOT_NAME}"
         )
 
     def extend_many(self, count: int) -> Statement:

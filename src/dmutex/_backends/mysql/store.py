@@ -64,7 +64,7 @@ from ..._core.lease import MAX_EXPIRY_MS, Lease
 from ..._core.waiting import Waiter, Wakeup
 from ..._errors import DMutexError
 from .runners import Outcome, Params, runner
-from .statements import COLLATIONS, Statement, Statements, granted, refused
+from .statements import COLLATIONS, LISTED, Statement, Statements, granted, refused
 
 __all__ = ["RENEW_BATCH", "MySQLStore"]
 
@@ -162,6 +162,7 @@ class MySQLStore:
         self._run = runner(client, asynchronous=asynchronous)
         self._waiting = _waiting(client)
         self._permits = max_permits
+        self._pick_sql = self._sql.pick(max_permits)
         self._clock = clock
         self._fencing = fencing
 
@@ -296,16 +297,35 @@ class MySQLStore:
             # A semaphore's pick lost its slot to another caller: read again.
 
     def _pick(self, key: str, token: str) -> Steps[tuple[int | None, int | None]]:
-        """A slot to take: the one holding ``token``, else a random free one; else the wait."""
-        inspection = yield from self.holders(key)
-        held = {holder.slot: holder for holder in inspection.holders}
-        for holder in inspection.holders:
-            if holder.token == token:
-                return holder.slot, None
-        free = [slot for slot in range(self._permits) if slot not in held]
-        if free:
-            return random.choice(free), None  # spreads racing callers; not secrecy
-        return None, min(h.expires_ms for h in held.values()) - inspection.now_ms
+        """A slot to take: the one holding ``token``, else a random free one; else the wait.
+
+        One statement (``statements.py``, rule 7); random choices spread
+        racing callers, they are not secrecy.
+        """
+        permits = self._permits
+        if permits <= LISTED:
+            names = {f"permit:{slot}:{key}": slot for slot in range(permits)}
+            params: dict[str, object] = {f"name{slot}": name for name, slot in names.items()}
+            *rows, (_, _, _, now) = (yield from self._call(self._pick_sql, params)).rows
+            held: dict[int, int] = {}
+            for name, value, expires, _ in rows:
+                slot = names[_text(name)]
+                if _text(value) == token:
+                    return slot, None
+                held[slot] = _int(expires, "expiry")
+            free = [slot for slot in range(permits) if slot not in held]
+            if free:
+                return random.choice(free), None
+            return None, min(held.values()) - _int(now, "time")
+        start = random.randrange(permits)
+        asked = {"key": key, "token": token, "start": start, "first": 0, "last": permits - 1}
+        rows = (yield from self._call(self._pick_sql, asked)).rows
+        mine, after, ends, now = rows[0]
+        if mine is not None:
+            return _int(mine, "slot"), None
+        if after is not None:
+            return (start + _int(after, "slot")) % permits, None
+        return None, _int(ends, "expiry") - _int(now, "time")
 
     def _fence(self, key: str) -> Steps[int]:
         """Advance ``key``'s fence counter after a grant; its new value (statements rule 4)."""
