@@ -4,6 +4,8 @@ Each store implements the :class:`Store` protocol the engine talks to, which
 lives below this package, in ``dmutex._core.abc``.
 
 - ``shapes.py``: detection and every other check of a client's shape;
+- ``engines.py``: SQLAlchemy engines lending their driver's connections to
+  the SQL stores;
 - ``clients.py``: the client contracts, published as ``typing.Protocol``;
 - ``memory.py``, ``redis/`` (with ``cluster.py``), ``mongo.py``, ``sqlite.py``,
   ``postgres/``, ``mysql/``: one store each.

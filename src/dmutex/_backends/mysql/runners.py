@@ -33,13 +33,16 @@ Rules of this module:
    times in all; every other error reaches the store as raised. dmutex's
    statements each lock one row, or a key's slots in primary-key order, so
    a deadlock needs another program's multi-row transaction.
-6. A SQLAlchemy engine is a pool: its statement runs on the driver's own
-   connection (``driver_connection``) as rules 2 to 5 say, and SQLAlchemy
-   runs none of dmutex's SQL. Which drivers: ``pymysql``, ``mysqldb`` and
-   ``mysqlconnector`` for an ``Engine``, ``aiomysql`` and ``asyncmy`` for an
-   ``AsyncEngine``, on the ``mysql`` or ``mariadb`` dialect; decided before
-   any I/O. A connection the driver then reports closed is invalidated, so
-   that the pool does not lend it again.
+6. A SQLAlchemy engine is a pool (``dmutex._backends.engines``): its
+   statement runs on the driver's own connection as rules 2 to 5 say.
+   Which drivers: ``pymysql``, ``mysqldb`` and ``mysqlconnector`` for an
+   ``Engine``, ``aiomysql`` and ``asyncmy`` for an ``AsyncEngine``, on the
+   ``mysql`` or ``mariadb`` dialect; decided before any I/O. Its lent
+   connections are out of autocommit unless the engine says
+   ``isolation_level="AUTOCOMMIT"`` (so rule 2 commits each statement),
+   and the pool's reset on return sends a ``ROLLBACK`` unless it says
+   ``pool_reset_on_return=None``: three round trips per statement by
+   default, one with both (counted on MariaDB with PyMySQL).
 """
 
 from __future__ import annotations
@@ -58,14 +61,13 @@ from ..clients import (
     AsyncMySQLConnectionLike,
     AsyncMySQLCursorLike,
     AsyncMySQLPoolLike,
-    AsyncSQLAlchemyEngineLike,
     MySQLConnectionLike,
     MySQLConnectorPoolLike,
     MySQLCursorLike,
     SQLAlchemyDialectLike,
-    SQLAlchemyEngineLike,
 )
-from ..shapes import defines, method, mysql_method
+from ..engines import check_face, lend, lend_async
+from ..shapes import method, mysql_method
 from .statements import Statement
 
 __all__ = ["DEADLOCK_TRIES", "Outcome", "Params", "Row", "Runner", "runner"]
@@ -333,57 +335,15 @@ def _closed(conn: object) -> bool:
     return callable(connected) and not connected()
 
 
-def _engine(client: object) -> Callable[[Statement, Params], Outcome]:
-    """A runner on a sync SQLAlchemy engine: one driver connection lent per statement."""
-    engine = cast(SQLAlchemyEngineLike, client)
-    method(engine, "raw_connection")
-
-    def run(statement: Statement, params: Params) -> Outcome:
-        lent = engine.raw_connection()
-        conn = lent.driver_connection
-        try:
-            return _connection(conn)(statement, params)
-        except Exception as error:
-            if _closed(conn):
-                lent.invalidate(error)
-            raise
-        finally:
-            lent.close()
-
-    return run
-
-
-def _engine_async(client: object) -> Callable[[Statement, Params], Awaitable[Outcome]]:
-    """A runner on an asyncio SQLAlchemy engine: one connection opened per statement."""
-    engine = cast(AsyncSQLAlchemyEngineLike, client)
-    method(engine, "connect")
-
-    async def run(statement: Statement, params: Params) -> Outcome:
-        async with engine.connect() as opened:
-            conn = (await opened.get_raw_connection()).driver_connection
-            try:
-                return await _connection_async(conn)(statement, params)
-            except Exception as error:
-                if _closed(conn):
-                    await opened.invalidate(error)
-                raise
-
-    return run
-
-
 def runner(client: object, *, asynchronous: bool) -> Runner:
     """The runner of ``client``, by its shape (``shapes.mysql_method``), before any I/O."""
     kind = mysql_method(client)
     if kind == "raw_connection":
-        is_async = defines(client, "sync_engine")
-        if is_async != asynchronous:
-            face = "AsyncDMutex / AsyncDSemaphore" if is_async else "DMutex / DSemaphore"
-            raise UnsupportedClientError(
-                f"a SQLAlchemy {'AsyncEngine' if is_async else 'Engine'} is "
-                f"{'an asyncio' if is_async else 'a sync'} client: use {face}"
-            )
+        check_face(client, asynchronous)
         _engine_driver(client, asynchronous)
-        return _engine_async(client) if asynchronous else _engine(client)
+        if asynchronous:
+            return lend_async(client, _connection_async, _closed)
+        return lend(client, _connection, _closed)
     if kind == "get_connection":
         if asynchronous:
             raise UnsupportedClientError(

@@ -28,20 +28,14 @@ Rules of this module:
    next acquire, a wait's ``LISTEN``. A pool lends each statement a
    connection and needs none. The caller's own statements on that
    connection do not take these turns: they need a connection of their own.
-6. A SQLAlchemy engine is a pool: its statement runs on the driver's own
-   connection (``driver_connection``: psycopg's or asyncpg's) as rules 2
-   to 5 say for that driver, and SQLAlchemy runs none of dmutex's SQL. A
-   sync ``Engine`` lends it with ``raw_connection()`` (until its
-   ``close()``, in every SQLAlchemy 2 release); an ``AsyncEngine``
-   with ``connect()`` (whose close gives the connection back on the event
-   loop; a raw connection's own ``close()`` would need SQLAlchemy's
-   greenlet). Nothing of SQLAlchemy's transaction state changes: it began
-   none, and on return its pool's reset (a rollback) finds the connection
-   idle and sends nothing, on either driver. A statement that fails on a
-   connection the driver then reports closed (the server dropped it) has
-   it invalidated, as SQLAlchemy does on a disconnect: its pool discards it
-   instead of lending it again (asyncpg's would otherwise come back from
-   the pool closed, every time). Which runner is decided
+6. A SQLAlchemy engine is a pool (``dmutex._backends.engines``): its
+   statement runs on the driver's own connection (psycopg's or asyncpg's)
+   as rules 2 to 5 say for that driver. Nothing of SQLAlchemy's
+   transaction state changes: it began none, and on return its pool's
+   reset (a rollback) finds the connection idle and sends nothing, on
+   either driver. A connection the driver reports closed after a failure
+   is invalidated (asyncpg's would otherwise come back from the pool
+   closed, every time). Which runner is decided
    before any I/O by the dialect: ``name`` must be ``postgresql`` and
    ``driver`` psycopg (sync or asyncio, as the engine's face) or asyncpg
    (asyncio); any other (psycopg2, pg8000, another database) is refused.
@@ -63,13 +57,12 @@ from ..clients import (
     AsyncpgLike,
     AsyncPsycopgConnectionLike,
     AsyncPsycopgPoolLike,
-    AsyncSQLAlchemyEngineLike,
     PsycopgConnectionLike,
     PsycopgConnectionStateLike,
     PsycopgPoolLike,
     SQLAlchemyDialectLike,
-    SQLAlchemyEngineLike,
 )
+from ..engines import check_face, lend, lend_async
 from ..shapes import defines, method, postgres_method
 from .statements import Statement
 
@@ -231,47 +224,6 @@ def _closed(conn: object) -> bool:
     return bool(is_closed() if callable(is_closed) else getattr(conn, "closed", False))
 
 
-def _engine(client: object) -> Callable[[Statement, Params], list[Row]]:
-    """A runner on a sync SQLAlchemy engine: one psycopg connection lent per statement."""
-    engine = cast(SQLAlchemyEngineLike, client)
-    method(engine, "raw_connection")
-
-    def run(statement: Statement, params: Params) -> list[Row]:
-        lent = engine.raw_connection()
-        conn = lent.driver_connection
-        try:
-            return _psycopg(conn)(statement, params)
-        except Exception as error:
-            if _closed(conn):
-                lent.invalidate(error)
-            raise
-        finally:
-            lent.close()
-
-    return run
-
-
-def _engine_async(
-    client: object, driver: str
-) -> Callable[[Statement, Params], Awaitable[list[Row]]]:
-    """A runner on an asyncio SQLAlchemy engine: one connection opened per statement."""
-    engine = cast(AsyncSQLAlchemyEngineLike, client)
-    method(engine, "connect")
-    on = _asyncpg if driver == "asyncpg" else _psycopg_async
-
-    async def run(statement: Statement, params: Params) -> list[Row]:
-        async with engine.connect() as opened:
-            conn = (await opened.get_raw_connection()).driver_connection
-            try:
-                return await on(conn)(statement, params)
-            except Exception as error:
-                if _closed(conn):
-                    await opened.invalidate(error)
-                raise
-
-    return run
-
-
 def runner(client: object, *, asynchronous: bool) -> Runner:
     """The runner of ``client``: a psycopg pool or connection, or an asyncpg connection or pool.
 
@@ -283,15 +235,12 @@ def runner(client: object, *, asynchronous: bool) -> Runner:
     """
     kind = postgres_method(client)
     if kind == "raw_connection":
-        is_async = defines(client, "sync_engine")
-        if is_async != asynchronous:
-            face = "AsyncDMutex / AsyncDSemaphore" if is_async else "DMutex / DSemaphore"
-            raise UnsupportedClientError(
-                f"a SQLAlchemy {'AsyncEngine' if is_async else 'Engine'} is "
-                f"{'an asyncio' if is_async else 'a sync'} client: use {face}"
-            )
+        check_face(client, asynchronous)
         driver = _engine_driver(client, asynchronous)
-        return _engine_async(client, driver) if asynchronous else _engine(client)
+        if asynchronous:
+            on = _asyncpg if driver == "asyncpg" else _psycopg_async
+            return lend_async(client, on, _closed)
+        return lend(client, _psycopg, _closed)
     if kind == "execute" and type(client).__module__.split(".")[0] == "sqlalchemy":
         raise UnsupportedClientError(
             f"{type(client).__module__}.{type(client).__qualname__} is SQLAlchemy's, not a "
