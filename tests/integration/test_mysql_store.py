@@ -527,6 +527,39 @@ def test_round_trips_per_operation_in_autocommit(
     assert all((trip.inside, trip.innodb) == (0, 0) for trip in trips.values())
 
 
+@pytest.mark.parametrize(
+    ("settings", "each"),
+    [
+        ({}, ["INSERT", "COMMIT", "ROLLBACK"]),
+        ({"isolation_level": "AUTOCOMMIT"}, ["INSERT", "ROLLBACK"]),
+        ({"isolation_level": "AUTOCOMMIT", "pool_reset_on_return": None}, ["INSERT"]),
+    ],
+)
+def test_round_trips_through_a_sqlalchemy_engine(
+    server: Server, table: str, settings: dict[str, Any], each: list[str]
+) -> None:
+    """What runners.py rule 6 says an engine costs: its commit and its pool's reset, unless told."""
+    made: list[Counting] = []
+
+    def creator() -> Counting:
+        made.append(counting(server, autocommit=False))
+        return made[-1]
+
+    engine = sqlalchemy.create_engine("mysql+pymysql://", creator=creator, pool_size=1, **settings)
+    try:
+        mutex = DMutex("svc", engine, table_name=table)
+        mutex.ready()
+        (conn,) = made
+        conn.taken()
+        lock = mutex.acquire("k", 30)
+        assert lock is not None
+        assert conn.taken() == each
+        assert lock.release() is True
+        assert [word.replace("DELETE", "INSERT") for word in conn.taken()] == each
+    finally:
+        engine.dispose()
+
+
 def test_round_trips_outside_autocommit_commit_each_write(
     server: Server, raw: _Connection, table: str
 ) -> None:
