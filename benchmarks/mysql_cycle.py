@@ -20,9 +20,10 @@ printed: a commit's cost depends on them.
    ``--cycles`` cycles per contender, interleaved in turns of ``--chunk``
    (``harness.interleave``), each cycle timed with ``time.perf_counter_ns``:
 
-   - ``dmutex``: ``DMutex.acquire(key)`` then ``lock.release()`` (fencing
-     off, MySQL's default): 2 statements;
-   - ``dmutex fenced``: the same with ``fencing=True``: 3 statements;
+   - ``dmutex``: ``DMutex.acquire(key)`` then ``lock.release()`` (the
+     default ``fencing``);
+   - ``dmutex fenced``: the same with ``fencing=True`` (part 3 counts what
+     each sends);
    - ``raw ts``: modeled on the TypeScript dmutex's MySQL store, written by
      hand: an upsert (``INSERT ... ON DUPLICATE KEY UPDATE`` that takes the row
      only if it expired, the expiry from the host's clock), a ``SELECT`` of
@@ -73,7 +74,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeAlias, cast
+from typing import Any, TypeAlias
 
 import aiomysql
 import harness
@@ -84,7 +85,6 @@ from pymysql.cursors import Cursor
 from redis_cycle import timed, timed_async
 
 from dmutex import AsyncDMutex, DMutex, DMutexLock, DSemaphore, DSemaphorePermit
-from dmutex._backends.clients import MySQLConnectionLike
 from dmutex._backends.mysql.statements import Statements, granted
 
 OPTIONS = {  # name: (default, under --quick)
@@ -300,10 +300,8 @@ def sync_cycles(conn: Sync, service: str, ttl_s: float) -> dict[str, Cycle]:
     The check leaves a row of each raw contender held (``check <name>``):
     the table is dropped with the database.
     """
-    # cast: types-PyMySQL's overloaded Cursor.execute does not match dmutex's protocol.
-    client = cast(MySQLConnectionLike, conn)
-    mutex = DMutex(service, client, default_ttl_seconds=ttl_s)
-    fenced = DMutex(service, client, default_ttl_seconds=ttl_s, fencing=True)
+    mutex = DMutex(service, conn, default_ttl_seconds=ttl_s)
+    fenced = DMutex(service, conn, default_ttl_seconds=ttl_s, fencing=True)
     mutex.ready()
     fenced.ready()
 
@@ -403,7 +401,7 @@ def semaphores(conn: Sync, permits: Sequence[int], run_id: str) -> dict[int, DSe
     for n in permits:
         sem = DSemaphore(
             f"sem{n}_{run_id}",
-            cast(MySQLConnectionLike, conn),
+            conn,
             max_permits=n,
             default_ttl_seconds=SEMAPHORE_TTL_S,
         )
@@ -495,9 +493,8 @@ def count_sync(
     times: int,
 ) -> dict[str, float]:
     counter = Counter(lambda: questions(conn), times, {})
-    client = cast(MySQLConnectionLike, conn)
-    mutex = DMutex(service, client)
-    fenced = DMutex(service, client, fencing=True)
+    mutex = DMutex(service, conn)
+    fenced = DMutex(service, conn, fencing=True)
     mutex.ready()  # else the first acquire counts the table's check too
     fenced.ready()
     for name, cycle in cycles.items():

@@ -27,7 +27,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 from urllib.parse import quote
 
 import pymysql
@@ -36,7 +35,6 @@ from pymysql.connections import Connection
 from pymysql.cursors import Cursor
 
 from dmutex import DMutex
-from dmutex._backends.clients import MySQLConnectionLike
 from dmutex._cli import urls
 from dmutex._cli.errors import Failure
 from dmutex._cli.holders import read_holders
@@ -67,8 +65,7 @@ class MySQLCli:
         return [command, "--backend", self.url, "--service", self.service, *more]
 
     def mutex(self) -> DMutex:
-        # cast: types-PyMySQL's overloaded Cursor.execute does not match the protocol's.
-        return DMutex(self.service, cast(MySQLConnectionLike, self.conn))
+        return DMutex(self.service, self.conn)
 
     def rows(self, table_prefix: str = "_dmutex_") -> list[tuple[str, str, int]]:
         """Every row of the service's table: ``(key, value, expired_at)``."""
@@ -191,11 +188,11 @@ def test_run_holds_and_renews_the_lock_and_status_shows_holder_and_fence(
     os.kill(child.pid, signal.SIGKILL)
     done = cli.finish(process, started)
     assert done.status == 128 + signal.SIGKILL, done.stderr
-    assert mysql.is_free()
     free = cli.run(mysql.args("status", KEY), env)
     assert free.status == 1, free.stderr
     assert "free" in free.stdout
     assert f"fence: {fence} " in free.stdout  # the counter stays when the lease goes
+    assert mysql.is_free()
 
 
 def test_a_held_key_conflicts_and_a_waiter_polls_until_the_release(
