@@ -20,10 +20,11 @@ printed: a commit's cost depends on them.
    ``--cycles`` cycles per contender, interleaved in turns of ``--chunk``
    (``harness.interleave``), each cycle timed with ``time.perf_counter_ns``:
 
-   - ``dmutex``: ``DMutex.acquire(key)`` then ``lock.release()`` (the
-     default ``fencing``);
-   - ``dmutex fenced``: the same with ``fencing=True`` (part 3 counts what
-     each sends);
+   - ``dmutex``: ``DMutex.acquire(key)`` then ``lock.release()``, with
+     ``fencing=False``: the raw contenders keep no fence either;
+   - ``dmutex fenced``: the same with ``fencing=True`` (the default), whose
+     grant writes the fence row in the take's own statement (part 3 counts
+     what each sends);
    - ``raw ts``: modeled on the TypeScript dmutex's MySQL store, written by
      hand: an upsert (``INSERT ... ON DUPLICATE KEY UPDATE`` that takes the row
      only if it expired, the expiry from the host's clock), a ``SELECT`` of
@@ -300,7 +301,7 @@ def sync_cycles(conn: Sync, service: str, ttl_s: float) -> dict[str, Cycle]:
     The check leaves a row of each raw contender held (``check <name>``):
     the table is dropped with the database.
     """
-    mutex = DMutex(service, conn, default_ttl_seconds=ttl_s)
+    mutex = DMutex(service, conn, default_ttl_seconds=ttl_s, fencing=False)
     fenced = DMutex(service, conn, default_ttl_seconds=ttl_s, fencing=True)
     mutex.ready()
     fenced.ready()
@@ -337,7 +338,7 @@ def async_cycles(
     conn: aiomysql.Connection, loop: asyncio.AbstractEventLoop, service: str, ttl_s: float
 ) -> dict[str, AsyncCycle]:
     """:func:`sync_cycles` on an aiomysql connection (``AsyncDMutex``), names suffixed."""
-    mutex = AsyncDMutex(service, conn, default_ttl_seconds=ttl_s)
+    mutex = AsyncDMutex(service, conn, default_ttl_seconds=ttl_s, fencing=False)
     fenced = AsyncDMutex(service, conn, default_ttl_seconds=ttl_s, fencing=True)
     loop.run_until_complete(mutex.ready())
     loop.run_until_complete(fenced.ready())
@@ -493,13 +494,13 @@ def count_sync(
     times: int,
 ) -> dict[str, float]:
     counter = Counter(lambda: questions(conn), times, {})
-    mutex = DMutex(service, conn)
+    mutex = DMutex(service, conn, fencing=False)
     fenced = DMutex(service, conn, fencing=True)
     mutex.ready()  # else the first acquire counts the table's check too
     fenced.ready()
     for name, cycle in cycles.items():
         counter.count(f"cycle: {name}", cycle)
-    counter.count("DMutex.acquire, granted", lambda: mutex.acquire("c"), release)
+    counter.count("DMutex(fencing=False).acquire, granted", lambda: mutex.acquire("c"), release)
     counter.count("DMutex(fencing=True).acquire, granted", lambda: fenced.acquire("c"), release)
     holder = mutex.acquire("held")
     counter.count("DMutex.acquire, refused", lambda: mutex.acquire("held"))

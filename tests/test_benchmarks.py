@@ -36,12 +36,14 @@ MYSQL = ["mysql_cycle"]
 SCRIPTS = ["sqlite_cycle", *REDIS, *POSTGRES, *MYSQL]
 # What mysql_cycle.py must count: its raw SQL's, and the MySQL store's documented ones.
 MYSQL_STATEMENTS = {
-    "DMutex.acquire, granted": 1,
+    "DMutex(fencing=False).acquire, granted": 1,
+    "DMutex(fencing=True).acquire, granted": 1,
     "DMutex.acquire, refused": 1,
     "DMutexLock.release": 1,
     "DSemaphore.acquire, full, N=64": 1,
     "DSemaphore.acquire, empty, N=64": 2,
     "cycle: dmutex": 2,
+    "cycle: dmutex fenced": 2,
     "cycle: raw ts": 3,
     "cycle: raw 1": 2,
     "cycle: dmutex aiomysql": 2,

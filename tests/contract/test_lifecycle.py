@@ -136,8 +136,8 @@ def test_fences_of_different_keys_and_kinds_are_separate_sequences(env: Rig) -> 
 def test_fencing_false_gives_none_and_default_depends_on_the_backend(env: Rig) -> None:
     assert held(env.make("mutex", fencing=False).acquire("job", 60)).fence is None
     default = held(env.make("semaphore", max_permits=2).acquire("job", 60)).fence
-    if is_mongo(env) or isinstance(env.backend, MySQL):
-        assert default is None, "MongoDB and MySQL fence only with fencing=True (one more request)"
+    if is_mongo(env):
+        assert default is None, "MongoDB fences only with fencing=True (one more request)"
     else:
         assert isinstance(default, int)
         assert default >= 1

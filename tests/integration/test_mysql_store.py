@@ -152,6 +152,11 @@ def rows(conn: _Connection, table: str, database: str | None = None) -> dict[str
     }
 
 
+def permits(conn: _Connection, table: str) -> dict[str, tuple[str, int]]:
+    """The slot rows of ``table`` (``permit:...``), without the fence counters."""
+    return {key: row for key, row in rows(conn, table).items() if key.startswith("permit:")}
+
+
 def server_ms(conn: _Connection) -> int:
     (now,) = fetch(conn, f"SELECT {NOW_MS}")[0]
     return int(now)
@@ -325,12 +330,12 @@ def test_ready_creates_the_typescript_layout_with_byte_for_byte_text_columns(
 def test_a_grant_writes_its_slot_row_by_the_servers_clock(
     conn: Counting, raw: _Connection, table: str
 ) -> None:
-    sem = DSemaphore("svc", client(conn), max_permits=3, table_name=table)
+    sem = DSemaphore("svc", client(conn), max_permits=3, table_name=table, fencing=False)
     before = server_ms(raw)
     permit = sem.acquire("api", ttl=7.5)
     after = server_ms(raw)
     assert permit is not None
-    assert permit.fence is None, "no fence by default on MySQL: it costs a statement"
+    assert permit.fence is None, "fencing=False"
     stored = rows(raw, table)
     assert set(stored) == {f"permit:{permit.slot}:api"}, "no fence row either"
     value, expires = stored[f"permit:{permit.slot}:api"]
@@ -339,24 +344,66 @@ def test_a_grant_writes_its_slot_row_by_the_servers_clock(
     assert before + 7500 <= expires <= after + 7500, "the server's now plus the TTL, in epoch ms"
 
 
-def test_fencing_adds_a_fence_row_that_never_expires(
-    conn: Counting, raw: _Connection, table: str
+@pytest.mark.parametrize("permits", [1, 3])
+def test_a_grant_advances_its_fence_row_in_its_own_statement(
+    conn: Counting, raw: _Connection, table: str, permits: int
 ) -> None:
-    mutex = DMutex("svc", client(conn), table_name=table, fencing=True)
+    """By default (fencing=None), as PostgreSQL's: one statement writes the slot and the counter."""
+    sem = DSemaphore("svc", client(conn), max_permits=permits, table_name=table)
+    sem.ready()
     fences: list[int] = []
     for _ in range(3):
-        lock = mutex.acquire("job", ttl=30)
+        conn.taken()
+        before = server_ms(raw)
+        lock = sem.acquire("job", ttl=30)
+        after = server_ms(raw)
         assert lock is not None
+        assert conn.taken() == ["INSERT"] if permits == 1 else ["SELECT", "INSERT"]
         assert lock.fence is not None
         fences.append(lock.fence)
         stored = rows(raw, table)
-        assert stored["fence:job"] == (str(lock.fence), FOREVER)
-        assert stored["permit:0:job"][0] == lock.token
+        assert stored["fence:job"] == (str(lock.fence), FOREVER), "the answer is the stored one"
+        assert stored[f"permit:{lock.slot}:job"][0] == lock.token
+        if not fences[:-1] or fences[-2] < before * 1000:
+            # The clock's part (fences rule 1): the statement's ms times 1,000.
+            assert before * 1000 <= lock.fence <= after * 1000
         assert lock.release() is True
     assert fences == sorted(set(fences)), "strictly increasing"
     forever = datetime(9999, 1, 1, tzinfo=timezone.utc)
     assert round((forever - EPOCH).total_seconds() * 1000) == FOREVER
     assert set(rows(raw, table)) == {"fence:job"}, "the counter outlives the leases"
+
+
+@pytest.mark.parametrize(
+    "counter",
+    [
+        "ahead by 16,383 us or more: the grant's statement cannot say its fence",
+        "not dmutex's: the grant's statement leaves it alone",
+    ],
+)
+def test_a_counter_the_grant_cannot_answer_for_is_advanced_apart(
+    conn: Counting, raw: _Connection, table: str, counter: str
+) -> None:
+    mutex = DMutex("svc", client(conn), table_name=table)
+    mutex.ready()
+    ahead = (server_ms(raw) + 60_000) * 1000
+    stored = str(ahead) if counter.startswith("ahead") else "ours, says another program"
+    fetch(raw, f"INSERT INTO {quoted(table)} VALUES ('fence:job', %s, {FOREVER})", (stored,))
+    conn.taken()
+    if counter.startswith("ahead"):
+        lock = mutex.acquire("job", ttl=30)
+        assert lock is not None
+        assert conn.taken() == ["INSERT", "INSERT"], "the take, then the counter's own advance"
+        assert lock.fence == ahead + 1, "the counter plus one: it was ahead of the clock"
+        assert rows(raw, table)["fence:job"] == (str(ahead + 1), FOREVER)
+        again = mutex.acquire("job", ttl=30)
+        assert again is None
+        assert lock.release() is True
+        return
+    with pytest.raises(DMutexError, match="holds a value dmutex did not write"):
+        mutex.acquire("job", ttl=30)
+    assert conn.taken() == ["INSERT", "INSERT", "DELETE"], "take, advance refused, the undo"
+    assert rows(raw, table) == {"fence:job": (stored, FOREVER)}, "left as it was, no slot held"
 
 
 def test_table_prefix_and_table_name_name_the_table(conn: Counting, raw: _Connection) -> None:
@@ -370,7 +417,7 @@ def test_table_prefix_and_table_name_name_the_table(conn: Counting, raw: _Connec
         assert named.acquire("k") is not None
         assert {t for t in tables(raw) if service in t} == set(made)
         for name in made:
-            assert list(rows(raw, name)) in (["permit:0:k"], ["permit:1:k"]), name
+            assert list(permits(raw, name)) in (["permit:0:k"], ["permit:1:k"]), name
     finally:
         for name in made:
             fetch(raw, f"DROP TABLE IF EXISTS {quoted(name)}")
@@ -419,7 +466,7 @@ TRIPS = {
     "mutex extend": ["UPDATE"],
     "mutex release": ["DELETE"],
     "release of a released lease": ["DELETE"],
-    "fenced grant": ["INSERT", "INSERT"],
+    "fenced grant": ["INSERT"],
     "fenced refusal": ["INSERT"],
     "semaphore grant": ["SELECT", "INSERT"],
     "semaphore full": ["SELECT"],
@@ -610,7 +657,10 @@ def test_keys_that_differ_in_case_accents_or_4_byte_characters_are_distinct_lock
     mutex = DMutex("svc", client(conn), table_name=table)
     locks = [mutex.acquire(key) for key in DISTINCT_KEYS]
     assert all(lock is not None for lock in locks), "every key a lock of its own"
-    stored = fetch(raw, f"SELECT CAST(`key` AS BINARY), `value` FROM {quoted(table)}")
+    stored = fetch(
+        raw,
+        f"SELECT CAST(`key` AS BINARY), `value` FROM {quoted(table)} WHERE `key` LIKE 'permit:%%'",
+    )
     assert sorted(stored) == sorted(
         (f"permit:0:{key}".encode(), lock.token)
         for key, lock in zip(DISTINCT_KEYS, locks, strict=True)
@@ -620,7 +670,7 @@ def test_keys_that_differ_in_case_accents_or_4_byte_characters_are_distinct_lock
     for lock in locks:
         assert lock is not None
         assert lock.release() is True
-    assert rows(raw, table) == {}
+    assert permits(raw, table) == {}
 
 
 def test_keys_that_differ_in_trailing_spaces_are_distinct_locks(
@@ -631,7 +681,7 @@ def test_keys_that_differ_in_trailing_spaces_are_distinct_locks(
     assert plain is not None
     spaced = mutex.acquire("k ")
     assert spaced is not None, "'k ' is another key than 'k'"
-    assert set(rows(raw, table)) == {"permit:0:k", "permit:0:k "}
+    assert set(permits(raw, table)) == {"permit:0:k", "permit:0:k "}
 
 
 @pytest.mark.parametrize("key", ["x" * 501, "\U0001d518" * 501])
@@ -713,7 +763,7 @@ def test_a_table_with_one_loose_column_is_told_the_alter_of_that_column(
     )
     fetch(raw, fix)
     assert mutex.acquire("k") is not None
-    assert set(rows(raw, table)) == {"permit:0:k"}
+    assert set(permits(raw, table)) == {"permit:0:k"}
 
 
 @pytest.mark.parametrize(
@@ -843,7 +893,7 @@ def test_a_user_with_row_privileges_on_an_existing_table_needs_no_more(
         assert permit.release() is True
     finally:
         conn.close()
-    assert set(rows(raw, table)) == {"fence:k"}
+    assert set(rows(raw, table)) == {"fence:k", "fence:s"}, "the counters; no slot left"
 
 
 def test_a_user_who_may_only_read_gets_the_servers_refusal_and_writes_nothing(
@@ -914,8 +964,8 @@ def test_an_acquire_sent_again_with_its_token_answers_the_same_slot(
     held = {key: value for key, (value, _) in rows(raw, table).items() if value == token}
     assert held == {f"permit:{first.slot}:k": token}, "one slot, never a second"
     assert rows(raw, table)[f"permit:{other.slot}:{other.key}"][0] == other.token
-    expected = ["INSERT", "INSERT"] if permits == 1 else ["SELECT", "INSERT", "INSERT"]
-    assert sent == expected, "the copy found its own slot, the fence advanced"
+    expected = ["INSERT"] if permits == 1 else ["SELECT", "INSERT"]
+    assert sent == expected, "the copy found its own slot, the fence advanced with it"
 
 
 def test_the_take_statement_run_twice_with_one_token_grants_one_slot(
@@ -925,19 +975,18 @@ def test_the_take_statement_run_twice_with_one_token_grants_one_slot(
     store_driver(store)
     run = runner(conn, asynchronous=False)
     token = str(uuid.uuid4())
-    params = {"row": "permit:2:k", "token": token, "ttl": 10_000, "slot": 2}
+    params = {"row": "permit:2:k", "token": token, "ttl": 10_000}
     answers = [cast(Outcome, run(store.statements.take, params)).answer for _ in range(2)]
     grants = [granted(answer) for answer in answers]
     assert grants[0] is not None
     assert grants[1] is not None
-    assert grants[0][0] == grants[1][0] == 2
-    assert grants[1][1] >= grants[0][1]
-    assert rows(raw, table) == {"permit:2:k": (token, grants[1][1])}
+    assert grants[1] >= grants[0]
+    assert rows(raw, table) == {"permit:2:k": (token, grants[1])}
     refusal = cast(
         Outcome, run(store.statements.take, {**params, "token": str(uuid.uuid4())})
     ).answer
     assert granted(refusal) is None, "another token is refused"
-    assert rows(raw, table) == {"permit:2:k": (token, grants[1][1])}
+    assert rows(raw, table) == {"permit:2:k": (token, grants[1])}
 
 
 def test_a_stale_token_after_takeover_releases_and_extends_nothing(
@@ -1047,7 +1096,7 @@ def test_a_semaphore_outside_autocommit_sees_a_release_by_another_connection(
         first = held[0]
         assert first is not None
         assert first.release() is True
-        assert rows(raw, table).keys() == {f"permit:{1 - first.slot}:s"}
+        assert permits(raw, table).keys() == {f"permit:{1 - first.slot}:s"}
         assert mine.acquire("s") is not None, "a slot is free: the release is committed"
     finally:
         conn.close()
@@ -1065,7 +1114,7 @@ def test_a_row_lock_held_elsewhere_surfaces_the_lock_wait_timeout_then_works(
     fetch(conn, "SET SESSION innodb_lock_wait_timeout = 1")
     mutex = DMutex("svc", client(conn), table_name=table)
     mutex.ready()
-    before = rows(raw, table)
+    before = permits(raw, table)
     blocker = server.connect(autocommit=False)
     try:
         fetch(blocker, f"SELECT * FROM {quoted(table)} WHERE `key` = 'permit:0:k' FOR UPDATE")
@@ -1084,12 +1133,12 @@ def test_a_row_lock_held_elsewhere_surfaces_the_lock_wait_timeout_then_works(
         blocker.commit()
     finally:
         blocker.close()
-    assert rows(raw, table) == before, "nothing changed, nothing orphaned"
+    assert permits(raw, table) == before, "nothing changed, nothing orphaned"
     assert mutex.acquire("k") is None, "works again: refused, the holder holds it"
     assert held.release() is True
     lock = mutex.acquire("k")
     assert lock is not None
-    assert rows(raw, table) == {"permit:0:k": (lock.token, ms_of(lock))}
+    assert permits(raw, table) == {"permit:0:k": (lock.token, ms_of(lock))}
 
 
 class FakeServerError(Exception):
@@ -1252,7 +1301,7 @@ def test_a_killed_connection_raises_and_the_lease_is_released_by_token_elsewhere
     # says little more: InterfaceError(0, ''), passed through as raised.
     with pytest.raises(pymysql.err.InterfaceError):
         lock.extend(60)
-    assert rows(raw, table) == {"permit:0:k": (lock.token, ms_of(lock))}, "the lease is intact"
+    assert permits(raw, table) == {"permit:0:k": (lock.token, ms_of(lock))}, "the lease is intact"
     fresh = server.connect()
     try:
         by_token = DSemaphore(
@@ -1262,7 +1311,7 @@ def test_a_killed_connection_raises_and_the_lease_is_released_by_token_elsewhere
         assert by_token.release("k", lock.token) is False
     finally:
         fresh.close()
-    assert rows(raw, table) == {}
+    assert permits(raw, table) == {}
 
 
 def test_a_pool_recovers_from_a_killed_connection_on_the_next_call(
@@ -1283,12 +1332,12 @@ def test_a_pool_recovers_from_a_killed_connection_on_the_next_call(
         other = mutex.acquire("other")
         assert other is not None, "the next call gets a new connection"
         assert pooled_thread_id(engine) != killed
-        assert rows(raw, table)["permit:0:k"] == (lock.token, ms_of(lock)), "held across"
+        assert permits(raw, table)["permit:0:k"] == (lock.token, ms_of(lock)), "held across"
         assert lock.release() is True
         assert other.release() is True
     finally:
         engine.dispose()
-    assert rows(raw, table) == {}
+    assert permits(raw, table) == {}
 
 
 def test_a_lease_survives_a_restart_and_a_pool_releases_it_after(
@@ -1305,15 +1354,15 @@ def test_a_lease_survives_a_restart_and_a_pool_releases_it_after(
         stored = {"permit:0:k": (lock.token, ms_of(lock))}
         restartable.restart()  # a clean shutdown
         with restartable.connect() as look:
-            assert rows(look, "_dmutex_svc") == stored, "the row survived (InnoDB)"
+            assert permits(look, "_dmutex_svc") == stored, "the row survived (InnoDB)"
         restartable.kill()  # and a crash: InnoDB recovers what was committed
         restartable.start()
         with restartable.connect() as look:
-            assert rows(look, "_dmutex_svc") == stored
+            assert permits(look, "_dmutex_svc") == stored
         assert mutex.acquire("k") is None, "still held"
         assert lock.release() is True, "released through the pool, on a new connection"
         with restartable.connect() as look:
-            assert rows(look, "_dmutex_svc") == {}
+            assert permits(look, "_dmutex_svc") == {}
     finally:
         engine.dispose()
 
@@ -1375,7 +1424,7 @@ def test_a_waiter_retrying_across_a_restart_gets_the_lock_after_its_release(
         assert got is not None
         assert waiting.got_at >= released_at
         with restartable.connect() as look:
-            assert rows(look, "_dmutex_svc") == {"permit:0:k": (got.token, ms_of(got))}
+            assert permits(look, "_dmutex_svc") == {"permit:0:k": (got.token, ms_of(got))}
         assert got.release() is True
     finally:
         stop.set()

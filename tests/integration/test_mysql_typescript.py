@@ -25,7 +25,7 @@ What must hold:
 - either library releases and extends the other's grant by its token;
   ``dmutex status`` (``read_holders``) shows TypeScript grants as holders,
   and a dmutex waiter behind one is let in when it expires;
-- dmutex's fence row (``fence:{key}``, with ``fencing=True`` only) is never
+- dmutex's fence row (``fence:{key}``, unless ``fencing=False``) is never
   a permit to the TypeScript store nor in its way, and it never changes it;
 - the table, whoever makes it first: made by dmutex (``utf8mb4_nopad_bin`` key and
   value), the TypeScript ``CREATE TABLE IF NOT EXISTS`` changes nothing and
@@ -402,6 +402,11 @@ def rows(raw: Connection[Cursor], table: str) -> dict[str, tuple[str, int]]:
     return {key: (value, expired_at) for key, value, expired_at in found}
 
 
+def slot_rows(raw: Connection[Cursor], table: str) -> dict[str, tuple[str, int]]:
+    """The slot rows (``permit:...``): what both libraries hold, without dmutex's counters."""
+    return {key: row for key, row in rows(raw, table).items() if key.startswith("permit:")}
+
+
 def age(raw: Connection[Cursor], table: str, key: str) -> None:
     """Let the lease in ``key``'s row run out: its expiry a second before now, on both clocks."""
     done, _ = run(
@@ -524,7 +529,7 @@ def test_a_typescript_semaphore_and_dmutexs_share_the_permits(
     assert again is not None
     assert again.slot == 0
     assert ts.acquire(KEY, 30) is None
-    held = {k: v for k, (v, _) in rows(raw, f"_dsemaphore_{service}").items()}
+    held = {k: v for k, (v, _) in slot_rows(raw, f"_dsemaphore_{service}").items()}
     assert held == {
         f"permit:0:{KEY}": again.token,
         f"permit:1:{KEY}": second.token,
@@ -627,7 +632,9 @@ def test_a_race_of_both_semaphores_never_exceeds_max_permits(
     assert faults == []
     assert cycles == dict.fromkeys(("ts-1", "ts-2", "pymysql", "aiomysql", "asyncmy"), rounds)
     assert mixed > 0, "the libraries held the permits together: they raced"
-    assert rows(raw, f"_dsemaphore_{service}") == {}, "every permit released, nothing else written"
+    assert slot_rows(raw, f"_dsemaphore_{service}") == {}, (
+        "every permit released, nothing else written"
+    )
 
 
 def test_a_dmutex_grant_that_a_typescript_commit_overtook_tries_again(
@@ -783,8 +790,8 @@ def test_dmutexs_fence_row_is_no_permit_to_the_typescript_store(
     raw: Counted, ts_conn: Counted, service: str
 ) -> None:
     table = f"_dsemaphore_{service}"
-    # Without fencing=True dmutex writes no row but its permits here.
-    plain = DSemaphore(service, raw, max_permits=2)
+    # With fencing=False dmutex writes no row but its permits here.
+    plain = DSemaphore(service, raw, max_permits=2, fencing=False)
     held = plain.acquire(KEY, 30)
     assert held is not None
     assert held.fence is None
@@ -845,7 +852,7 @@ def test_on_dmutexs_table_the_typescript_create_changes_nothing_and_both_use_it(
     assert ours is not None
     assert ts.acquire("job", 30) is None
     assert side.run(mutex.acquire("Job", 30)) is None
-    assert {k: v for k, (v, _) in rows(raw, table).items()} == {
+    assert {k: v for k, (v, _) in slot_rows(raw, table).items()} == {
         "permit:0:Job": theirs.token,
         "permit:0:job": ours.token,
     }
@@ -930,7 +937,9 @@ def test_both_name_a_table_in_a_named_database_alike(
         ours = mutex.acquire(KEY, 30)
         assert ours is not None
         assert ts.acquire(KEY, 30) is None
-    assert rows(raw, f"_dmutex_{service}") == {f"permit:0:{KEY}": (ours.token, ms(ours.expired_at))}
+    assert slot_rows(raw, f"_dmutex_{service}") == {
+        f"permit:0:{KEY}": (ours.token, ms(ours.expired_at))
+    }
 
 
 # --- the known differences -----------------------------------------------------------------

@@ -92,7 +92,7 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
             clock,
             database=options.database_name,
             asynchronous=asynchronous,
-            fencing=options.fencing is True,
+            fencing=options.fencing is not False,
         )
     check_db_name(options.db_name)
     check_collection_name(options.collection_name, options.collection_origin, options.db_name)

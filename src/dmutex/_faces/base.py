@@ -119,10 +119,10 @@ class SemaphoreBase(Face[ClientT]):
         ``fencing``: whether grants carry a fencing token (``handle.fence``).
         None (the default) keeps one where it costs no extra request: Redis
         (in the acquire's own script; on a cluster only for a key with a
-        hash tag), SQLite (in the acquire's transaction), PostgreSQL (in the
-        acquire's statement) and :class:`InMemoryBackend`. True also on MongoDB
-        and MySQL, where it costs one more request per successful acquire, and makes a
-        cluster key without a hash tag an error. False keeps none, and Redis
+        hash tag), SQLite (in the acquire's transaction), PostgreSQL and
+        MySQL (in the acquire's statement) and :class:`InMemoryBackend`. True
+        also on MongoDB, where it costs one more request per successful
+        acquire, and makes a cluster key without a hash tag an error. False keeps none, and Redis
         then writes no counter records.
 
         Raises ``TypeError``/``ValueError`` for bad arguments and for a client

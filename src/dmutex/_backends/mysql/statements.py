@@ -31,8 +31,14 @@ Rules of the statements:
 4. The fence counter is the row ``fence:{key}``, its value the counter in
    decimal, its ``expired_at`` :data:`FOREVER` (9999-01-01), so that no
    acquire takes it for a lease. It advances (``dmutex._core.fences``, rule
-   1) in its own statement after a grant, only while it holds dmutex's kind
-   of value; a row of that key that dmutex did not write answers 0.
+   1, the clock's part being the statement's ms times 1,000, as MongoDB's
+   is) in the grant's own statement (:meth:`Statements.take_fenced`: the
+   slot's row and the counter's row in one ``INSERT``), which answers the
+   fence as its distance from that clock reading, in :data:`FENCE_BITS`
+   bits. Only when it does not fit (a counter 16 ms or more ahead of the
+   clock: a clock that stepped back, or 16,383 grants in one ms) or the
+   row is not dmutex's does the store send a second statement (``fence``),
+   which advances it alone, and answers 0 for a row dmutex did not write.
 5. Keys and values compare byte for byte: dmutex creates both columns
    ``utf8mb4`` with a binary collation that does not pad (MariaDB's
    ``utf8mb4_nopad_bin``, MySQL 8's ``utf8mb4_0900_bin``: :data:`COLLATIONS`),
@@ -67,14 +73,15 @@ from dataclasses import dataclass
 
 from ..._core.lease import MAX_EXPIRY_MS
 from ..._errors import InvalidArgumentError
-from ..._validate import MAX_PERMITS
 
 __all__ = [
     "COLLATIONS",
+    "FENCE_BITS",
     "FOREVER",
-    "SLOT_BITS",
+    "UNKNOWN_FENCE",
     "Statement",
     "Statements",
+    "fence_of",
     "granted",
     "quote",
     "refused",
@@ -90,22 +97,31 @@ FOREVER = 253370764800000
 CHARSET = "utf8mb4"
 COLLATIONS = {"mariadb": "utf8mb4_nopad_bin", "mysql": "utf8mb4_0900_bin"}
 
-# The take's answer (rule 2): a grant is odd, its expiry and slot above the
-# low bit; a refusal is even, the ms until the lease in the way ends.
-SLOT_BITS = 10
-assert 1 << SLOT_BITS >= MAX_PERMITS
-_GRANT_SHIFT = SLOT_BITS + 1
+# The take's answer (rule 2), one integer below 2**63: a grant is odd,
+#   expiry ms << FENCE_BITS + 1 | fence offset << 1 | 1,
+# the offset being the grant's fence less the statement's ms times 1,000
+# (0 unfenced; UNKNOWN_FENCE: advance the fence apart, rule 4); a refusal
+# is even: the ms until the lease in the way ends, << 1.
+FENCE_BITS = 14
+UNKNOWN_FENCE = (1 << FENCE_BITS) - 1
+_GRANT_SHIFT = FENCE_BITS + 1
+assert (MAX_EXPIRY_MS << _GRANT_SHIFT) | (1 << _GRANT_SHIFT) - 1 < 1 << 63
 # A refusal's wait is cut to this many ms (about 35 years), so that a row
 # another program wrote with a huge expiry cannot overflow the answer.
 _LONGEST_WAIT = 1 << 40
-assert ((MAX_EXPIRY_MS << SLOT_BITS) + MAX_PERMITS) * 2 + 1 < 1 << 63
 
 
-def granted(answer: int) -> tuple[int, int] | None:
-    """The (slot, expiry ms) a take's answer grants; None if it refused."""
-    if answer & 1 == 0:
+def granted(answer: int) -> int | None:
+    """The expiry (epoch ms) a take's answer grants; None if it refused."""
+    return answer >> _GRANT_SHIFT if answer & 1 else None
+
+
+def fence_of(answer: int, ttl_ms: int) -> int | None:
+    """The fence of a fenced take's grant; None if it must be advanced apart (rule 4)."""
+    offset = (answer >> 1) & UNKNOWN_FENCE
+    if offset == UNKNOWN_FENCE:
         return None
-    return (answer >> 1) & ((1 << SLOT_BITS) - 1), answer >> _GRANT_SHIFT
+    return ((answer >> _GRANT_SHIFT) - ttl_ms) * 1000 + offset
 
 
 def refused(answer: int) -> int:
@@ -148,10 +164,16 @@ _SLOT_NAME = "CONCAT('permit:', s.i, ':', %(key)s)"
 
 # Rule 3: a row the caller may take.
 _FREE = f"(`expired_at` <= {NOW_MS} OR `value` = %(token)s)"
-_GRANT = f"LAST_INSERT_ID((({NOW_MS} + %(ttl)s) * {1 << SLOT_BITS} + %(slot)s) * 2 + 1)"
+_GRANT = f"LAST_INSERT_ID(({NOW_MS} + %(ttl)s) * {1 << _GRANT_SHIFT} + 1)"
+_EXPIRY = f"{_GRANT} DIV {1 << _GRANT_SHIFT}"
 _REFUSAL = f"LAST_INSERT_ID(LEAST(`expired_at` - {NOW_MS}, {_LONGEST_WAIT}) * 2)"
 # A fence counter as dmutex writes it: decimal digits that fit a bigint plus one.
 _COUNT = "'^[0-9]{1,18}$'"
+# Rule 4: the fence a grant of this statement gets, from a counter of dmutex's,
+# and its offset from the statement's ms times 1,000 (the clock's part).
+_CLOCK_US = f"({NOW_MS} * 1000)"
+_NEXT = f"GREATEST(CAST(`value` AS UNSIGNED) + 1, {_CLOCK_US})"
+_OURS = f"`expired_at` = {FOREVER} AND `value` REGEXP {_COUNT}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +185,7 @@ class Statements:
     database: str | None
     shape: Statement
     take: Statement
+    take_fenced: Statement
     fence: Statement
     release: Statement
     release_any: Statement
@@ -187,18 +210,17 @@ class Statements:
             shape=Statement(_SHAPE),
             take=Statement(
                 f"INSERT INTO {t} (`key`, `value`, `expired_at`)\n"
-                f"VALUES (%(row)s, %(token)s, {_GRANT} DIV {1 << _GRANT_SHIFT})\n"
+                f"VALUES (%(row)s, %(token)s, {_EXPIRY})\n"
                 "ON DUPLICATE KEY UPDATE\n"
                 f"  `value` = IF({_FREE}, %(token)s, `value`),\n"
-                f"  `expired_at` = IF({_FREE}, {_GRANT} DIV {1 << _GRANT_SHIFT},\n"
-                f"    `expired_at` + 0 * {_REFUSAL})"
+                f"  `expired_at` = IF({_FREE}, {_EXPIRY}, `expired_at` + 0 * {_REFUSAL})"
             ),
+            take_fenced=Statement(_take_fenced(t)),
             fence=Statement(
                 f"INSERT INTO {t} (`key`, `value`, `expired_at`)\n"
-                f"VALUES (%(row)s, LAST_INSERT_ID({NOW_US}), {FOREVER})\n"
+                f"VALUES (%(row)s, LAST_INSERT_ID({_CLOCK_US}), {FOREVER})\n"
                 "ON DUPLICATE KEY UPDATE\n"
-                f"  `value` = IF(`expired_at` = {FOREVER} AND `value` REGEXP {_COUNT},\n"
-                f"    LAST_INSERT_ID(GREATEST(CAST(`value` AS UNSIGNED) + 1, {NOW_US})),\n"
+                f"  `value` = IF({_OURS}, LAST_INSERT_ID({_NEXT}),\n"
                 "    CONCAT(`value`, LEFT(LAST_INSERT_ID(0), 0)))"
             ),
             release=Statement(f"DELETE FROM {t} WHERE {mine}"),
@@ -287,6 +309,40 @@ class Statements:
             f"SELECT `key`, `value`, `expired_at` FROM {t}\n"
             f"WHERE (`key`, `value`) IN ({_pairs(count)}) AND `expired_at` > {NOW_MS}"
         )
+
+
+def _take_fenced(t: str) -> str:
+    """The take and its fence in one statement (rule 4): the slot's row, then the counter's.
+
+    MySQL and MariaDB write the rows of an ``INSERT`` one after the other,
+    each row's values and updates evaluated as it is written, so the
+    counter's expressions read the slot's outcome from ``LAST_INSERT_ID()``
+    (odd: granted), which the slot's row set in this statement. A granted
+    take adds the fence's offset to the answer; a counter that is not
+    dmutex's, or an offset that does not fit, leaves it unmoved and adds
+    :data:`UNKNOWN_FENCE`: the store then advances it apart (``fence``). A
+    refused take leaves the counter as it is (it makes it, at the clock's
+    value, if it is missing: a counter that starts higher than it had to).
+    """
+    granted_here = "LAST_INSERT_ID() & 1 = 1"
+    offset = f"{_NEXT} - {_CLOCK_US}"
+    advance = f"{granted_here} AND {_OURS} AND {offset} < {UNKNOWN_FENCE}"
+    unknown = f"LAST_INSERT_ID() + IF({granted_here}, {UNKNOWN_FENCE * 2}, 0)"
+    counter = (
+        f"IF({advance},\n"
+        f"      {_NEXT} + 0 * LAST_INSERT_ID(LAST_INSERT_ID() + 2 * ({offset})),\n"
+        f"      CONCAT(`value`, LEFT(LAST_INSERT_ID({unknown}), 0)))"
+    )
+    return (
+        f"INSERT INTO {t} (`key`, `value`, `expired_at`)\n"
+        f"VALUES (%(row)s, %(token)s, {_EXPIRY}),\n"
+        f"  (%(fence)s, {_CLOCK_US}, {FOREVER})\n"
+        "ON DUPLICATE KEY UPDATE\n"
+        f"  `value` = IF(`key` = %(row)s, IF({_FREE}, %(token)s, `value`),\n"
+        f"    {counter}),\n"
+        f"  `expired_at` = IF(`key` = %(row)s,\n"
+        f"    IF({_FREE}, {_EXPIRY}, `expired_at` + 0 * {_REFUSAL}), `expired_at`)"
+    )
 
 
 def _pairs(count: int) -> str:

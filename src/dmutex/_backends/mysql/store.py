@@ -20,15 +20,15 @@ Rules of this module:
    expires, as it does against another TypeScript host. The instance's
    clock only times retries and renewals.
 2. Round trips (``docs/usage/mysql.md`` has the table): a mutex's acquire
-   is one statement, granted or refused; with ``fencing=True`` a grant
-   takes a second, the fence's advance. A semaphore's acquire reads the
+   is one statement, granted or refused, its fence included
+   (``statements.py``, rule 4). A semaphore's acquire reads the
    key's slots first (one statement, the same as ``holders``) and then
    takes a free one, so two; one when every slot is held; one more per
    race lost to another caller between the read and the take. Release and
    extend are one statement; a batch of up to :data:`RENEW_BATCH` renewals
    two (the update, then which rows it extended, which MySQL's OK packet
-   cannot say). ``fencing=None`` keeps no fence here, since it costs a
-   statement.
+   cannot say). ``fencing=None`` keeps a fence here too, since it costs no
+   statement: only a second row written in the grant's.
 3. An acquire finds its own token first (``statements.py``, rule 3): a copy
    re-sent after a lost reply answers with the slot the first copy took
    (its expiry moved on), never a second. Release and extend match key,
@@ -64,7 +64,15 @@ from ..._core.lease import MAX_EXPIRY_MS, Lease
 from ..._core.waiting import Waiter, Wakeup
 from ..._errors import DMutexError
 from .runners import Outcome, Params, runner
-from .statements import COLLATIONS, LISTED, Statement, Statements, granted, refused
+from .statements import (
+    COLLATIONS,
+    LISTED,
+    Statement,
+    Statements,
+    fence_of,
+    granted,
+    refused,
+)
 
 __all__ = ["RENEW_BATCH", "MySQLStore"]
 
@@ -274,21 +282,24 @@ class MySQLStore:
 
     def _take(self, key: str, token: str, ttl_ms: int) -> Steps[tuple[Lease | None, int | None]]:
         """The lease taken, or None and the ms until the first lease in the way ends."""
+        take = self._sql.take_fenced if self._fencing else self._sql.take
         while True:
-            if self._permits == 1:
-                slot: int | None = 0
-            else:
-                slot, ends = yield from self._pick(key, token)
-                if slot is None:
+            slot = 0
+            if self._permits > 1:
+                picked, ends = yield from self._pick(key, token)
+                if picked is None:
                     return None, ends
-            params = {"row": f"permit:{slot}:{key}", "token": token, "ttl": ttl_ms, "slot": slot}
-            answer = (yield from self._call(self._sql.take, params)).answer
-            grant = granted(answer)
-            if grant is not None:
-                taken, expires = grant
-                lease = Lease(key, token, taken, expires)
+                slot = picked
+            params = {"row": f"permit:{slot}:{key}", "token": token, "ttl": ttl_ms}
+            if self._fencing:
+                params["fence"] = f"fence:{key}"
+            answer = (yield from self._call(take, params)).answer
+            expires = granted(answer)
+            if expires is not None:
+                lease = Lease(key, token, slot, expires)
                 if self._fencing:
-                    lease.fence = yield from self._fence(key)
+                    fence = fence_of(answer, ttl_ms)
+                    lease.fence = (yield from self._fence(key)) if fence is None else fence
                 return lease, None
             if answer == 0:
                 raise DMutexError(f"unexpected answer from MySQL to a take: {answer!r}")
