@@ -23,7 +23,7 @@ The rules of the command:
 4. The default backend is an SQLite file per user
    (``$XDG_STATE_HOME/dmutex/locks.sqlite3``, else
    ``~/.local/state/dmutex/locks.sqlite3``): one host's processes share it.
-   The Redis, MongoDB and PostgreSQL client packages are imported only for
+   The Redis, MongoDB, PostgreSQL and MySQL client packages are imported only for
    their schemes.
 5. The layout is the library's: a ``dmutex run`` and a ``DMutex`` (or,
    with ``--limit``, a ``DSemaphore``) of the same service name on the same
