@@ -14,6 +14,7 @@ import inspect
 import re
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import mongomock
 import psycopg
@@ -23,6 +24,8 @@ from psycopg import sql
 
 import dmutex
 from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
+from tests._support.mysql_servers import Session as MySQLSession
+from tests._support.mysql_servers import connect_args
 
 ROOT = Path(__file__).parent.parent
 README = ROOT / "README.md"
@@ -48,12 +51,17 @@ BLOCKS = [
 ]
 RUNNABLE = [(where, block) for where, block in BLOCKS if NOT_RUN not in block]
 REDIS = [(where, block) for where, block in RUNNABLE if "import redis" in block]
+# A MySQL example says so on its import line (a SQLAlchemy one imports sqlalchemy too).
+MYSQL = [(where, block) for where, block in RUNNABLE if "# needs a MySQL server" in block]
 POSTGRES = [
     (where, block)
     for where, block in RUNNABLE
-    if "import psycopg" in block or "import asyncpg" in block or "import sqlalchemy" in block
+    if ("import psycopg" in block or "import asyncpg" in block or "import sqlalchemy" in block)
+    and (where, block) not in MYSQL
 ]
-LOCAL = [(where, block) for where, block in RUNNABLE if (where, block) not in REDIS + POSTGRES]
+LOCAL = [
+    (where, block) for where, block in RUNNABLE if (where, block) not in REDIS + POSTGRES + MYSQL
+]
 
 
 def ids(blocks: list[tuple[str, str]]) -> list[str]:
@@ -74,6 +82,7 @@ def test_the_docs_have_examples() -> None:
     assert len(LOCAL) >= 11
     assert len(REDIS) >= 3
     assert len(POSTGRES) >= 2
+    assert len(MYSQL) >= 4
     readme = [where for where, _ in RUNNABLE if where.startswith("README.md:")]
     assert len(readme) >= 2, "the README's taste of the API runs"
 
@@ -89,6 +98,11 @@ def test_every_example_says_what_it_needs() -> None:
                     "import psycopg",
                     "import asyncpg",
                     "import sqlalchemy",
+                    "import pymysql",
+                    "import aiomysql",
+                    "import asyncmy",
+                    "import MySQLdb",
+                    "import mysql.connector",
                 )
             ):
                 assert "# needs a " in line, (where, line)
@@ -185,6 +199,64 @@ def test_postgresql_example_runs(
                 ).format(sql.Identifier(postgres_schema, table))
             ).fetchone()
             assert held == (0,), f"an example left a lock behind in {table}"
+
+
+# How a MySQL example connects: keyword arguments (PyMySQL, aiomysql, asyncmy) or a
+# SQLAlchemy URL, all at localhost:3306 as user "app", in database "app".
+MYSQL_ARGS = 'host="localhost", port=3306, user="app", password="secret"'
+MYSQL_DATABASE = re.compile(r'\b(database|db)="app"')
+MYSQL_URL = re.compile(r"(mysql\+\w+)://app:secret@localhost:3306/app\b")
+# The server's clock in epoch ms, as the store reads it.
+MYSQL_NOW_MS = "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)"
+
+
+def mysql_quoted(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
+
+
+@pytest.mark.parametrize(("where", "block"), MYSQL, ids=ids(MYSQL))
+def test_mysql_example_runs(where: str, block: str, mysql_session: MySQLSession) -> None:
+    """The MySQL examples, on the test server, their tables in the session's database.
+
+    Other tests keep tables of their own in that database: the check reads
+    only the tables of the services the example names, dropped before it runs.
+    """
+    assert "mysql://localhost:3306/app" in block, "its import line says what it needs"
+    server = mysql_session.server()
+    args = connect_args(server.url)
+    services = sorted(set(SERVICE.findall(block)))
+    assert services, f"{where} names no service"
+    tables = [f"{prefix}{name}" for name in services for prefix in ("_dmutex_", "_dsemaphore_")]
+    given = (
+        f"host={args['host']!r}, port={args['port']}, "
+        f"user={args['user']!r}, password={args['password']!r}"
+    )
+    auth = quote(args["user"], safe="") + (
+        f":{quote(args['password'], safe='')}" if args["password"] else ""
+    )
+    at = f"{auth}@{args['host']}:{args['port']}/{quote(server.database, safe='')}"
+    pointed = block.replace(MYSQL_ARGS, given)
+    pointed = MYSQL_DATABASE.sub(lambda found: f"{found[1]}={server.database!r}", pointed)
+    pointed = MYSQL_URL.sub(lambda found: f"{found[1]}://{at}", pointed)
+    code = "\n".join(line.partition("#")[0] for line in pointed.splitlines())
+    for left in ('"localhost"', "@localhost:", "port=3306,"):
+        assert left not in code, f"{where}: {left} still points away from the test server"
+    with server.connect() as conn, conn.cursor() as cursor:
+        for table in tables:
+            cursor.execute(f"DROP TABLE IF EXISTS {mysql_quoted(table)}")
+    run(where, pointed, {})
+    with server.connect() as conn, conn.cursor() as cursor:
+        cursor.execute(
+            "SELECT TABLE_NAME FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE()"
+        )
+        made = [str(name) for (name,) in cursor.fetchall() if name in tables]
+        assert made, "the example made its table in the session's database"
+        for table in made:
+            cursor.execute(
+                f"SELECT count(*) FROM {mysql_quoted(table)} "
+                f"WHERE `key` LIKE 'permit:%' AND `expired_at` > {MYSQL_NOW_MS}"
+            )
+            assert cursor.fetchone() == (0,), f"an example left a lock behind in {table}"
 
 
 API = DOCS / "api.md"
