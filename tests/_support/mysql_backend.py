@@ -3,8 +3,9 @@
 Variants, per face (``MYSQL_CASES``): PyMySQL in autocommit and out of it
 (each statement then committed by dmutex), mysqlclient (autocommit: it
 cannot tell a transaction), mysql-connector as it comes (autocommit off)
-and its pool, a SQLAlchemy ``Engine`` on PyMySQL; aiomysql and asyncmy
-connections and pools, and an ``AsyncEngine`` on asyncmy. Every variant
+and its pool, SQLAlchemy ``Engine``s on PyMySQL and on mysqlclient (its
+lent connections out of autocommit); aiomysql and asyncmy connections and
+pools, and ``AsyncEngine``s on each. Every variant
 works in the session's test database (``dmutex_test_<hex>``), emptied of
 tables first. Leases are 30 s and more, so none runs out during a test;
 force-expiry sets ``expired_at`` to the server's now and leaves the row
@@ -39,15 +40,17 @@ MYSQL_VARIANTS = (
     "mysql-connector",
     "mysql-connector-pool",
     "sqlalchemy-pymysql",
+    "sqlalchemy-mysqldb",
     "aiomysql",
     "aiomysql-pool",
     "asyncmy",
     "asyncmy-pool",
     "sqlalchemy-asyncmy",
+    "sqlalchemy-aiomysql",
 )
 MYSQL_CASES: dict[FaceName, tuple[str, ...]] = {
-    "sync": MYSQL_VARIANTS[:6],
-    "async": MYSQL_VARIANTS[6:],
+    "sync": MYSQL_VARIANTS[:7],
+    "async": MYSQL_VARIANTS[7:],
 }
 # The server's clock in epoch ms, as the store reads it (statements.py, rule 1).
 NOW_MS = "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)"
@@ -133,6 +136,11 @@ class MySQL:
             )
             self._closers.append(lambda: made._remove_connections())
             return made
+        elif self.variant == "sqlalchemy-mysqldb":
+            # Out of autocommit, as SQLAlchemy lends it: dmutex commits each statement.
+            engine = sqlalchemy.create_engine(self._engine_url("mysqldb"), pool_size=4)
+            self._closers.append(engine.dispose)
+            return engine
         elif self.variant == "sqlalchemy-pymysql":
             engine = sqlalchemy.create_engine(
                 self._engine_url("pymysql"),
@@ -149,8 +157,9 @@ class MySQL:
     async def _async_client(self) -> object:
         a = self.args
         made: Any
-        if self.variant == "sqlalchemy-asyncmy":
-            engine = create_async_engine(self._engine_url("asyncmy"), pool_size=4)
+        if self.variant.startswith("sqlalchemy-"):
+            driver = self.variant.removeprefix("sqlalchemy-")
+            engine = create_async_engine(self._engine_url(driver), pool_size=4)
             self._async_closers.append(engine.dispose)
             return engine
         if self.variant == "aiomysql":

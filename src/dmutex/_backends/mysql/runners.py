@@ -17,9 +17,11 @@ Rules of this module:
    connection already inside the caller's transaction is refused, since a
    lease written there would commit only with the caller's work: PyMySQL,
    aiomysql and asyncmy tell it by ``server_status``, mysql-connector by
-   ``in_transaction``. mysqlclient tells neither: it is taken in autocommit
-   only (it cannot show an explicit ``BEGIN`` then; a documented limit). A
-   pool lends a connection for the one statement.
+   ``in_transaction``. mysqlclient tells neither: its own connection is
+   taken in autocommit only (it cannot show an explicit ``BEGIN`` then; a
+   documented limit). A pool (an engine's included) lends a connection for
+   the one statement, which no caller's transaction can be open on: it is
+   taken as it comes, in autocommit or not.
 3. Rows may come as tuples or mappings (a ``DictCursor``): they are read in
    column order either way.
 4. One connection runs one of dmutex's statements at a time: a lock per
@@ -206,8 +208,12 @@ def _aturn(conn: object) -> contextlib.AbstractAsyncContextManager[object]:
     return turn
 
 
-def _connection(client: object) -> Callable[[Statement, Params], Outcome]:
-    """A runner on a sync DB-API connection (PyMySQL, mysqlclient, mysql-connector)."""
+def _connection(client: object, lent: bool = False) -> Callable[[Statement, Params], Outcome]:
+    """A runner on a sync DB-API connection (PyMySQL, mysqlclient, mysql-connector).
+
+    ``lent``: a pool lent it for this statement, so no caller's transaction
+    can be open on it (rule 2).
+    """
     conn = cast(MySQLConnectionLike, client)
     method(conn, "cursor")
 
@@ -221,7 +227,8 @@ def _connection(client: object) -> Callable[[Statement, Params], Outcome]:
 
     def run(statement: Statement, params: Params) -> Outcome:
         with _turn(conn):
-            _outside_transaction(conn)
+            if not lent:
+                _outside_transaction(conn)
             for attempt in range(1, DEADLOCK_TRIES + 1):
                 try:
                     outcome = once(statement, params)
@@ -240,8 +247,10 @@ def _connection(client: object) -> Callable[[Statement, Params], Outcome]:
     return run
 
 
-def _connection_async(client: object) -> Callable[[Statement, Params], Awaitable[Outcome]]:
-    """A runner on an asyncio connection (aiomysql, asyncmy)."""
+def _connection_async(
+    client: object, lent: bool = False
+) -> Callable[[Statement, Params], Awaitable[Outcome]]:
+    """A runner on an asyncio connection (aiomysql, asyncmy); ``lent``: see :func:`_connection`."""
     conn = cast(AsyncMySQLConnectionLike, client)
     method(conn, "cursor")
 
@@ -258,7 +267,8 @@ def _connection_async(client: object) -> Callable[[Statement, Params], Awaitable
 
     async def run(statement: Statement, params: Params) -> Outcome:
         async with _aturn(conn):
-            _outside_transaction(conn)
+            if not lent:
+                _outside_transaction(conn)
             for attempt in range(1, DEADLOCK_TRIES + 1):
                 try:
                     outcome = await once(statement, params)
@@ -285,7 +295,7 @@ def _connector_pool(client: object) -> Callable[[Statement, Params], Outcome]:
     def run(statement: Statement, params: Params) -> Outcome:
         conn = pool.get_connection()
         try:
-            return _connection(conn)(statement, params)
+            return _connection(conn, lent=True)(statement, params)
         finally:
             close = getattr(conn, "close", None)
             if callable(close):
@@ -301,7 +311,7 @@ def _pool_async(client: object) -> Callable[[Statement, Params], Awaitable[Outco
 
     async def run(statement: Statement, params: Params) -> Outcome:
         async with pool.acquire() as conn:
-            return await _connection_async(conn)(statement, params)
+            return await _connection_async(conn, lent=True)(statement, params)
 
     return run
 
@@ -342,8 +352,8 @@ def runner(client: object, *, asynchronous: bool) -> Runner:
         check_face(client, asynchronous)
         _engine_driver(client, asynchronous)
         if asynchronous:
-            return lend_async(client, _connection_async, _closed)
-        return lend(client, _connection, _closed)
+            return lend_async(client, lambda conn: _connection_async(conn, lent=True), _closed)
+        return lend(client, lambda conn: _connection(conn, lent=True), _closed)
     if kind == "get_connection":
         if asynchronous:
             raise UnsupportedClientError(
