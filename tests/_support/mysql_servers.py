@@ -381,6 +381,9 @@ def install_db_command(install_db: Path, folder: Path, user: str | None) -> list
         "--auth-root-authentication-method=normal",  # root by password (empty), over TCP
         "--skip-test-db",
         f"--innodb-log-file-size={INNODB_LOG_FILE_SIZE}",
+        # Its temporary tables in the folder, not /tmp: installs that run at
+        # once (CI's interpreters) each remove their own, not another's.
+        f"--tmpdir={folder}",
     ]
 
 
