@@ -225,8 +225,10 @@ def _connection(client: object, lent: bool = False) -> Callable[[Statement, Para
         finally:
             cursor.close()
 
+    turn = _turn(conn)  # one per connection, looked up once (rule 4)
+
     def run(statement: Statement, params: Params) -> Outcome:
-        with _turn(conn):
+        with turn:
             if not lent:
                 _outside_transaction(conn)
             for attempt in range(1, DEADLOCK_TRIES + 1):
@@ -265,8 +267,10 @@ def _connection_async(
         finally:
             await cursor.close()
 
+    turn = _aturn(conn)  # one per connection, looked up once (rule 4)
+
     async def run(statement: Statement, params: Params) -> Outcome:
-        async with _aturn(conn):
+        async with turn:
             if not lent:
                 _outside_transaction(conn)
             for attempt in range(1, DEADLOCK_TRIES + 1):
