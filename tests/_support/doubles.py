@@ -233,3 +233,32 @@ class AsyncRecordingMySQL(RecordingMySQL):
     async def rollback(self) -> None:  # type: ignore[override]  # the asyncio face of rollback
         self.calls.append(("rollback",))
         raise AssertionError("no call should reach the client")
+
+
+class Dialect:
+    """A SQLAlchemy dialect's name and driver, all that dmutex reads of it."""
+
+    def __init__(self, name: str, driver: str) -> None:
+        self.name, self.driver = name, driver
+
+
+class StandInEngine:
+    """A sync engine's shape (``raw_connection`` is never called: the driver is refused first)."""
+
+    def __init__(self, name: str, driver: str) -> None:
+        self.dialect = Dialect(name, driver)
+
+    def raw_connection(self) -> object:
+        raise AssertionError("no I/O before the driver is checked")
+
+
+class StandInAsyncEngine(StandInEngine):
+    """An asyncio engine's shape, as :class:`StandInEngine`."""
+
+    sync_engine = "the engine it wraps"
+
+    async def raw_connection(self) -> object:
+        raise AssertionError("no I/O before the driver is checked")
+
+    def connect(self) -> object:
+        raise AssertionError("no I/O before the driver is checked")

@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import pwd
 import re
 import secrets
 import shutil
@@ -96,13 +95,7 @@ KNOB = "DMUTEX_POSTGRESQL_SERVERS"
 
 def unprivileged_user() -> str | None:
     """The user the servers run as: None when the tests do not run as root."""
-    if os.geteuid() != 0:
-        return None
-    for name in UNPRIVILEGED:
-        with contextlib.suppress(KeyError):
-            pwd.getpwnam(name)
-            return name
-    raise RuntimeError(f"running as root, and none of the users {UNPRIVILEGED} exists")
+    return servers.unprivileged(UNPRIVILEGED)
 
 
 def unique_schema() -> str:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -54,6 +55,20 @@ STOP_TIMEOUT = 20.0  # SIGTERM's grace before SIGKILL
 T = TypeVar("T")
 S = TypeVar("S")  # a running server, as a source reports it
 S_co = TypeVar("S_co", covariant=True)
+
+
+def unprivileged(names: Sequence[str]) -> str | None:
+    """The first of ``names`` that is a user here, to run a server as; None when not root.
+
+    PostgreSQL and MariaDB refuse to run as root.
+    """
+    if os.geteuid() != 0:
+        return None
+    for name in names:
+        with contextlib.suppress(KeyError):
+            pwd.getpwnam(name)
+            return name
+    raise RuntimeError(f"running as root, and none of the users {tuple(names)} exists")
 
 
 def free_port() -> int:

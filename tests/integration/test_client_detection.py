@@ -38,6 +38,7 @@ from dmutex._backends.shapes import detect
 from dmutex._clock import SystemClock
 from dmutex._core.effects import Call, Steps
 from dmutex._runtime.drivers import AsyncDriver, SyncDriver
+from tests._support.doubles import StandInAsyncEngine, StandInEngine
 
 SYNC: list[Any] = [DMutex, DSemaphore]
 ASYNC: list[Any] = [AsyncDMutex, AsyncDSemaphore]
@@ -309,31 +310,6 @@ def test_sqlalchemy_engine_of_another_database_refused_before_io(tmp_path: Path)
         with pytest.raises(UnsupportedClientError, match=r"on PostgreSQL, .*SQLiteBackend"):
             make(cls, engine)
     assert not path.exists()
-
-
-class Dialect:
-    def __init__(self, name: str, driver: str) -> None:
-        self.name, self.driver = name, driver
-
-
-class StandInEngine:
-    """A sync engine's shape (``raw_connection`` is never called: the driver is refused first)."""
-
-    def __init__(self, name: str, driver: str) -> None:
-        self.dialect = Dialect(name, driver)
-
-    def raw_connection(self) -> object:
-        raise AssertionError("no I/O before the driver is checked")
-
-
-class StandInAsyncEngine(StandInEngine):
-    sync_engine = "the engine it wraps"
-
-    async def raw_connection(self) -> object:
-        raise AssertionError("no I/O before the driver is checked")
-
-    def connect(self) -> object:
-        raise AssertionError("no I/O before the driver is checked")
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,7 @@ from dmutex import (
     UnsupportedClientError,
 )
 from dmutex._backends.shapes import detect
+from tests._support.doubles import StandInAsyncEngine, StandInEngine
 from tests._support.mysql_servers import connect_args
 
 ASYNCMY_CONNECTION: Any = asyncmy.Connection
@@ -156,31 +157,6 @@ def test_sqlalchemy_engines_detected_and_faces_told_apart(name: str) -> None:
     mysql_of_one_face(engine, is_async)
     assert pool.checkedout() == 0
     assert pool.checkedin() == 0  # never connected
-
-
-class Dialect:
-    def __init__(self, name: str, driver: str) -> None:
-        self.name, self.driver = name, driver
-
-
-class StandInEngine:
-    """A sync engine's shape (``raw_connection`` is never called: the driver is refused first)."""
-
-    def __init__(self, name: str, driver: str) -> None:
-        self.dialect = Dialect(name, driver)
-
-    def raw_connection(self) -> object:
-        raise AssertionError("no I/O before the driver is checked")
-
-
-class StandInAsyncEngine(StandInEngine):
-    sync_engine = "the engine it wraps"
-
-    async def raw_connection(self) -> object:
-        raise AssertionError("no I/O before the driver is checked")
-
-    def connect(self) -> object:
-        raise AssertionError("no I/O before the driver is checked")
 
 
 @pytest.mark.parametrize(
