@@ -47,15 +47,13 @@ expiry or a renewal is the point (TTLs of 0.3 and 0.6 s).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
 import re
 import threading
 import time
 import uuid
 import warnings
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -68,8 +66,6 @@ from pymysql.constants import CLIENT
 from pymysql.cursors import Cursor
 
 from dmutex import (
-    AsyncDMutex,
-    AsyncDSemaphore,
     DMutex,
     DMutexError,
     DMutexLock,
@@ -79,6 +75,7 @@ from dmutex._backends.mysql.statements import COLLATIONS, FOREVER, NOW_MS
 from dmutex._cli.holders import read_holders
 from tests._support.mysql_servers import Server, Session, connect_args
 from tests._support.sampling import until
+from tests._support.typescript import PythonSide, TypeScriptSemaphore
 
 T = TypeVar("T")
 KEY = "job"
@@ -109,16 +106,7 @@ def get_time(at: float) -> int:
     return math.trunc(at)
 
 
-@dataclass
-class Permit:
-    """What semaphore.ts's ``acquire`` answers: the slot, the token, the stored expiry (ms)."""
-
-    slot: int
-    token: str
-    expired_at: int
-
-
-class TypeScript:
+class TypeScript(TypeScriptSemaphore[int]):
     """The TypeScript ``DSemaphore`` (or ``DMutex``) on its ``MySQLDMutexStore``, replayed.
 
     ``conn`` must be as mysql2 opens one: :func:`typescript_connection`.
@@ -238,44 +226,6 @@ class TypeScript:
         )
         return expired_at if affected == 1 else None
 
-    # semaphore.ts's slot loops.
-
-    @staticmethod
-    def slot_key(key: str, slot: int) -> str:
-        return f"permit:{slot}:{key}"
-
-    def acquire(self, key: str, ttl: float = 300) -> Permit | None:
-        token = str(uuid.uuid4())
-        for slot in range(self.max_permits):
-            expired_at = self.store_acquire(self.slot_key(key, slot), token, ttl)
-            if expired_at is not None:
-                return Permit(slot, token, expired_at)
-        return None
-
-    def acquire_with_retry(
-        self, key: str, ttl: float, timeout: float, retry_delay: float
-    ) -> Permit | None:
-        deadline = time.monotonic() + timeout
-        while True:
-            permit = self.acquire(key, ttl)
-            if permit is not None:
-                return permit
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            time.sleep(min(retry_delay, remaining))
-
-    def release(self, key: str, token: str) -> bool:
-        return any(
-            self.store_release(self.slot_key(key, slot), token) for slot in range(self.max_permits)
-        )
-
-    def extend(self, key: str, token: str, ttl: float = 300) -> bool:
-        return any(
-            self.store_extend(self.slot_key(key, slot), token, ttl) is not None
-            for slot in range(self.max_permits)
-        )
-
 
 # --- connections ----------------------------------------------------------------------------
 
@@ -325,7 +275,7 @@ def typescript_connection(server: Server) -> Counted:
     return connect(server, client_flag=CLIENT.FOUND_ROWS, collation="utf8mb4_unicode_ci")
 
 
-class Python:
+class Python(PythonSide):
     """dmutex's public classes on one kind of client, each call run to its end."""
 
     def __init__(self, kind: str, server: Server) -> None:
@@ -360,30 +310,12 @@ class Python:
                 )
             )
 
-    def run(self, value: object) -> Any:
-        """``value``, awaited on this side's loop if it is awaitable (the classes' answers)."""
-        if inspect.isawaitable(value):
-            assert self.loop is not None
-            return self.loop.run_until_complete(_awaited(value))
-        return value
-
-    def mutex(self, service: str, **options: Any) -> Any:
-        return (DMutex if self.loop is None else AsyncDMutex)(service, self.client, **options)
-
-    def semaphore(self, service: str, permits: int, **options: Any) -> Any:
-        kind = DSemaphore if self.loop is None else AsyncDSemaphore
-        return kind(service, self.client, max_permits=permits, **options)
-
     def close(self) -> None:
         if self.loop is None:
             self.client.close()
             return
         self.run(self.client.ensure_closed())
         self.loop.close()
-
-
-async def _awaited(work: Awaitable[T]) -> T:
-    return await work
 
 
 # --- the table behind both libraries -------------------------------------------------------

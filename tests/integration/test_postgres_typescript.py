@@ -37,13 +37,11 @@ expiry or a renewal is the point (TTLs of 0.3 and 0.6 s).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import threading
 import time
 import uuid
 import warnings
-from collections.abc import Awaitable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
@@ -53,11 +51,12 @@ import psycopg_pool
 import pytest
 from psycopg import sql
 
-from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore, InvalidArgumentError
+from dmutex import AsyncDSemaphore, DMutex, DSemaphore, InvalidArgumentError
 from dmutex._backends.postgres.statements import FOREVER, WAITERS, channel
 from dmutex._cli.holders import read_holders
 from tests._support.postgres_rows import age, ms, rows
 from tests._support.sampling import until
+from tests._support.typescript import PythonSide, TypeScriptSemaphore
 
 T = TypeVar("T")
 KEY = "job"
@@ -74,16 +73,7 @@ def quote_identifier(identifier: str) -> str:
     return '"' + identifier.replace('"', '""') + '"'
 
 
-@dataclass
-class Permit:
-    """What semaphore.ts's ``acquire`` answers: the slot, the token, the stored expiry."""
-
-    slot: int
-    token: str
-    expired_at: datetime
-
-
-class TypeScript:
+class TypeScript(TypeScriptSemaphore[datetime]):
     """The TypeScript ``DSemaphore`` (or ``DMutex``) on its ``PostgresDMutexStore``, replayed.
 
     ``conn`` must be in autocommit with ``RawCursor`` (node-postgres's ``$n``
@@ -175,44 +165,6 @@ class TypeScript:
         ).fetchone()
         return None if row is None else row[0]
 
-    # semaphore.ts's slot loops.
-
-    @staticmethod
-    def slot_key(key: str, slot: int) -> str:
-        return f"permit:{slot}:{key}"
-
-    def acquire(self, key: str, ttl: float = 300) -> Permit | None:
-        token = str(uuid.uuid4())
-        for slot in range(self.max_permits):
-            expired_at = self.store_acquire(self.slot_key(key, slot), token, ttl)
-            if expired_at is not None:
-                return Permit(slot, token, expired_at)
-        return None
-
-    def acquire_with_retry(
-        self, key: str, ttl: float, timeout: float, retry_delay: float
-    ) -> Permit | None:
-        deadline = time.monotonic() + timeout
-        while True:
-            permit = self.acquire(key, ttl)
-            if permit is not None:
-                return permit
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            time.sleep(min(retry_delay, remaining))
-
-    def release(self, key: str, token: str) -> bool:
-        return any(
-            self.store_release(self.slot_key(key, slot), token) for slot in range(self.max_permits)
-        )
-
-    def extend(self, key: str, token: str, ttl: float = 300) -> bool:
-        return any(
-            self.store_extend(self.slot_key(key, slot), token, ttl) is not None
-            for slot in range(self.max_permits)
-        )
-
 
 # --- connections ----------------------------------------------------------------------------
 
@@ -244,7 +196,7 @@ def typescript_connection(url: str, schema: str) -> Counted:
     return connect(url, schema, cursor_factory=psycopg.RawCursor)
 
 
-class Python:
+class Python(PythonSide):
     """dmutex's public classes on one kind of client, each call run to its end."""
 
     def __init__(self, kind: str, url: str, schema: str) -> None:
@@ -261,28 +213,10 @@ class Python:
         else:
             self.client = self.run(asyncpg.connect(url, server_settings={"search_path": schema}))
 
-    def run(self, value: object) -> Any:
-        """``value``, awaited on this side's loop if it is awaitable (the classes' answers)."""
-        if inspect.isawaitable(value):
-            assert self.loop is not None
-            return self.loop.run_until_complete(_awaited(value))
-        return value
-
-    def mutex(self, service: str, **options: Any) -> Any:
-        return (DMutex if self.loop is None else AsyncDMutex)(service, self.client, **options)
-
-    def semaphore(self, service: str, permits: int, **options: Any) -> Any:
-        kind = DSemaphore if self.loop is None else AsyncDSemaphore
-        return kind(service, self.client, max_permits=permits, **options)
-
     def close(self) -> None:
         self.run(self.client.close())
         if self.loop is not None:
             self.loop.close()
-
-
-async def _awaited(work: Awaitable[T]) -> T:
-    return await work
 
 
 @pytest.fixture
