@@ -687,7 +687,14 @@ def test_a_hung_client_is_told_of_the_loss_before_anyone_takes_the_lease(
     rig: Rig, face: FaceName
 ) -> None:
     """20 trials at once: every telling precedes the second holder's grant (see the docstring)."""
-    case = f"{rig.name}-{face}"
+    tell_case(rig, f"{rig.name}-{face}", face)
+
+
+def tell_case(rig: Rig, case: str, face: FaceName) -> None:
+    """Run ``case``'s trials on ``rig`` with ``face``, print its margin, and judge it.
+
+    The other servers' fault suites run it on rigs of their own.
+    """
     started = time.monotonic()
     outcomes: Counter[str] = Counter()  # how the asyncio run() calls ended
     if face == "sync":

@@ -69,7 +69,6 @@ import signal
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -97,8 +96,7 @@ from dmutex._clock import SYSTEM_CLOCK
 from dmutex._core.lease import Lease
 from dmutex._core.waiting import Wakeup
 from dmutex._runtime.drivers import AsyncDriver, SyncDriver
-from tests._support import deadlines
-from tests._support.faces import Calls, await_calls, run_calls
+from tests._support.faces import Calls, FaceName, await_calls, run_calls
 from tests._support.fault_proxy import Fault, FaultProxy, Rates
 from tests._support.mysql_servers import (
     CONNECT_TIMEOUT,
@@ -928,7 +926,7 @@ DEADLINE_TTLS = (1.0, 1.5, 2.0)
 
 @pytest.mark.parametrize("face", ["sync", "async"])
 def test_a_holder_behind_a_blackhole_is_told_before_anyone_takes_the_key(
-    server: Server, table: Table, face: str, monkeypatch: pytest.MonkeyPatch
+    server: Server, table: Table, face: FaceName, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``test_deadlines``' case on MySQL, 6 trials at TTLs of 1 to 2 s."""
     monkeypatch.setattr(test_deadlines, "TRIALS", DEADLINE_TRIALS)
@@ -936,23 +934,11 @@ def test_a_holder_behind_a_blackhole_is_told_before_anyone_takes_the_key(
     DMutex(test_deadlines.SERVICE, table.conn, table_name=table.name).ready()
     rig = MySQLDeadlineRig(server, table.name)
     case = f"mysql-{face}"
-    started = time.monotonic()
-    outcomes: Counter[str] = Counter()
     try:
-        if face == "sync":
-            trials = test_deadlines.sync_case(rig, case)
-        else:
-            trials = test_deadlines.run_bounded(
-                test_deadlines.async_case(rig, case, outcomes), case
-            )
+        test_deadlines.tell_case(rig, case, face)
     finally:
         rig.end_fault()
         rig.close()
-    ended = ",".join(f"{k}:{v}" for k, v in sorted(outcomes.items())) or "-"
-    margin = deadlines.record(case, trials)
-    seconds = time.monotonic() - started
-    print(f"[deadlines {case}] {margin.text()} run_ended={ended} seconds={seconds:.1f}")
-    deadlines.judge(margin, trials, rig.proxy_errors())
     assert table.live() == {}, "every key was taken over by its second holder, and released"
 
 

@@ -105,7 +105,7 @@ from dmutex._clock import SYSTEM_CLOCK
 from dmutex._core.effects import Steps
 from dmutex._core.lease import Lease
 from dmutex._runtime.drivers import AsyncDriver, SyncDriver
-from tests._support import deadlines, fault_servers, postgres_servers, servers
+from tests._support import fault_servers, postgres_servers, servers
 from tests._support.faces import Calls, await_calls, run_calls
 from tests._support.fault_proxy import Fault, FaultProxy, Rates
 from tests._support.tracking import Tracker
@@ -1201,23 +1201,11 @@ def test_a_holder_behind_a_blackhole_is_told_before_anyone_takes_the_key(
         conn.execute(sql.SQL("DELETE FROM {}").format(name))
     rig = PostgresDeadlineRig(postgres_server, postgres_schema)
     case = f"postgresql-{face}"
-    started = time.monotonic()
-    outcomes: Counter[str] = Counter()
     try:
-        if face == "sync":
-            trials = test_deadlines.sync_case(rig, case)
-        else:
-            trials = test_deadlines.run_bounded(
-                test_deadlines.async_case(rig, case, outcomes), case
-            )
+        test_deadlines.tell_case(rig, case, face)
     finally:
         rig.end_fault()
         rig.close()
-    ended = ",".join(f"{k}:{v}" for k, v in sorted(outcomes.items())) or "-"
-    margin = deadlines.record(case, trials)
-    seconds = time.monotonic() - started
-    print(f"[deadlines {case}] {margin.text()} run_ended={ended} seconds={seconds:.1f}")
-    deadlines.judge(margin, trials, rig.proxy_errors())
 
 
 # --- the server killed and started again ---------------------------------------------------------
