@@ -13,6 +13,7 @@ import sqlite3
 from collections.abc import Callable
 from decimal import Decimal
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 import psycopg_pool
@@ -26,7 +27,10 @@ from dmutex import (
     DMutex,
     DMutexError,
     DSemaphore,
+    InMemoryBackend,
+    InvalidArgumentError,
     ManualClock,
+    SQLiteBackend,
     UnsupportedClientError,
 )
 from tests._support.doubles import (
@@ -392,6 +396,78 @@ def test_asyncio_mysql_client_refused_by_sync_classes_before_any_call(cls: Any) 
     know reaches an asyncio class's first call, which refuses its plain answer.)"""
     client = AsyncRecordingMySQL()
     check_error(UnsupportedClientError, lambda: make(cls, client), client.calls)
+
+
+# --- replicas= (Redis) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize(
+    ("options", "error", "said"),
+    [
+        ({"replicas": -1}, ValueError, "from 0 to 64"),
+        ({"replicas": 65}, ValueError, "from 0 to 64"),
+        ({"replicas": 2**70}, ValueError, "an int of 71 bits"),
+        ({"replicas": True}, TypeError, "replicas must be an int"),
+        ({"replicas": 1.0}, TypeError, "replicas must be an int"),
+        ({"replicas": "1"}, TypeError, "replicas must be an int"),
+        ({"replicas_timeout": 0}, ValueError, "replicas_timeout must be > 0"),
+        ({"replicas_timeout": -0.5}, ValueError, "replicas_timeout must be > 0"),
+        ({"replicas_timeout": math.nan}, ValueError, "finite"),
+        ({"replicas_timeout": math.inf}, ValueError, "finite"),
+        ({"replicas_timeout": 86_401}, ValueError, "at most 86400"),
+        ({"replicas_timeout": True}, TypeError, "replicas_timeout"),
+        ({"replicas_timeout": "1"}, TypeError, "replicas_timeout"),
+    ],
+)
+def test_invalid_replicas(
+    cls: Any, options: dict[str, Any], error: type[Exception], said: str
+) -> None:
+    """Checked whatever the backend, before any call."""
+    client = RecordingRedis()
+    with pytest.raises(error, match=said):
+        make(cls, client, **options)
+    check_error(error, lambda: make(cls, client, **options), client.calls)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize(
+    ("double", "said"),
+    [
+        (lambda cls: RecordingMongo(), "w='majority', j=True"),
+        (recording_psycopg, "synchronous replication"),
+        (recording_mysql, "semi-synchronous replication"),
+    ],
+    ids=["mongodb", "postgresql", "mysql"],
+)
+def test_replicas_on_a_backend_that_replicates_by_its_own_settings(
+    cls: Any, double: Callable[[Any], Any], said: str
+) -> None:
+    """An error that says what to set instead: silence would promise what it does not do."""
+    client = double(cls)
+    with pytest.raises(ValueError, match=said):
+        make(cls, client, replicas=1)
+    check_error(InvalidArgumentError, lambda: make(cls, client, replicas=1), client.calls)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_replicas_on_a_redis_client_that_cannot_pipeline(cls: Any) -> None:
+    """A WAIT sent on its own might reach another connection than the write: refused."""
+    client = RecordingRedis()
+    with pytest.raises(TypeError, match="replicas= needs a Redis client that pipelines"):
+        make(cls, client, replicas=1)
+    check_error(UnsupportedClientError, lambda: make(cls, client, replicas=1), client.calls)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_replicas_accepted_by_the_in_process_backends(cls: Any, tmp_path: Path) -> None:
+    """They have no replicas to wait for; code that sets it from its configuration runs on them."""
+    assert isinstance(make(cls, InMemoryBackend(), replicas=2), cls)
+    backend = SQLiteBackend(str(tmp_path / "locks.db"))
+    try:
+        assert isinstance(make(cls, backend, replicas=2, replicas_timeout=0.001), cls)
+    finally:
+        backend.close()
 
 
 # --- operation rows ---------------------------------------------------------------

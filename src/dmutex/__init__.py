@@ -20,6 +20,7 @@ from ._errors import (
     DMutexError,
     InvalidArgumentError,
     LeaseLostError,
+    NotReplicatedError,
     UnsupportedClientError,
 )
 from ._faces.aio import (
@@ -54,6 +55,7 @@ __all__ = [
     "InvalidArgumentError",
     "LeaseLostError",
     "ManualClock",
+    "NotReplicatedError",
     "SQLiteBackend",
     "SyncClient",
     "SystemClock",

@@ -12,6 +12,7 @@ __all__ = [
     "DMutexError",
     "InvalidArgumentError",
     "LeaseLostError",
+    "NotReplicatedError",
     "UnsupportedClientError",
 ]
 
@@ -63,3 +64,29 @@ class LeaseLostError(DMutexError):
 
     def __reduce__(self) -> tuple[type[LeaseLostError], tuple[str, str]]:
         return (type(self), (self.key, self.token))
+
+
+class NotReplicatedError(DMutexError):
+    """A write was not acknowledged by ``replicas`` replicas in time; it counts for nothing.
+
+    Raised with ``replicas=N`` (Redis) by an acquire whose grant reached
+    fewer than N replicas within ``replicas_timeout``: the permit was released
+    again before this was raised (if that release failed too, the permit
+    lapses at its TTL). Raised by an ``extend`` the same way: the lease then
+    keeps the expiry it had before, which replicas hold. A renewal that is not
+    replicated is retried, as a renewal that could not reach the server is,
+    and the lease is lost at its deadline if none is. ``key`` names the lock,
+    ``acknowledged`` and ``required`` count replicas.
+    """
+
+    def __init__(self, key: str, acknowledged: int, required: int) -> None:
+        super().__init__(
+            f"the write on {key!r} reached {acknowledged} of the {required} replicas "
+            f"required in time: it was not counted"
+        )
+        self.key = key
+        self.acknowledged = acknowledged
+        self.required = required
+
+    def __reduce__(self) -> tuple[type[NotReplicatedError], tuple[str, int, int]]:
+        return (type(self), (self.key, self.acknowledged, self.required))

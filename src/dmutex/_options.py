@@ -18,6 +18,8 @@ from ._validate import (
     check_clock,
     check_flag,
     check_max_permits,
+    check_replicas,
+    check_replicas_timeout,
     check_str,
     check_ttl,
 )
@@ -59,6 +61,10 @@ class Options:
     """The PostgreSQL schema of the table; None: the connection's search path."""
     database_name: str | None
     """The MySQL database of the table; None: the connection's current database."""
+    replicas: int
+    """Redis: how many replicas must acknowledge a grant, extend or renewal (0: none)."""
+    replicas_timeout_ms: int
+    """Redis: how long the ``WAIT`` for them may last, in whole ms (at least 1)."""
 
     @classmethod
     def check(
@@ -80,6 +86,8 @@ class Options:
         table_name: object = None,
         schema_name: object = None,
         database_name: object = None,
+        replicas: object = 0,
+        replicas_timeout: object = 1.0,
     ) -> Options:
         """Check every argument, by the names of the constructors' parameters.
 
@@ -114,6 +122,8 @@ class Options:
         database_of_table = (
             None if database_name is None else check_str("database_name", database_name)
         )
+        waited_for = check_replicas(replicas)
+        wait_ms = check_replicas_timeout(replicas_timeout)
         return cls(
             kind=kind,
             service_name=service,
@@ -130,4 +140,6 @@ class Options:
             table_origin=table_origin,
             schema_name=schema,
             database_name=database_of_table,
+            replicas=waited_for,
+            replicas_timeout_ms=wait_ms,
         )

@@ -130,6 +130,34 @@ def check_max_permits(value: object) -> int:
     return permits
 
 
+MAX_REPLICAS = 64
+"""The largest ``replicas`` a lock may wait for: more than any Redis deployment runs."""
+
+
+def check_replicas(value: object) -> int:
+    """Return a replica count to wait for: an ``int`` from 0 to :data:`MAX_REPLICAS`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgumentTypeError(f"replicas must be an int, not {type(value).__name__}")
+    count = int(value)
+    if not 0 <= count <= MAX_REPLICAS:
+        raise InvalidArgumentError(
+            f"replicas must be from 0 to {MAX_REPLICAS}, not {_shown(count)}"
+        )
+    return count
+
+
+def check_replicas_timeout(value: object) -> int:
+    """Return the replicas' acknowledgement wait in whole ms: a finite number of seconds > 0.
+
+    Rounded up, never to 0: Redis's ``WAIT`` with a timeout of 0 waits forever.
+    At most a day, which no lease that waits for it could want.
+    """
+    seconds = check_ttl("replicas_timeout", value)
+    if seconds > 86_400:
+        raise InvalidArgumentError(f"replicas_timeout must be at most 86400 seconds, not {seconds}")
+    return max(1, math.ceil(seconds * 1000))
+
+
 def check_backend(value: object) -> BackendName | None:
     """Return ``None``, ``"mongodb"``, ``"mysql"``, ``"postgresql"`` or ``"redis"``."""
     if value is None:

@@ -39,6 +39,18 @@ from .shapes import (
 )
 from .sqlite import SQLiteBackend, SQLiteStore, quote
 
+# What replicas= would mean on the backends that replicate by their own
+# settings. An InMemoryBackend or SQLiteBackend accepts it and waits for no
+# one: they have no replicas, and code that sets it from its configuration
+# can be tested with them (as backend= is).
+_NOT_WAITED = {
+    "mongodb": "on MongoDB, give the collection the write concern locks need "
+    "(w='majority', j=True); dmutex uses it as it is",
+    "postgresql": "on PostgreSQL, configure synchronous replication on the server "
+    "(synchronous_standby_names, synchronous_commit)",
+    "mysql": "on MySQL or MariaDB, configure semi-synchronous replication on the server",
+}
+
 
 def open_store(client: object, options: Options, *, asynchronous: bool) -> Store:
     """The store that serves ``options``' namespace through ``client``.
@@ -50,6 +62,10 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
     which do no I/O.
     """
     found = detect(client, options.backend)
+    if options.replicas and found in _NOT_WAITED:
+        raise InvalidArgumentError(
+            f"replicas={options.replicas} is the Redis backend's option: {_NOT_WAITED[found]}"
+        )
     if isinstance(client, InMemoryBackend):
         if options.clock is not None and options.clock is not client.clock:
             raise InvalidArgumentError(
@@ -70,7 +86,15 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
         name = "execute_command" if defines(client, "execute_command") else "eval"
         (refuse_sync if asynchronous else refuse_asyncio)(client, name, "client")
         prefix, permits = options.key_prefix, options.max_permits
-        return RedisStore(client, prefix, permits, clock, fencing=options.fencing)
+        return RedisStore(
+            client,
+            prefix,
+            permits,
+            clock,
+            fencing=options.fencing,
+            replicas=options.replicas,
+            replicas_ms=options.replicas_timeout_ms,
+        )
     if found == "postgresql":
         check_postgres_names(options.table_name, options.table_origin, options.schema_name)
         face = postgres_method(client) or "execute"

@@ -93,6 +93,8 @@ class SemaphoreBase(Face[ClientT]):
         table_prefix: str = "_dsemaphore_",
         schema_name: str | None = None,
         database_name: str | None = None,
+        replicas: int = 0,
+        replicas_timeout: float = 1.0,
     ) -> None:
         """Make a semaphore of ``max_permits`` permits per key for ``service_name``.
 
@@ -125,6 +127,18 @@ class SemaphoreBase(Face[ClientT]):
         acquire, and makes a cluster key without a hash tag an error. False keeps none, and Redis
         then writes no counter records.
 
+        ``replicas`` (Redis only): a grant, an ``extend`` and a renewal count
+        only once this many replicas acknowledged the write, within
+        ``replicas_timeout`` seconds (Redis's ``WAIT``, sent in the same round
+        trip as the write; on a cluster, the replicas of the key's shard). An
+        acquire whose grant was not acknowledged in time releases it and raises
+        :class:`NotReplicatedError`; an ``extend`` raises it and keeps the old
+        expiry; a renewal retries, and the lease is lost at its deadline if
+        none is acknowledged. It narrows what a failover can lose; it does not
+        make Redis consistent (see the Redis page's "Failover"). 0 (the
+        default) waits for none. Another backend with ``replicas`` > 0 is an
+        error: MongoDB uses the collection's write concern.
+
         Raises ``TypeError``/``ValueError`` for bad arguments and for a client
         that meets no contract, before any request reaches the client.
         """
@@ -151,6 +165,8 @@ class MutexBase(Face[ClientT]):
         table_prefix: str = "_dmutex_",
         schema_name: str | None = None,
         database_name: str | None = None,
+        replicas: int = 0,
+        replicas_timeout: float = 1.0,
     ) -> None:
         """Make a mutex for ``service_name``: one holder per key at a time.
 

@@ -37,21 +37,26 @@ Limits:
   holds no slot.
 - Replication is asynchronous. A key written on a primary that fails before
   the write reaches a replica is lost on failover, and a second holder can
-  then be granted the same slot. See the Redis page's "Failover" in the documentation.
+  then be granted the same slot. With ``replicas=N`` a grant, an extend and a
+  renewal count only once ``N`` replicas acknowledged them (``WAIT``,
+  pipelined with the script: the same round trip); that narrows the window
+  to what Redis cannot promise (a promoted replica that had not
+  acknowledged, an old primary that stays writable in a partition). See the
+  Redis page's "Failover" in the documentation.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 from ..._clock import Clock, SystemClock
 from ..._core.abc import Holder, Inspection, Renewed
 from ..._core.effects import Call, Sleep, Steps
 from ..._core.lease import MAX_EXPIRY_MS, Lease, now_ms
 from ..._core.waiting import Ahead, Waiter, lost_pause
-from ..._errors import DMutexError, InvalidArgumentError
+from ..._errors import DMutexError, InvalidArgumentError, NotReplicatedError, UnsupportedClientError
 from ..blocking import REFRESH, Blockers
 from ..cluster import hash_slot, same_hash_slot
 from ..shapes import defines, is_cluster_client, method
@@ -79,9 +84,9 @@ AHEAD_SHARE = 20
 
 
 class _Pipeline(Protocol):
-    """What the waits use of a client's ``pipeline(transaction=False)`` (redis-py's shape)."""
+    """What the store uses of a client's ``pipeline(transaction=False)`` (redis-py's shape)."""
 
-    def execute_command(self, *args: object) -> object: ...
+    def execute_command(self, *args: object, **options: object) -> object: ...
 
     def execute(self, raise_on_error: bool = ...) -> object: ...
 
@@ -122,6 +127,28 @@ def _stock(client: object) -> bool:
     return sends is not None and pipes is not None and pipes <= sends
 
 
+def _waited_pipeline(client: object, cluster: bool) -> Callable[..., _Pipeline]:
+    """The ``pipeline`` that ``replicas=`` sends each write and its ``WAIT`` through.
+
+    Raises, before any request, for a client without one (the ioredis shape,
+    ``set`` + ``eval``): a ``WAIT`` sent on its own could reach another
+    connection than the write, and count nothing of it. A cluster client
+    also needs ``get_node_from_key``, to send the ``WAIT`` where the write goes.
+    """
+    pipeline = getattr(client, "pipeline", None)
+    if not defines(client, "execute_command") or not callable(pipeline):
+        raise UnsupportedClientError(
+            f"replicas= needs a Redis client that pipelines (execute_command and pipeline, "
+            f"redis-py's shape); {type(client).__name__} has not both"
+        )
+    if cluster and not callable(getattr(client, "get_node_from_key", None)):
+        raise UnsupportedClientError(
+            f"replicas= on a cluster needs get_node_from_key, to send WAIT to the key's "
+            f"node; {type(client).__name__} has none"
+        )
+    return cast("Callable[..., _Pipeline]", pipeline)
+
+
 def _answered(ahead: Ahead, waiter: Waiter) -> Steps[Lease | None]:
     """The steps of an attempt answered already: no request; its send time for the engine."""
     yield from ()
@@ -129,6 +156,13 @@ def _answered(ahead: Ahead, waiter: Waiter) -> Steps[Lease | None]:
     if ahead.error is not None:
         raise ahead.error
     return ahead.lease
+
+
+def _pair(replies: object) -> tuple[object, object]:
+    """A pipeline's replies to a script and the ``WAIT`` after it."""
+    if not isinstance(replies, (list, tuple)) or len(replies) != 2:
+        raise DMutexError(f"unexpected reply from Redis: {replies!r}")
+    return replies[0], replies[1]
 
 
 def _grant(reply: object, last: int) -> tuple[int, int, int]:
@@ -189,6 +223,8 @@ class RedisStore:
         clock: Clock,
         *,
         fencing: bool | None = None,
+        replicas: int = 0,
+        replicas_ms: int = 1000,
     ) -> None:
         self._prefix = prefix
         self._permits = max_permits
@@ -208,6 +244,16 @@ class RedisStore:
         self._pipeline: Callable[..., _Pipeline] | None = None
         if self._execute is not None and not self._cluster and _stock(client):
             self._pipeline = getattr(client, "pipeline", None)
+        # Writes acknowledged by replicas: WAIT pipelined after the script, on
+        # the connection that wrote (WAIT counts that connection's writes).
+        # On a cluster, WAIT goes to the node that owns the keys' hash slot.
+        self._replicas, self._replicas_ms = replicas, replicas_ms
+        self._waited: Callable[..., _Pipeline] | None = None
+        self._node_of: Callable[[str], object] | None = None
+        if replicas:
+            self._waited = _waited_pipeline(client, self._cluster)
+            if self._cluster:
+                self._node_of = method(client, "get_node_from_key")
         self._clock = clock
         # Waiters block (BLPOP) only where that is safe: a command client
         # on the system clock, with connections to spare.
@@ -245,10 +291,69 @@ class RedisStore:
         # EVAL caches the script, so the next EVALSHA on this server succeeds.
         return (yield Call(self._execute, ("EVAL", script.text, len(keys), *keys, *args)))
 
+    def _run_waited(
+        self, script: Script, keys: Sequence[str], args: tuple[object, ...]
+    ) -> Steps[tuple[object, int]]:
+        """Run ``script`` and ``WAIT`` in one request: its reply, and the replicas that have it.
+
+        Replication rule: the count is of replicas that acknowledged every
+        write of the connection up to the script's, so a script that wrote
+        nothing (a refusal) counts whatever was acknowledged before. On a
+        cluster, a reply that moved the key's hash slot to another node (a
+        redirect) counts none: the ``WAIT`` went to the node it left.
+        """
+        node = self._node_of(keys[0]) if self._node_of is not None else None
+        reply, acks = _pair((yield Call(self._send_waited, ("EVALSHA", script.sha, keys, args))))
+        if isinstance(reply, Exception) and _is_noscript(reply):
+            # EVAL caches the script, so the next EVALSHA on this server succeeds.
+            reply, acks = _pair((yield Call(self._send_waited, ("EVAL", script.text, keys, args))))
+        if isinstance(reply, Exception):
+            raise reply
+        if isinstance(acks, Exception):
+            raise acks
+        if node is not None and self._node_of is not None and self._node_of(keys[0]) != node:
+            return reply, 0
+        return reply, _as_int(acks, 0, 2**31)
+
+    def _send_waited(
+        self, command: str, body: str, keys: Sequence[str], args: tuple[object, ...]
+    ) -> object:
+        """The script (``EVALSHA`` or ``EVAL``), then ``WAIT``, pipelined on one connection.
+
+        Errors come back as values (``raise_on_error=False``); on a cluster
+        the ``WAIT`` names the node that owns the keys.
+        """
+        assert self._waited is not None
+        pipe = self._waited(transaction=False)
+        pipe.execute_command(command, body, len(keys), *keys, *args)
+        if self._node_of is None:
+            pipe.execute_command("WAIT", self._replicas, self._replicas_ms)
+        else:
+            node = self._node_of(keys[0])
+            pipe.execute_command("WAIT", self._replicas, self._replicas_ms, target_nodes=node)
+        return pipe.execute(raise_on_error=False)
+
+    def _replicated(self, key: str, acks: int) -> None:
+        """Raise :class:`NotReplicatedError` unless ``acks`` replicas are enough."""
+        if acks < self._replicas:
+            raise NotReplicatedError(key, acks, self._replicas)
+
     def _take(self, script: Script, keys: Sequence[str], args: tuple[object, ...]) -> Steps[object]:
         """Run an acquire ``script``; a record not dmutex's raises a clear :class:`DMutexError`."""
         try:
             return (yield from self._run(script, keys, args))
+        except Exception as error:
+            clear = _foreign(error)
+            if clear is None:
+                raise
+            raise clear from error
+
+    def _take_waited(
+        self, script: Script, keys: Sequence[str], args: tuple[object, ...]
+    ) -> Steps[tuple[object, int]]:
+        """:meth:`_take`, with the replicas that acknowledged it (:meth:`_run_waited`)."""
+        try:
+            return (yield from self._run_waited(script, keys, args))
         except Exception as error:
             clear = _foreign(error)
             if clear is None:
@@ -352,11 +457,18 @@ class RedisStore:
         self, key: str, token: str, ttl_ms: int, keys: tuple[str, ...]
     ) -> Steps[Lease | None]:
         expires = now_ms(self._clock) + ttl_ms
-        reply = yield from self._take(MUTEX_ACQUIRE, keys, (token, ttl_ms))
+        acks = 0
+        if self._replicas:
+            reply, acks = yield from self._take_waited(MUTEX_ACQUIRE, keys, (token, ttl_ms))
+        else:
+            reply = yield from self._take(MUTEX_ACQUIRE, keys, (token, ttl_ms))
         counted = len(keys) > 1
         fence = _as_int(reply, 0, 2**63 - 1 if counted else 1)
         if fence == 0:
             return None
+        if self._replicas:
+            # The engine releases what this took before the error reaches the caller.
+            self._replicated(key, acks)
         return Lease(key, token, 0, expires, fence if counted else None)
 
     def _acquire(
@@ -379,9 +491,15 @@ class RedisStore:
         first = 0
         for group in groups:
             keys = [*group, *extra, *wakes]
-            reply = yield from self._take(ACQUIRE, keys, args)
+            acks = 0
+            if self._replicas:
+                reply, acks = yield from self._take_waited(ACQUIRE, keys, args)
+            else:
+                reply = yield from self._take(ACQUIRE, keys, args)
             lease = self._granted(reply, key, token, expires, group, first, waiter, started, window)
             if lease is not None:
+                if self._replicas:
+                    self._replicated(key, acks)  # the engine releases it again
                 return lease
             first += len(group)
         return None
@@ -468,13 +586,16 @@ class RedisStore:
                 group, keys, args, window = ahead
                 expires = now_ms(self._clock) + waiter.ttl_ms
                 replies = yield Call(self._send_ahead, (signal, f"{block:.3f}", keys, args))
-                if not isinstance(replies, (list, tuple)) or len(replies) != 2:
+                sent = 3 if self._replicas else 2
+                if not isinstance(replies, (list, tuple)) or len(replies) != sent:
                     raise DMutexError(f"unexpected reply from Redis: {replies!r}")
                 reply = replies[0]
                 answer = replies[1]
                 waiter.ahead = self._ahead_answer(
                     answer, key, group, waiter, expires, started, window
                 )
+                if self._replicas:
+                    waiter.ahead = self._ahead_replicated(waiter.ahead, key, replies[2])
         except Exception:  # noqa: BLE001 - the wait degrades to sleeping, rule 3 of waiting.py
             # An attempt that went ahead may have taken a permit: the next
             # attempt, with the same token, finds it (rule 3 of scripts.py).
@@ -518,7 +639,25 @@ class RedisStore:
         pipe = self._pipeline(transaction=False)
         pipe.execute_command("BLPOP", signal, block)
         pipe.execute_command("EVALSHA", ACQUIRE.sha, len(keys), *keys, *args)
+        if self._replicas:
+            pipe.execute_command("WAIT", self._replicas, self._replicas_ms)
         return pipe.execute(raise_on_error=False)
+
+    def _ahead_replicated(self, ahead: Ahead | None, key: str, acks: object) -> Ahead | None:
+        """What an attempt sent ahead answered, once its ``WAIT``'s count ``acks`` is known.
+
+        A grant too few replicas acknowledged answers :class:`NotReplicatedError`
+        (the engine releases it); a ``WAIT`` that failed, its error.
+        """
+        if ahead is None or ahead.lease is None:
+            return ahead
+        try:
+            if isinstance(acks, Exception):
+                raise acks
+            self._replicated(key, _as_int(acks, 0, 2**31))
+        except Exception as error:  # noqa: BLE001 - the attempt's answer, raised by the next
+            return Ahead(None, error, ahead.sent)
+        return ahead
 
     def _ahead_answer(
         self,
@@ -577,9 +716,16 @@ class RedisStore:
             args = (*head, self._permits if wakes else "-") if wake else head
             args = (*args, "holders")
             after = [holders, *wakes]
+        waited = self._replicas and not wake  # an extend's write counts once replicated
         for group in groups:
             keys = [*group, *after] if after else group
-            if _as_int((yield from self._run(script, keys, args)), 0, 1) == 1:
+            if not waited:
+                if _as_int((yield from self._run(script, keys, args)), 0, 1) == 1:
+                    return True
+                continue
+            reply, acks = yield from self._run_waited(script, keys, args)
+            if _as_int(reply, 0, 1) == 1:
+                self._replicated(key, acks)
                 return True
         return False
 
@@ -667,7 +813,20 @@ class RedisStore:
             if holders is not None:
                 at = where.get(holders) or where.setdefault(holders, len(chunk) + len(where) + 1)
             args += (lease.token, lease.ttl_ms, at)
-        reply = yield from self._run(RENEW, [*keys, *where], tuple(args))
+        if not self._replicas:
+            reply = yield from self._run(RENEW, [*keys, *where], tuple(args))
+            acks = 0
+        else:
+            reply, acks = yield from self._run_waited(RENEW, [*keys, *where], tuple(args))
         if not isinstance(reply, (list, tuple)) or len(reply) != len(chunk):
             raise DMutexError(f"unexpected reply from Redis: {reply!r}")
-        return [e if _as_int(d, 0, 1) == 1 else None for d, e in zip(reply, expires, strict=True)]
+        renewed: list[Renewed] = [
+            e if _as_int(d, 0, 1) == 1 else None for d, e in zip(reply, expires, strict=True)
+        ]
+        if self._replicas and acks < self._replicas:
+            # Not replicated: a failed renewal, retried until the lease's deadline.
+            return [
+                NotReplicatedError(leases[i].key, acks, self._replicas) if r is not None else r
+                for i, r in zip(chunk, renewed, strict=True)
+            ]
+        return renewed
