@@ -1,4 +1,4 @@
-"""A local three-master Redis Cluster (no replicas) started from a ``redis-server``.
+"""A local three-master Redis Cluster started from a ``redis-server``, replicas optional.
 
 Three processes on free 127.0.0.1 ports, persistence off, each a
 :class:`~tests._support.servers.ServerProcess` with a folder of its own. The
@@ -7,16 +7,25 @@ Three processes on free 127.0.0.1 ports, persistence off, each a
 ``CLUSTER MEET``, and :meth:`LocalCluster.start` returns once every node
 reports ``cluster_state:ok`` and knows three masters. :meth:`LocalCluster.stop`
 stops every process by its pid and removes the folders.
+
+With ``replicas=N`` each master gets N more nodes that ``CLUSTER REPLICATE``
+it, and ``start`` returns once a write to each master reaches its replicas
+(``WAIT``); :attr:`LocalCluster.replica_ports` maps each master's port to
+its replicas', and :meth:`LocalCluster.process` gives a node's process, to
+pause it by its pid.
 """
 
 from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import redis
 
+from dmutex._backends.cluster import hash_slot
 from tests._support import redis_servers
 from tests._support.servers import ServerProcess
 
@@ -77,10 +86,12 @@ class LocalCluster:
 
     host = "127.0.0.1"
 
-    def __init__(self, path: Path | str, nodes: int = 3) -> None:
+    def __init__(self, path: Path | str, nodes: int = 3, replicas: int = 0) -> None:
         self.path = Path(path)
         self.nodes = nodes
+        self.replicas = replicas  # per master
         self.ports: list[int] = []
+        self.replica_ports: dict[int, list[int]] = {}  # master's port: its replicas' ports
         self.version = ""
         self._nodes: list[ServerProcess] = []
 
@@ -93,6 +104,8 @@ class LocalCluster:
             self._assign_slots()
             self._meet()
             self._wait_until_ok()
+            if self.replicas:
+                self._add_replicas()
         except BaseException:
             self.stop()
             raise
@@ -104,6 +117,11 @@ class LocalCluster:
             node.stop()
         self._nodes = []
         self.ports = []
+        self.replica_ports = {}
+
+    def process(self, port: int) -> ServerProcess:
+        """The node on ``port``: to pause or kill it by its pid."""
+        return next(node for node in self._nodes if node.port == port)
 
     @property
     def pids(self) -> list[int]:
@@ -117,18 +135,58 @@ class LocalCluster:
     def _spawn(self) -> None:
         taken: set[int] = set()
         for _ in range(self.nodes):
-            port = free_cluster_port(taken)
-            taken.add(port)
-            self.ports.append(port)
-            node = ServerProcess("redis-cluster", port=port, stop_timeout=10)
-            self._nodes.append(node)
-            self.version = redis_servers.start_redis(
-                node,
-                lambda folder, port: redis_servers.command(
-                    self.path, port, folder, *CLUSTER_ARGS, f"nodes-{port}.conf"
-                ),
-                what=f"{self.path} on port {port}",
-            )
+            self.ports.append(self._start_node(taken))
+
+    def _start_node(self, taken: set[int]) -> int:
+        """Start one more node on a free port pair; its port."""
+        port = free_cluster_port(taken)
+        taken.add(port)
+        node = ServerProcess("redis-cluster", port=port, stop_timeout=10)
+        self._nodes.append(node)
+        self.version = redis_servers.start_redis(
+            node,
+            lambda folder, port: redis_servers.command(
+                self.path, port, folder, *CLUSTER_ARGS, f"nodes-{port}.conf"
+            ),
+            what=f"{self.path} on port {port}",
+        )
+        return port
+
+    def _add_replicas(self) -> None:
+        """Start ``replicas`` nodes per master, make each replicate it, wait until they ack."""
+        taken = set(self.ports)
+        for master in self.ports:
+            with self._client(master) as r:
+                master_id = str(r.execute_command("CLUSTER", "MYID"))
+            for _ in range(self.replicas):
+                port = self._start_node(taken)
+                self.replica_ports.setdefault(master, []).append(port)
+                with self._client(port) as r:
+                    r.execute_command("CLUSTER", "MEET", self.host, master)
+                    self._until(partial(self._knows, port, master_id), f"node {port} to meet")
+                    r.execute_command("CLUSTER", "REPLICATE", master_id)
+        for master, slots in zip(self.ports, slot_ranges(self.nodes), strict=True):
+            probe = next(f"probe{{{n}}}" for n in range(100_000) if hash_slot(f"{n}") in slots)
+            self._until(partial(self._acknowledged, master, probe), f"{master}'s replicas")
+        self._wait_until_ok()
+
+    def _knows(self, port: int, node_id: str) -> bool:
+        with self._client(port) as r:
+            return node_id in str(r.execute_command("CLUSTER", "NODES"))
+
+    def _acknowledged(self, master: int, probe: str) -> bool:
+        """Whether a write to ``master`` reached its replicas: after a diskless
+        sync, the link streams only from a replica's first acknowledgement on."""
+        with self._client(master) as r:
+            r.execute_command("SET", probe, "1")
+            return int(r.execute_command("WAIT", self.replicas, 100)) >= self.replicas
+
+    def _until(self, done: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not done():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gave up waiting for {what} after {START_TIMEOUT:.0f} s")
+            time.sleep(0.05)
 
     def _assign_slots(self) -> None:
         for port, slots in zip(self.ports, slot_ranges(self.nodes), strict=True):
