@@ -1116,6 +1116,12 @@ def test_naive_and_tz_aware_clients_send_the_same_commands(wire: Wire) -> None:
         pytest.param({}, None, id="default-sends-none"),
         pytest.param({"w": "majority"}, {"w": "majority"}, id="majority"),
         pytest.param({"w": 1, "wTimeoutMS": 500}, {"w": 1, "wtimeout": 500}, id="w1-wtimeout"),
+        # What the docs advise for locks on a replica set: kept whole, never weakened.
+        pytest.param(
+            {"w": "majority", "journal": True, "wTimeoutMS": 2000},
+            {"w": "majority", "j": True, "wtimeout": 2000},
+            id="majority-journal",
+        ),
     ],
 )
 def test_writes_carry_the_clients_write_concern(
@@ -1137,3 +1143,23 @@ def test_writes_carry_the_clients_write_concern(
     assert released() is True
     for request in (create, update, delete):
         assert request.doc.get("writeConcern") == expected
+
+
+def test_every_write_of_a_semaphore_carries_majority_and_journal(wire: Wire) -> None:
+    """A semaphore's index, extend and release keep ``w="majority"`` and ``j`` as set."""
+    expected = {"w": "majority", "j": True}
+    sem = wire.make("semaphore", max_permits=3, client=wire.client(w="majority", journal=True))
+    ready_future = go(ready, sem)
+    create = wire.receive("createIndexes")
+    create.ok(CREATED)
+    ready_future()
+    permit = granted(wire, sem, 20)
+    extended = go(permit.extend, 30)
+    extend = wire.receive("update")
+    extend.ok(MATCHED)
+    assert extended() is True
+    released = go(permit.release)
+    delete = wire.receive("delete")
+    delete.ok(n=1)
+    assert released() is True
+    assert [r.doc.get("writeConcern") for r in (create, extend, delete)] == [expected] * 3
