@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from tests._support import mysql_servers, postgres_servers
+from tests._support import fault_servers, mysql_servers, postgres_servers
 from tests._support.redis_servers import discovered
 
 ROOT = Path(__file__).parent.parent
-REDIS = ["redis_cycle", "renewal_scale", "semaphore_scale", "redis_peers"]
+REDIS = ["redis_cycle", "renewal_scale", "semaphore_scale", "redis_peers", "redis_replicas"]
 POSTGRES = ["postgres_cycle", "postgres_semaphore", "postgres_handoff"]
 MYSQL = ["mysql_cycle"]
 SCRIPTS = ["sqlite_cycle", *REDIS, *POSTGRES, *MYSQL]
@@ -47,6 +47,18 @@ MYSQL_STATEMENTS = {
     "cycle: raw ts": 3,
     "cycle: raw 1": 2,
     "cycle: dmutex aiomysql": 2,
+}
+
+# What redis_replicas.py must count: WAIT rides in the write's pipeline, a release does not wait.
+REPLICAS_REQUESTS = {
+    "dmutex-r1: acquire": 1,
+    "dmutex-r1: cycle": 2,
+    "dmutex-async-r1: acquire": 1,
+    "dmutex-async-r1: cycle": 2,
+    "dsemaphore-r1: acquire": 1,
+    "dsemaphore-r1: cycle": 2,
+    "extend-r1: extend": 1,
+    "raw-wait: cycle": 2,
 }
 
 
@@ -74,6 +86,8 @@ def test_a_quick_run_writes_its_figures(script: str, tmp_path: Path) -> None:
         discovery = mysql_servers.new_session().discovery
         if not discovery.sources:
             pytest.skip(discovery.reason)
+    if script == "redis_replicas" and fault_servers.redis_executable() is None:
+        pytest.skip("no redis-server executable to start a primary and a replica")
     out = tmp_path / "figures.json"
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--quick", "--json", str(out)],
@@ -98,3 +112,7 @@ def test_a_quick_run_writes_its_figures(script: str, tmp_path: Path) -> None:
             counted = run["statements"]
             assert all(value > 0 for value in counted.values()), counted
             assert {name: counted[name] for name in MYSQL_STATEMENTS} == MYSQL_STATEMENTS
+    if script == "redis_replicas":
+        for run in runs.values():
+            counted = run["requests"]
+            assert {name: counted[name] for name in REPLICAS_REQUESTS} == REPLICAS_REQUESTS
