@@ -27,6 +27,8 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio
+import valkey
+import valkey.asyncio
 
 from dmutex import NotReplicatedError
 from tests._support import fault_servers
@@ -253,6 +255,8 @@ def test_a_woken_waiter_gets_a_replicated_grant(
     name = key()
     held = [face.acquire(name, ttl=30) for _ in range(face.max_permits)]
     assert all(held)
+    calls = counted(rig)
+    calls.commands = 0
     # The waiter blocks its own thread (the async face's, on the rig's loop).
     got: list[Handle | None] = []
     thread = threading.Thread(
@@ -268,7 +272,41 @@ def test_a_woken_waiter_gets_a_replicated_grant(
     assert handle is not None
     with replicated.client(replicated.replicas[0].port) as replica:
         assert replica.get(slot_key(other, kind, handle)) == handle.token.encode()
+    # One command, the first holder's release: the waiter's attempts and its
+    # wait (BLPOP) all went in pipelines, with their WAITs; the attempt after
+    # the wake rode with the BLPOP.
+    assert calls.commands == 1
     assert handle.release() is True
     for rest in held[1:]:
         assert rest is not None
         assert rest.release() is True
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_valkey_clients_wait_for_replicas_too(face: FaceName, replicated: Replicated) -> None:
+    """valkey-py's clients, of redis-py's shape, pipeline the WAIT the same way."""
+    rig = FaceRig(face)
+    client: Any
+    if face == "async":
+        client = valkey.asyncio.Valkey(port=replicated.primary.port)
+    else:
+        client = valkey.Valkey(port=replicated.primary.port)
+    try:
+        mutex = Face(face, "mutex", client, loop=rig.loop, replicas=1, replicas_timeout=TIMEOUT)
+        handle = mutex.acquire(key(), ttl=30)
+        assert handle is not None
+        with replicated.client(replicated.replicas[0].port) as replica:
+            assert replica.get(f"_dmutex_svc:permit:0:{handle.key}") == handle.token.encode()
+        assert handle.release() is True
+        replicated.pause()
+        try:
+            with pytest.raises(NotReplicatedError):
+                mutex.acquire(key(), ttl=30)
+        finally:
+            replicated.resume()
+    finally:
+        if rig.loop is not None:
+            rig.loop.run(client.aclose())
+        else:
+            client.close()
+        rig.close()
