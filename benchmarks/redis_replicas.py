@@ -1,7 +1,7 @@
 """What ``replicas=1`` costs: each contender with and without it, in one run (issue 27).
 
-Run from the repository root (a report, not a test; about a minute on 2
-cores, ``--quick``: about 10 seconds)::
+Run from the repository root (a report, not a test; about 1.5 minutes on 2
+cores, ``--quick``: about 11 seconds)::
 
     .venv/bin/python benchmarks/redis_replicas.py
     .venv/bin/python benchmarks/redis_replicas.py --quick --json out.json
