@@ -19,8 +19,9 @@ from typing import Literal
 import pytest
 import redis
 import redis.asyncio
+import redis.asyncio.retry
+import redis.retry
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from dmutex import DMutexError, RedisArg
 from tests._support.face_rigs import FaceRig
@@ -48,10 +49,14 @@ class Rig(FaceRig):
     """One face: makes non-retrying clients and instances, closes them all."""
 
     def client(self, url: str) -> redis.Redis | redis.asyncio.Redis:
-        no_retry = Retry(NoBackoff(), 0)
+        # Each face its own Retry class: redis-py 8.2 warns when an asyncio
+        # client is handed the synchronous one.
         if self.face == "async":
+            no_retry = redis.asyncio.retry.Retry(NoBackoff(), 0)
             return self.keep(redis.asyncio.Redis.from_url(url, socket_timeout=5, retry=no_retry))
-        return self.keep(redis.Redis.from_url(url, socket_timeout=5, retry=no_retry))
+        return self.keep(
+            redis.Redis.from_url(url, socket_timeout=5, retry=redis.retry.Retry(NoBackoff(), 0))
+        )
 
 
 @pytest.fixture(params=["sync", "async"])
