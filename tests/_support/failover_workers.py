@@ -3,7 +3,10 @@
 :func:`work` runs in a spawned process (``processes.run_workers``): it takes,
 holds and releases a :class:`~dmutex.DMutex` and a 3-permit
 :class:`~dmutex.DSemaphore` (or their asyncio twins) in a loop through a
-redis-py Sentinel client, until told to stop or its time is up. Every
+redis-py Sentinel client, until told to stop or its time is up. The workers
+are split between modes (:class:`Mode`: a service name and the locks'
+options, ``replicas=`` or not), which run side by side through the same
+failovers. Every
 exception a failover can cause (redis-py's errors, dmutex's
 :class:`~dmutex.NotReplicatedError`) is counted by its class and the loop
 goes on; anything else ends the worker with its traceback.
@@ -56,16 +59,32 @@ SURVIVED = (redis.RedisError, DMutexError)
 
 
 @dataclass(frozen=True)
+class Mode:
+    """One way of taking the locks: its name, its service name, its options."""
+
+    name: str
+    service: str  # the locks' service name: each mode its own keys
+    options: tuple[tuple[str, Any], ...]  # replicas=, replicas_timeout= (or nothing)
+
+
+@dataclass(frozen=True)
 class Config:
     """What every worker of one run is told (pickled to the spawned processes)."""
 
     sentinels: tuple[tuple[str, int], ...]
     master: str  # the name the Sentinels monitor the primary under
-    service: str  # the locks' service name: each run its own
-    options: tuple[tuple[str, Any], ...]  # replicas=, replicas_timeout= (or nothing)
+    modes: tuple[Mode, ...]  # worker i runs modes[i % len(modes)]
     record: str  # the SQLite file
     duration: float  # a worker stops by itself after this many seconds
     seed: int
+
+    def mode(self, worker: int) -> Mode:
+        """The mode worker ``worker`` runs."""
+        return self.modes[worker % len(self.modes)]
+
+    def face(self, worker: int) -> FaceName:
+        """The face worker ``worker`` uses: sync and asyncio alternate within each mode."""
+        return "async" if (worker // len(self.modes)) % 2 else "sync"
 
 
 @dataclass(frozen=True)
@@ -73,6 +92,7 @@ class WorkerReport:
     """What one worker counted."""
 
     worker: int
+    mode: str
     face: FaceName
     grants: int  # acquires that returned a handle
     long_holds: int  # of which held until near their deadline
@@ -91,6 +111,7 @@ class Tally:
     """A worker's running counts; :meth:`report` makes its :class:`WorkerReport`."""
 
     worker: int
+    mode: str
     face: FaceName
     grants: int = 0
     long_holds: int = 0
@@ -106,6 +127,7 @@ class Tally:
     def report(self) -> WorkerReport:
         return WorkerReport(
             self.worker,
+            self.mode,
             self.face,
             self.grants,
             self.long_holds,
@@ -143,25 +165,27 @@ class Record:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.executescript(
                 """
-                CREATE TABLE inside (lock TEXT, slot INTEGER, worker INTEGER,
+                CREATE TABLE inside (mode TEXT, lock TEXT, slot INTEGER, worker INTEGER,
                                      token TEXT PRIMARY KEY, deadline REAL);
-                CREATE TABLE fences (lock TEXT, slot INTEGER, fence INTEGER,
-                                     PRIMARY KEY (lock, slot));
-                CREATE TABLE grants (worker INTEGER, lock TEXT, slot INTEGER, fence INTEGER,
-                                     at REAL, long INTEGER, overlap INTEGER, stale INTEGER);
-                CREATE TABLE overlapped (token TEXT PRIMARY KEY);
+                CREATE TABLE fences (mode TEXT, lock TEXT, slot INTEGER, fence INTEGER,
+                                     PRIMARY KEY (mode, lock, slot));
+                CREATE TABLE grants (mode TEXT, worker INTEGER, lock TEXT, slot INTEGER,
+                                     fence INTEGER, at REAL, long INTEGER, overlap INTEGER,
+                                     stale INTEGER);
+                CREATE TABLE overlapped (mode TEXT, token TEXT PRIMARY KEY);
                 """
             )
 
     def enter(
         self,
+        mode: str,
         worker: int,
         lock: Kind,
         handle: Handle,
         deadline: float,
         long: bool,
     ) -> tuple[bool, bool]:
-        """Record ``handle``'s holder inside ``lock``; ``(overlap, stale fence)``.
+        """Record ``handle``'s holder inside ``mode``'s ``lock``; ``(overlap, stale fence)``.
 
         An overlap: another holder is inside the same slot, or more than the
         lock's permits would be inside, counting only holders whose deadline
@@ -174,7 +198,8 @@ class Record:
             conn.execute("BEGIN IMMEDIATE")
             now = time.time()
             held = conn.execute(
-                "SELECT slot, token FROM inside WHERE lock = ? AND deadline > ?", (lock, now)
+                "SELECT slot, token FROM inside WHERE mode = ? AND lock = ? AND deadline > ?",
+                (mode, lock, now),
             ).fetchall()
             same = [token for s, token in held if s == slot]
             overlap = bool(same) or len(held) + 1 > PERMITS[lock]
@@ -183,21 +208,24 @@ class Record:
                 # with, or all of them when the permits are exceeded.
                 victims = same or [token for _, token in held]
                 conn.executemany(
-                    "INSERT OR IGNORE INTO overlapped VALUES (?)", [(t,) for t in victims]
+                    "INSERT OR IGNORE INTO overlapped VALUES (?, ?)", [(mode, t) for t in victims]
                 )
             row = conn.execute(
-                "SELECT fence FROM fences WHERE lock = ? AND slot = ?", (lock, slot)
+                "SELECT fence FROM fences WHERE mode = ? AND lock = ? AND slot = ?",
+                (mode, lock, slot),
             ).fetchone()
             stale = fence is None or (row is not None and fence <= row[0])
             if not stale:
-                conn.execute("INSERT OR REPLACE INTO fences VALUES (?, ?, ?)", (lock, slot, fence))
+                conn.execute(
+                    "INSERT OR REPLACE INTO fences VALUES (?, ?, ?, ?)", (mode, lock, slot, fence)
+                )
             conn.execute(
-                "INSERT INTO inside VALUES (?, ?, ?, ?, ?)",
-                (lock, slot, worker, handle.token, deadline),
+                "INSERT INTO inside VALUES (?, ?, ?, ?, ?, ?)",
+                (mode, lock, slot, worker, handle.token, deadline),
             )
             conn.execute(
-                "INSERT INTO grants VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (worker, lock, slot, fence, now, long, overlap, stale),
+                "INSERT INTO grants VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (mode, worker, lock, slot, fence, now, long, overlap, stale),
             )
             conn.execute("COMMIT")
         return overlap, stale
@@ -207,18 +235,22 @@ class Record:
         with self._connection() as conn:
             conn.execute("DELETE FROM inside WHERE token = ?", (handle.token,))
 
-    def grants(self) -> list[tuple[int, str, float, bool, bool, bool]]:
-        """Every grant: ``(worker, lock, at, long, overlap, stale)``, in time order."""
+    def grants(self, mode: str) -> list[tuple[int, str, float, bool, bool, bool]]:
+        """``mode``'s grants: ``(worker, lock, at, long, overlap, stale)``, in time order."""
         with self._connection() as conn:
             rows = conn.execute(
-                "SELECT worker, lock, at, long, overlap, stale FROM grants ORDER BY at"
+                "SELECT worker, lock, at, long, overlap, stale FROM grants WHERE mode = ? "
+                "ORDER BY at",
+                (mode,),
             ).fetchall()
         return [(w, k, a, bool(g), bool(o), bool(s)) for w, k, a, g, o, s in rows]
 
-    def overlapped(self) -> int:
-        """How many distinct holders someone entered beside: the grants handed out twice."""
+    def overlapped(self, mode: str) -> int:
+        """How many of ``mode``'s holders someone entered beside: grants handed out twice."""
         with self._connection() as conn:
-            (count,) = conn.execute("SELECT COUNT(*) FROM overlapped").fetchone()
+            (count,) = conn.execute(
+                "SELECT COUNT(*) FROM overlapped WHERE mode = ?", (mode,)
+            ).fetchone()
         return int(count)
 
     def workers_since(self, moment: float) -> set[int]:
@@ -254,16 +286,15 @@ def work(
 ) -> None:
     """One worker process: cycles until ``stop`` is set or ``config.duration`` passes.
 
-    Even workers use the sync face, odd ones the asyncio face. A grant made
+    Its mode and face are ``config.mode(worker)`` and ``config.face(worker)``. A grant made
     while ``hold_long`` is set is leased for :data:`LONG_TTL` and held until
     its deadline nears; any other for :data:`TTL`, held 10-30 ms.
     """
-    face: FaceName = "async" if worker % 2 else "sync"
     processes.report_errors(
         worker,
         reports,
         barrier,
-        Tally(worker, face),
+        Tally(worker, config.mode(worker).name, config.face(worker)),
         lambda tally: _cycles(tally, config, stop, hold_long, barrier),
     )
 
@@ -272,13 +303,14 @@ def _cycles(tally: Tally, config: Config, stop: Any, hold_long: Any, barrier: An
     rng = random.Random(config.seed * 100 + tally.worker)
     loop = LoopThread() if tally.face == "async" else None
     client = _clients(tally.face, config)
-    options = dict(config.options)
+    mode = config.mode(tally.worker)
+    options = dict(mode.options)
     faces = {
         kind: Face(
             tally.face,
             kind,
             client,
-            service_name=config.service,
+            service_name=mode.service,
             max_permits=PERMITS[kind],
             loop=loop,
             **options,
@@ -328,7 +360,7 @@ def _cycle(
     # The holder's own deadline (wall clock, which every process shares):
     # until then dmutex promises that nobody else is granted this permit.
     deadline = time.time() + handle.time_left
-    overlap, stale = record.enter(tally.worker, kind, handle, deadline, long)
+    overlap, stale = record.enter(tally.mode, tally.worker, kind, handle, deadline, long)
     tally.overlaps += overlap
     tally.stale_fences += stale
     time.sleep(max(0.0, handle.time_left - LONG_SPARE) if long else rng.uniform(*HOLD))

@@ -2,16 +2,19 @@
 
 The servers (``tests/_support/sentinel.py``): one primary, two replicas and
 three Sentinels (quorum 2) on 127.0.0.1, persistence off, each started and
-stopped by its pid. Four spawned worker processes (two on the sync face, two
-on the asyncio face; ``tests/_support/failover_workers.py``) take, hold and
-release a ``DMutex`` and a 3-permit ``DSemaphore`` on one key in a loop,
-through redis-py's Sentinel clients, and survive every error a failover
-causes (redis-py's connection, timeout, master-not-found and read-only
-errors, dmutex's ``NotReplicatedError``). Each holder records itself in a
-shared SQLite record (the guarded resource) with a fenced write, holds,
-leaves and releases.
+stopped by its pid. Eight spawned worker processes
+(``tests/_support/failover_workers.py``) take, hold and release a ``DMutex``
+and a 3-permit ``DSemaphore`` on one key in a loop, through redis-py's
+Sentinel clients, and survive every error a failover causes (redis-py's
+connection, timeout, master-not-found and read-only errors, dmutex's
+``NotReplicatedError``). The two modes run side by side through the same
+failovers, each with four workers (two on the sync face, two on the asyncio
+face) and a service name of its own: *off* without ``replicas=``, *on* with
+``replicas=1, replicas_timeout=0.2``. Each holder records itself in a shared
+SQLite record (the guarded resource) with a fenced write, holds, leaves and
+releases.
 
-The faults, :data:`ROUNDS` per mode, each at a random moment 0.5-1.5 s after
+The faults, :data:`ROUNDS` of them, each at a random moment 0.5-1.5 s after
 the previous failover is complete (both replicas streaming, every Sentinel
 seeing them):
 
@@ -54,10 +57,9 @@ What is counted, per mode:
   grant any worker recorded afterwards; and the time until every Sentinel
   named the new primary.
 
-Option off (``replicas`` not given): the figures are printed, not asserted.
-Option on (``replicas=1, replicas_timeout=0.2``): no overlap, no stale fence,
-and every worker was granted something after each failover. Both modes: at
-least :data:`ROUNDS` failovers happened. The report lines (``[failover ...]``)
+Mode off: the figures are printed, not asserted. Mode on: no overlap, no
+stale fence, and every worker was granted something after each failover.
+Both: at least :data:`ROUNDS` failovers happened. The report lines (``[failover ...]``)
 go to the CI log, as ``test_deadlines.tell_case``'s do.
 """
 
@@ -76,25 +78,25 @@ from typing import Any, Literal
 import pytest
 
 from tests._support import failover_workers, fault_servers, processes, redis_servers
-from tests._support.failover_workers import Config, Record, WorkerReport
+from tests._support.failover_workers import Config, Mode, Record, WorkerReport
 from tests._support.sentinel import MASTER, SentinelSetup
 
-Mode = Literal["off", "on"]
+ModeName = Literal["off", "on"]
 
-WORKERS = 4
+REPLICAS_TIMEOUT = 0.2
+MODES = (
+    Mode("off", "failover-off", ()),
+    Mode("on", "failover-on", (("replicas", 1), ("replicas_timeout", REPLICAS_TIMEOUT))),
+)
+WORKERS = 8  # four a mode: worker i runs MODES[i % 2]
 STALLED = (True, True, False, True, True)  # each round's kind of kill
 ROUNDS = len(STALLED)
 STALL = (0.1, 0.4)  # seconds the replicas stay stopped (and grants are long) before a kill
 CALM = (0.5, 1.5)  # seconds of normal running before each round's fault
 PROGRESS_WAIT = 15.0  # for every worker to be granted something after a failover
-MODE_BUDGET = 80.0  # a mode's whole run; two of them stay under the 3-minute cap
+BUDGET = 120.0  # the whole run's; it takes 40-50 s, and stays under the 3-minute cap
 ROUND_NEEDS = 15.0  # a round is not started with less than this left of the budget
-REPLICAS_TIMEOUT = 0.2
 SEED = 27
-OPTIONS: dict[Mode, tuple[tuple[str, Any], ...]] = {
-    "off": (),
-    "on": (("replicas", 1), ("replicas_timeout", REPLICAS_TIMEOUT)),
-}
 
 
 @pytest.fixture(scope="module")
@@ -198,14 +200,18 @@ class Driver:
 
 @dataclass
 class Outcome:
-    """What one mode's run gave."""
+    """What one mode gave."""
 
-    mode: Mode
+    mode: ModeName
     failovers: list[Failover]
     reports: list[WorkerReport]
     grants: list[tuple[int, str, float, bool, bool, bool]]
     overlapped: int  # distinct holders someone entered beside
     seconds: float
+
+    def workers(self) -> set[int]:
+        """This mode's workers."""
+        return {report.worker for report in self.reports}
 
     def total(self, name: str) -> int:
         return sum(int(getattr(report, name)) for report in self.reports)
@@ -258,7 +264,7 @@ class Outcome:
                 f"{failover.switched:.2f} s, first grant {window} s; until the next kill "
                 f"{len(grants)} grants, {sum(g[4] for g in grants)} overlaps, "
                 f"{sum(g[5] for g in grants)} stale fences; workers granted "
-                f"{len(failover.progressed)}/{WORKERS}"
+                f"{len(failover.progressed & self.workers())}/{len(self.workers())}"
             )
         return lines
 
@@ -273,8 +279,8 @@ def spread(values: list[float]) -> str:
 # --- the test -------------------------------------------------------------------------------
 
 
-def run_mode(setup: SentinelSetup, mode: Mode, folder: Path) -> Outcome:
-    """The workers and the rounds of ``mode``, on ``setup``; what they gave."""
+def run(setup: SentinelSetup, folder: Path) -> dict[ModeName, Outcome]:
+    """The workers of both modes and the rounds, on ``setup``; what each mode gave."""
     started = time.monotonic()
     record = Record(folder / "record.sqlite")
     record.create()
@@ -283,13 +289,12 @@ def run_mode(setup: SentinelSetup, mode: Mode, folder: Path) -> Outcome:
     config = Config(
         sentinels=tuple(setup.sentinel_addresses),
         master=MASTER,
-        service=f"failover-{mode}",
-        options=OPTIONS[mode],
+        modes=MODES,
         record=str(record.path),
-        duration=MODE_BUDGET,
+        duration=BUDGET,
         seed=SEED,
     )
-    driver = Driver(setup, record, stop, hold_long, started + MODE_BUDGET, failovers=[], errors=[])
+    driver = Driver(setup, record, stop, hold_long, started + BUDGET, failovers=[], errors=[])
     thread = threading.Thread(target=driver.run, name="failover-driver", daemon=True)
     thread.start()
     try:
@@ -299,7 +304,7 @@ def run_mode(setup: SentinelSetup, mode: Mode, folder: Path) -> Outcome:
             config,
             stop,
             hold_long,
-            deadline=MODE_BUDGET + 30.0,  # spawning and importing, before the barrier
+            deadline=BUDGET + 30.0,  # spawning and importing, before the barrier
             report=WorkerReport,
         )
     finally:
@@ -308,28 +313,49 @@ def run_mode(setup: SentinelSetup, mode: Mode, folder: Path) -> Outcome:
     if driver.errors:
         raise driver.errors[0]
     assert not thread.is_alive(), "the fault driver did not end"
-    return Outcome(
-        mode,
-        driver.failovers,
-        reports,
-        record.grants(),
-        record.overlapped(),
-        time.monotonic() - started,
-    )
+    assert len(reports) == WORKERS
+    seconds = time.monotonic() - started
+    names: tuple[ModeName, ...] = ("off", "on")
+    return {
+        name: Outcome(
+            name,
+            driver.failovers,
+            [r for r in reports if r.mode == name],
+            record.grants(name),
+            record.overlapped(name),
+            seconds,
+        )
+        for name in names
+    }
 
 
-@pytest.mark.parametrize("mode", ["off", "on"])
-def test_failover(setup: SentinelSetup, mode: Mode, tmp_path: Path) -> None:
-    """Workers through kills of the primary: figures printed; with replicas=1, no overlap."""
-    outcome = run_mode(setup, mode, tmp_path)
-    for line in outcome.lines():
-        print(line)
-    assert len(outcome.reports) == WORKERS
+@pytest.fixture(scope="module")
+def outcomes(
+    setup: SentinelSetup, tmp_path_factory: pytest.TempPathFactory
+) -> dict[ModeName, Outcome]:
+    """One run of both modes side by side, shared by the two tests; its lines printed."""
+    made = run(setup, tmp_path_factory.mktemp("failover"))
+    for outcome in made.values():
+        for line in outcome.lines():
+            print(line)
+    return made
+
+
+def test_failover_without_replicas_is_reported(outcomes: dict[ModeName, Outcome]) -> None:
+    """Without replicas=: at least ROUNDS failovers; what they did is printed, not judged."""
+    outcome = outcomes["off"]
+    assert len(outcome.reports) == WORKERS // len(MODES)
     assert len(outcome.failovers) >= ROUNDS, "fewer failovers than rounds: the budget ran out"
-    if mode == "off":
-        return  # what a failover does without replicas= is reported, not judged
+
+
+def test_failover_with_replicas_overlaps_nothing(outcomes: dict[ModeName, Outcome]) -> None:
+    """With replicas=1: no overlap, no stale fence, every worker granted after every failover."""
+    outcome = outcomes["on"]
+    assert len(outcome.reports) == WORKERS // len(MODES)
+    assert len(outcome.failovers) >= ROUNDS, "fewer failovers than rounds: the budget ran out"
     assert outcome.total("overlaps") == 0
     assert outcome.overlapped == 0
     assert outcome.total("stale_fences") == 0
     for i, failover in enumerate(outcome.failovers):
-        assert len(failover.progressed) == WORKERS, f"failover #{i + 1}: not every worker granted"
+        missing = outcome.workers() - failover.progressed
+        assert not missing, f"failover #{i + 1}: workers {sorted(missing)} not granted after it"
