@@ -1,4 +1,4 @@
-"""dmutex: distributed mutexes and semaphores over MongoDB, Redis, PostgreSQL and SQLite.
+"""dmutex: distributed mutexes, semaphores and read-write locks over MongoDB, Redis, PostgreSQL and SQLite.
 
 Token-protected leases with a TTL. Inject the client your application already
 uses; dmutex imports none of them. ``SQLiteBackend`` serves the processes of
@@ -27,10 +27,22 @@ from ._faces.aio import (
     AsyncClient,
     AsyncDMutex,
     AsyncDMutexLock,
+    AsyncDReadLock,
+    AsyncDReadWriteLock,
     AsyncDSemaphore,
     AsyncDSemaphorePermit,
+    AsyncDWriteLock,
 )
-from ._faces.sync import DMutex, DMutexLock, DSemaphore, DSemaphorePermit, SyncClient
+from ._faces.sync import (
+    DMutex,
+    DMutexLock,
+    DReadLock,
+    DReadWriteLock,
+    DSemaphore,
+    DSemaphorePermit,
+    DWriteLock,
+    SyncClient,
+)
 from ._validate import MAX_KEY_LENGTH, MAX_PERMITS, BackendName
 from ._version import __version__
 
@@ -42,15 +54,21 @@ __all__ = [
     "AsyncClient",
     "AsyncDMutex",
     "AsyncDMutexLock",
+    "AsyncDReadLock",
+    "AsyncDReadWriteLock",
     "AsyncDSemaphore",
     "AsyncDSemaphorePermit",
+    "AsyncDWriteLock",
     "BackendName",
     "Clock",
     "DMutex",
     "DMutexError",
     "DMutexLock",
+    "DReadLock",
+    "DReadWriteLock",
     "DSemaphore",
     "DSemaphorePermit",
+    "DWriteLock",
     "InMemoryBackend",
     "InvalidArgumentError",
     "LeaseLostError",

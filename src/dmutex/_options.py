@@ -18,16 +18,22 @@ from ._validate import (
     check_clock,
     check_flag,
     check_max_permits,
+    check_max_readers,
     check_replicas,
     check_replicas_timeout,
     check_str,
     check_ttl,
 )
 
-Kind = Literal["mutex", "semaphore"]
+Kind = Literal["mutex", "semaphore", "readwrite"]
 
-# The TypeScript library's defaults, per kind: collection and key prefixes.
-DEFAULT_PREFIX: dict[Kind, str] = {"mutex": "_dmutex_", "semaphore": "_dsemaphore_"}
+# The TypeScript library's defaults, per kind: collection and key prefixes
+# (the read-write lock is dmutex's own, with a prefix of its own).
+DEFAULT_PREFIX: dict[Kind, str] = {
+    "mutex": "_dmutex_",
+    "semaphore": "_dsemaphore_",
+    "readwrite": "_drwlock_",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +71,8 @@ class Options:
     """Redis: how many replicas must acknowledge a grant, extend or renewal (0: none)."""
     replicas_timeout_ms: int
     """Redis: how long the ``WAIT`` for them may last, in whole ms (at least 1)."""
+    max_readers: int | None = None
+    """A read-write lock's bound on readers at once; None: no bound."""
 
     @classmethod
     def check(
@@ -88,6 +96,7 @@ class Options:
         database_name: object = None,
         replicas: object = 0,
         replicas_timeout: object = 1.0,
+        max_readers: object = None,
     ) -> Options:
         """Check every argument, by the names of the constructors' parameters.
 
@@ -124,6 +133,7 @@ class Options:
         )
         waited_for = check_replicas(replicas)
         wait_ms = check_replicas_timeout(replicas_timeout)
+        readers = None if max_readers is None else check_max_readers(max_readers)
         return cls(
             kind=kind,
             service_name=service,
@@ -142,4 +152,5 @@ class Options:
             database_name=database_of_table,
             replicas=waited_for,
             replicas_timeout_ms=wait_ms,
+            max_readers=readers,
         )

@@ -130,6 +130,18 @@ def check_max_permits(value: object) -> int:
     return permits
 
 
+def check_max_readers(value: object) -> int:
+    """Return a bound on a read-write lock's readers: an ``int`` from 1 to :data:`MAX_PERMITS`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgumentTypeError(f"max_readers must be an int or None, not {type(value).__name__}")
+    readers = int(value)
+    if not 1 <= readers <= MAX_PERMITS:
+        raise InvalidArgumentError(
+            f"max_readers must be from 1 to {MAX_PERMITS}, or None, not {_shown(readers)}"
+        )
+    return readers
+
+
 MAX_REPLICAS = 64
 """The largest ``replicas`` a lock may wait for: more than any Redis deployment runs."""
 

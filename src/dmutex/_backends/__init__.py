@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from .._clock import SYSTEM_CLOCK
 from .._core.abc import Store
-from .._errors import InvalidArgumentError
+from .._core.readwrite import ReadWriteStore
+from .._errors import InvalidArgumentError, UnsupportedClientError
 from .._options import Options
 from .._validate import (
     check_collection_name,
@@ -23,7 +24,7 @@ from .._validate import (
     check_mysql_names,
     check_postgres_names,
 )
-from .memory import InMemoryBackend, MemoryStore
+from .memory import InMemoryBackend, MemoryReadWriteStore, MemoryStore
 from .mongo import MongoStore
 from .mysql import MySQLStore
 from .postgres import PostgresStore
@@ -52,6 +53,14 @@ _NOT_WAITED = {
 }
 
 
+def _check_memory(client: InMemoryBackend, options: Options) -> None:
+    if options.clock is not None and options.clock is not client.clock:
+        raise InvalidArgumentError(
+            "an InMemoryBackend decides expiry by its own clock: pass clock= to "
+            "InMemoryBackend(clock=...), not to the lock"
+        )
+
+
 def open_store(client: object, options: Options, *, asynchronous: bool) -> Store:
     """The store that serves ``options``' namespace through ``client``.
 
@@ -67,11 +76,7 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
             f"replicas={options.replicas} is the Redis backend's option: {_NOT_WAITED[found]}"
         )
     if isinstance(client, InMemoryBackend):
-        if options.clock is not None and options.clock is not client.clock:
-            raise InvalidArgumentError(
-                "an InMemoryBackend decides expiry by its own clock: pass clock= to "
-                "InMemoryBackend(clock=...), not to the lock"
-            )
+        _check_memory(client, options)
         fencing = options.fencing is not False
         return MemoryStore(client, options.key_prefix, options.max_permits, fencing=fencing)
     clock = SYSTEM_CLOCK if options.clock is None else options.clock
@@ -126,4 +131,30 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
     return MongoStore(collection, options.max_permits, clock, fencing=options.fencing is True)
 
 
-__all__ = ["InMemoryBackend", "SQLiteBackend", "Store", "open_store"]
+# The backends that serve read-write locks so far.
+_READ_WRITE = ("InMemoryBackend",)
+
+
+def open_readwrite_store(client: object, options: Options, *, asynchronous: bool) -> ReadWriteStore:
+    """The store that serves ``options``' namespace of read-write locks through ``client``.
+
+    Detects and checks as :func:`open_store` does, and makes no request.
+    """
+    found = detect(client, options.backend)
+    if options.replicas and found in _NOT_WAITED:
+        raise InvalidArgumentError(
+            f"replicas={options.replicas} is the Redis backend's option: {_NOT_WAITED[found]}"
+        )
+    fencing = options.fencing is not False
+    if isinstance(client, InMemoryBackend):
+        _check_memory(client, options)
+        return MemoryReadWriteStore(
+            client, options.key_prefix, options.max_readers, fencing=fencing
+        )
+    raise UnsupportedClientError(
+        f"read-write locks are not available on the {found} backend in this version "
+        f"(available on: {', '.join(_READ_WRITE)})"
+    )
+
+
+__all__ = ["InMemoryBackend", "SQLiteBackend", "Store", "open_readwrite_store", "open_store"]

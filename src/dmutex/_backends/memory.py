@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from .._clock import SYSTEM_CLOCK, Clock
+from .._core import readwrite
 from .._core.abc import Holder, Inspection, Renewed, extend_each
 from .._core.effects import Steps, Wait
 from .._core.lease import MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
 from .._core.waiting import Waiter, Wakeup
 
-__all__ = ["InMemoryBackend", "MemoryStore"]
+__all__ = ["InMemoryBackend", "MemoryReadWriteStore", "MemoryStore"]
 
 
 @dataclass
@@ -169,6 +170,10 @@ class InMemoryBackend:
         # prefix -> key -> the last fence granted; kept when the records go,
         # as Redis keeps its counter records.
         self._fences: dict[str, dict[str, int]] = {}
+        # prefix -> key -> its read-write lock's holds (dmutex._core.readwrite);
+        # a key whose last hold and intent end is removed, its fence kept in
+        # _fences.
+        self._rw: dict[str, dict[str, readwrite.State]] = {}
         # (prefix, key) -> the wakeups of retrying acquires waiting for it;
         # held weakly, so that an acquire that was abandoned leaves nothing.
         self._waiters: dict[tuple[str, str], weakref.WeakSet[Wakeup]] = {}
@@ -181,23 +186,32 @@ class InMemoryBackend:
     def snapshot(self) -> dict[str, tuple[str, datetime]]:
         """Every active permit, as ``{storage key: (token, expires at)}``.
 
-        Storage keys are the Redis ones, ``f"{key_prefix}permit:{slot}:{key}"``.
-        Useful to assert that code under test left no lock behind.
+        Storage keys are the Redis ones, ``f"{key_prefix}permit:{slot}:{key}"``;
+        a read-write lock's holds show as ``f"{key_prefix}write:{key}"`` and
+        ``f"{key_prefix}read:{token}:{key}"`` (on Redis they are fields of
+        one record). Useful to assert that code under test left no lock behind.
         """
         now = now_ms(self._clock)
         with self._lock:
-            return {
+            found = {
                 f"{prefix}permit:{slot}:{key}": (rec.token, expiry_datetime(rec.expires_ms))
                 for prefix, keys in self._records.items()
                 for key, slots in keys.items()
                 for slot, rec in slots.records.items()
                 if now < rec.expires_ms
             }
+            for prefix, states in self._rw.items():
+                for key, state in states.items():
+                    for slot, token, expires_ms in readwrite.holders(state, now):
+                        name = "write:" if slot == readwrite.WRITE_SLOT else f"read:{token}:"
+                        found[f"{prefix}{name}{key}"] = (token, expiry_datetime(expires_ms))
+            return found
 
     def force_expire(self, key: str, slot: int | None = None) -> int:
         """Make the permits of lock ``key`` expire now, in every namespace.
 
-        Only ``slot`` if given. The records stay in place, as an expired record
+        Only ``slot`` if given (a read-write lock: 0 its writer, 1 its
+        readers). The records stay in place, as an expired record
         that a server has not yet removed would, so the next acquire takes
         them over. Returns how many active permits expired. Use it to test
         what code does when its lease is lost.
@@ -215,7 +229,15 @@ class InMemoryBackend:
                     if rec is not None and now < rec.expires_ms:
                         slots.set_expiry(number, now)
                         expired += 1
-            woken = [self._waiters.pop((prefix, key), ()) for prefix in self._records]
+            for states in self._rw.values():
+                state = states.get(key)
+                if state is not None:
+                    for number, token, _ in readwrite.holders(state, now):
+                        if slot is None or slot == number:
+                            readwrite.extend(state, token, number, 0, now)
+                            expired += 1
+            prefixes = {*self._records, *self._rw}
+            woken = [self._waiters.pop((prefix, key), ()) for prefix in prefixes]
         _wake(wakeup for wakeups in woken for wakeup in wakeups)
         return expired
 
@@ -224,6 +246,31 @@ def _wake(wakeups: Iterable[Wakeup]) -> None:
     """Wake each of ``wakeups``: called outside the backend's lock (a wakeup calls listeners)."""
     for wakeup in list(wakeups):
         wakeup.set()
+
+
+def _register(
+    backend: InMemoryBackend, prefix: str, key: str, waiter: Waiter, expires_in: float | None
+) -> None:
+    """Register ``waiter`` for a wake when ``prefix``'s ``key`` changes (None: forget it).
+
+    The caller holds the backend's lock, so that no release falls between
+    the failed attempt and the registration.
+    """
+    waiting = backend._waiters
+    wakeups = waiting.get((prefix, key))
+    if expires_in is None:
+        if wakeups is not None:
+            wakeups.discard(waiter.wakeup)
+            if not wakeups:
+                del waiting[(prefix, key)]
+        waiter.registered = False
+        return
+    if wakeups is None:
+        wakeups = waiting[(prefix, key)] = weakref.WeakSet()
+    waiter.wakeup.clear()
+    wakeups.add(waiter.wakeup)
+    waiter.registered = True
+    waiter.expires_in = expires_in
 
 
 class MemoryStore:
@@ -289,26 +336,7 @@ class MemoryStore:
         return None
 
     def _register(self, key: str, waiter: Waiter, expires_in: float | None) -> None:
-        """Register ``waiter`` for a wake when ``key`` is released (None: forget it).
-
-        The caller holds the backend's lock, so that no release falls
-        between the failed attempt and the registration.
-        """
-        waiting = self._backend._waiters
-        wakeups = waiting.get((self._prefix, key))
-        if expires_in is None:
-            if wakeups is not None:
-                wakeups.discard(waiter.wakeup)
-                if not wakeups:
-                    del waiting[(self._prefix, key)]
-            waiter.registered = False
-            return
-        if wakeups is None:
-            wakeups = waiting[(self._prefix, key)] = weakref.WeakSet()
-        waiter.wakeup.clear()
-        wakeups.add(waiter.wakeup)
-        waiter.registered = True
-        waiter.expires_in = expires_in
+        _register(self._backend, self._prefix, key, waiter, expires_in)
 
     def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
         yield Wait(waiter.wakeup, seconds)
@@ -354,3 +382,127 @@ class MemoryStore:
             ]
             fence = self._backend._fences.get(self._prefix, {}).get(key)
         return Inspection(found, fence if self._fencing else None, now)
+
+
+class MemoryReadWriteStore:
+    """One namespace of read-write locks in an :class:`InMemoryBackend`; a ``ReadWriteStore``.
+
+    Each key's holds are a :class:`~dmutex._core.readwrite.State`, decided
+    by that module under the backend's lock. Fences count 1, 2, 3, ... per
+    key, as a mutex's do here, and outlive the holds.
+    """
+
+    max_expiry_ms = MAX_EXPIRY_MS
+
+    def __init__(
+        self,
+        backend: InMemoryBackend,
+        prefix: str,
+        max_readers: int | None,
+        *,
+        fencing: bool = True,
+    ) -> None:
+        self._backend = backend
+        self._prefix = prefix
+        self._max_readers = max_readers
+        self._fencing = fencing
+
+    @property
+    def clock(self) -> Clock:
+        return self._backend.clock
+
+    def _state(self, key: str) -> readwrite.State:
+        """``key``'s state, made if absent, its fence counter restored; under the lock."""
+        states = self._backend._rw.setdefault(self._prefix, {})
+        state = states.get(key)
+        if state is None:
+            fence = self._backend._fences.get(self._prefix, {}).get(key, 0)
+            state = states[key] = readwrite.State(fence=fence)
+        return state
+
+    def _settle(self, key: str, state: readwrite.State) -> None:
+        """Keep the fence counter; forget the key once nothing is held or intended."""
+        if self._fencing:
+            self._backend._fences.setdefault(self._prefix, {})[key] = state.fence
+        if state.empty():
+            self._backend._rw.get(self._prefix, {}).pop(key, None)
+
+    def ready(self) -> Steps[None]:
+        yield from ()
+
+    def acquire(
+        self, key: str, token: str, ttl_ms: int, waiter: Waiter | None, *, write: bool
+    ) -> Steps[Lease | None]:
+        yield from ()
+        woken: Iterable[Wakeup] = ()
+        with self._backend._lock:
+            now = now_ms(self.clock)
+            state = self._state(key)
+            had_intent = token in state.intents
+            if write:
+                intent = readwrite.intent_until(now, waiter)
+                # Counted 1, 2, 3: the clock in microseconds is no floor here.
+                decided = readwrite.take_write(state, token, ttl_ms, now, 0, intent)
+            else:
+                decided = readwrite.take_read(state, token, ttl_ms, now, 0, self._max_readers)
+            if had_intent and token not in state.intents and not state.writer:
+                # A writer gave up: the readers its intent held back may enter.
+                woken = self._backend._waiters.pop((self._prefix, key), ())
+            self._settle(key, state)
+            if isinstance(decided, readwrite.Grant):
+                if waiter is not None:
+                    self._register(key, waiter, None)
+                slot = readwrite.WRITE_SLOT if write else readwrite.READ_SLOT
+                fence = decided.fence if self._fencing else None
+                lease = Lease(key, token, slot, decided.expires_ms, fence)
+            else:
+                lease = None
+                if waiter is not None:
+                    clears = None if waiter.last else (decided.clears_ms - now) / 1000
+                    self._register(key, waiter, clears)
+        _wake(woken)
+        return lease
+
+    def _register(self, key: str, waiter: Waiter, expires_in: float | None) -> None:
+        _register(self._backend, self._prefix, key, waiter, expires_in)
+
+    def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
+        yield Wait(waiter.wakeup, seconds)
+
+    def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
+        yield from ()
+        woken: Iterable[Wakeup] = ()
+        with self._backend._lock:
+            state = self._backend._rw.get(self._prefix, {}).get(key)
+            if state is None:
+                return False
+            had_intent = token in state.intents
+            released = readwrite.drop(state, token, now_ms(self.clock))
+            if released or had_intent:
+                woken = self._backend._waiters.pop((self._prefix, key), ())
+            self._settle(key, state)
+        _wake(woken)
+        return released
+
+    def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
+        yield from ()
+        with self._backend._lock:
+            state = self._backend._rw.get(self._prefix, {}).get(key)
+            if state is None:
+                return None
+            expires = readwrite.extend(state, token, slot, ttl_ms, now_ms(self.clock))
+            self._settle(key, state)
+            return expires
+
+    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
+        return extend_each(self, leases)
+
+    def holders(self, key: str) -> Steps[Inspection]:
+        yield from ()
+        with self._backend._lock:
+            now = now_ms(self.clock)
+            state = self._backend._rw.get(self._prefix, {}).get(key)
+            found = [] if state is None else readwrite.holders(state, now)
+            fence = self._backend._fences.get(self._prefix, {}).get(key)
+        holders = [Holder(slot, token, expires) for slot, token, expires in found]
+        return Inspection(holders, fence if self._fencing else None, now)

@@ -135,7 +135,15 @@ def sleep(seconds: float) -> Steps[None]:
     yield Sleep(seconds)
 
 
-def extend_each(store: Store, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
+class Extends(Protocol):
+    """What :func:`extend_each` needs of a store: its ``extend``."""
+
+    def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
+        """As :meth:`Store.extend`."""
+        ...
+
+
+def extend_each(store: Extends, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
     """``extend_many`` for a store with no batch request: one ``extend`` per lease, in turn.
 
     A lease that ended while the requests before it were out (its deadline

@@ -32,15 +32,18 @@ from .._core.waiting import pieces
 from .._runtime.drivers import AsyncDriver, waker
 from .._runtime.renewers import AsyncRenewer
 from .._validate import check_timeout
-from .base import MutexBase, SemaphoreBase, Wrapping
+from .base import MutexBase, ReadWriteBase, SemaphoreBase, Wrapping
 from .handles import HandleBase, SlotMixin
 
 __all__ = [
     "AsyncClient",
     "AsyncDMutex",
     "AsyncDMutexLock",
+    "AsyncDReadLock",
+    "AsyncDReadWriteLock",
     "AsyncDSemaphore",
     "AsyncDSemaphorePermit",
+    "AsyncDWriteLock",
 ]
 
 T = TypeVar("T")
@@ -136,6 +139,18 @@ class AsyncDMutexLock(_AsyncHandle):
 
 class AsyncDSemaphorePermit(SlotMixin[AsyncDriver], _AsyncHandle):
     """A held semaphore permit; ``async with permit:`` releases it on exit."""
+
+    __slots__ = ()
+
+
+class AsyncDReadLock(_AsyncHandle):
+    """A held read lock; ``async with lock:`` releases it on exit."""
+
+    __slots__ = ()
+
+
+class AsyncDWriteLock(_AsyncHandle):
+    """A held write lock; ``async with lock:`` releases it on exit."""
 
     __slots__ = ()
 
@@ -253,3 +268,142 @@ class AsyncDMutex(_AsyncFace[AsyncDMutexLock], MutexBase[AsyncClient]):
             stacklevel=2,
         )
         return await self._drive(self._engine.unlock(key, token))
+
+
+class _AsyncSide(_AsyncFace[H]):
+    """One side of an :class:`AsyncDReadWriteLock`; see ``_SyncSide``."""
+
+    def __init__(self, engine: Engine, drive: AsyncDriver, handle: Callable[..., H]) -> None:
+        self._engine = engine
+        self._drive = drive
+        self._handle = handle
+
+    def _wrap(self, lease: Lease) -> H:
+        return self._handle(lease, self._engine, self._drive)
+
+
+class AsyncDReadWriteLock(ReadWriteBase[AsyncClient]):
+    """The asyncio twin of :class:`DReadWriteLock`: many readers or one writer per key."""
+
+    _ASYNC = True
+
+    def _start_driver(self, engine: Engine) -> None:
+        self._drive = AsyncDriver(engine.clock, engine.prepare)
+        self._read = _AsyncSide(self._reading, self._drive, AsyncDReadLock)
+        self._write = _AsyncSide(self._writing, self._drive, AsyncDWriteLock)
+
+    async def ready(self) -> None:
+        """Prepare the backend once per instance; see :meth:`DMutex.ready`."""
+        await self._drive.ready()
+
+    async def acquire_read(
+        self, key: str, ttl: float | None = None, *, auto_renew: bool = False
+    ) -> AsyncDReadLock | None:
+        """Try once to read-lock ``key``; see :meth:`DReadWriteLock.acquire_read`."""
+        return await self._read.acquire(key, ttl, auto_renew=auto_renew)
+
+    async def acquire_write(
+        self, key: str, ttl: float | None = None, *, auto_renew: bool = False
+    ) -> AsyncDWriteLock | None:
+        """Try once to write-lock ``key``; see :meth:`DReadWriteLock.acquire_write`."""
+        return await self._write.acquire(key, ttl, auto_renew=auto_renew)
+
+    async def acquire_read_with_retry(
+        self,
+        key: str,
+        *,
+        ttl: float | None = None,
+        timeout: float = 30.0,
+        retry_delay: float = 0.1,
+        auto_renew: bool = False,
+    ) -> AsyncDReadLock | None:
+        """Try to read-lock ``key`` until ``timeout``.
+
+        See :meth:`DReadWriteLock.acquire_read_with_retry`.
+        """
+        return await self._read.acquire_with_retry(
+            key, ttl=ttl, timeout=timeout, retry_delay=retry_delay, auto_renew=auto_renew
+        )
+
+    async def acquire_write_with_retry(
+        self,
+        key: str,
+        *,
+        ttl: float | None = None,
+        timeout: float = 30.0,
+        retry_delay: float = 0.1,
+        auto_renew: bool = False,
+    ) -> AsyncDWriteLock | None:
+        """Try to write-lock ``key`` until ``timeout``, keeping new readers out meanwhile.
+
+        See :meth:`DReadWriteLock.acquire_write_with_retry`.
+        """
+        return await self._write.acquire_with_retry(
+            key, ttl=ttl, timeout=timeout, retry_delay=retry_delay, auto_renew=auto_renew
+        )
+
+    async def run_read(
+        self,
+        key: str,
+        callback: Callable[[AsyncDReadLock], Awaitable[T]],
+        ttl: float | None = None,
+        *,
+        auto_renew: bool = False,
+    ) -> T | None:
+        """Await ``callback(lock)`` while read-locking ``key``; see :meth:`AsyncDMutex.run`."""
+        return await self._read.run(key, callback, ttl, auto_renew=auto_renew)
+
+    async def run_write(
+        self,
+        key: str,
+        callback: Callable[[AsyncDWriteLock], Awaitable[T]],
+        ttl: float | None = None,
+        *,
+        auto_renew: bool = False,
+    ) -> T | None:
+        """Await ``callback(lock)`` while write-locking ``key``; see :meth:`AsyncDMutex.run`."""
+        return await self._write.run(key, callback, ttl, auto_renew=auto_renew)
+
+    async def run_read_with_retry(
+        self,
+        key: str,
+        callback: Callable[[AsyncDReadLock], Awaitable[T]],
+        *,
+        ttl: float | None = None,
+        timeout: float = 30.0,
+        retry_delay: float = 0.1,
+        auto_renew: bool = False,
+    ) -> T | None:
+        """Like :meth:`run_read`, acquiring as :meth:`acquire_read_with_retry` does."""
+        return await self._read.run_with_retry(
+            key, callback, ttl=ttl, timeout=timeout, retry_delay=retry_delay, auto_renew=auto_renew
+        )
+
+    async def run_write_with_retry(
+        self,
+        key: str,
+        callback: Callable[[AsyncDWriteLock], Awaitable[T]],
+        *,
+        ttl: float | None = None,
+        timeout: float = 30.0,
+        retry_delay: float = 0.1,
+        auto_renew: bool = False,
+    ) -> T | None:
+        """Like :meth:`run_write`, acquiring as :meth:`acquire_write_with_retry` does."""
+        return await self._write.run_with_retry(
+            key, callback, ttl=ttl, timeout=timeout, retry_delay=retry_delay, auto_renew=auto_renew
+        )
+
+    async def release(self, key: str, token: str) -> bool:
+        """Release the active hold of ``key`` holding ``token``.
+
+        See :meth:`DReadWriteLock.release`.
+        """
+        return await self._drive(self._reading.release_token(key, token))
+
+    async def extend(self, key: str, token: str, ttl: float | None = None) -> bool:
+        """Extend the active hold of ``key`` holding ``token`` to now + ``ttl``.
+
+        See :meth:`DReadWriteLock.extend`.
+        """
+        return await self._drive(self._reading.extend_token(key, token, ttl))

@@ -1,10 +1,11 @@
 """The constructors both faces share, and what they build.
 
 ``DMutex`` and ``AsyncDMutex`` take the same arguments, as do ``DSemaphore``
-and ``AsyncDSemaphore``; only the client type differs, which is the type
-parameter here. Each constructor checks its arguments into one
-:class:`~dmutex._options.Options`, opens the store for the client, and makes
-the engine and the face's driver.
+and ``AsyncDSemaphore``, and ``DReadWriteLock`` and ``AsyncDReadWriteLock``;
+only the client type differs, which is the type parameter here. Each
+constructor checks its arguments into one :class:`~dmutex._options.Options`,
+opens the store for the client, and makes the engine (a read-write lock: one
+per side) and the face's driver.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar, Generic, TypeVar
 
-from .._backends import open_store
+from .._backends import open_readwrite_store, open_store
 from .._clock import Clock
 from .._core import renewal
 from .._core.engine import Engine
 from .._core.lease import Lease
+from .._core.readwrite import side
 from .._options import Kind, Options
 from .._validate import BackendName, check_flag
 from .handles import HandleBase
@@ -174,3 +176,58 @@ class MutexBase(Face[ClientT]):
         ``_dmutex_`` instead of ``_dsemaphore_``.
         """
         self._open(client, _check("mutex", {**locals(), "max_permits": 1}))
+
+
+class ReadWriteFace(Generic[ClientT]):
+    """A read-write lock's two engines (its readers' and its writers') and its driver."""
+
+    _ASYNC: ClassVar[bool]
+    _reading: Engine
+    _writing: Engine
+
+    def _open(self, client: object, options: Options) -> None:
+        store = open_readwrite_store(client, options, asynchronous=self._ASYNC)
+        ttl, shield = options.default_ttl, self._ASYNC
+        self._reading = Engine(side(store, write=False), default_ttl=ttl, shield=shield)
+        self._writing = Engine(side(store, write=True), default_ttl=ttl, shield=shield)
+        self._start_driver(self._reading)
+
+    def _start_driver(self, engine: Engine) -> None:
+        raise NotImplementedError
+
+
+class ReadWriteBase(ReadWriteFace[ClientT]):
+    """Construction of a read-write lock, sync or async."""
+
+    def __init__(
+        self,
+        service_name: str,
+        client: ClientT,
+        *,
+        max_readers: int | None = None,
+        default_ttl_seconds: float = 300,
+        backend: BackendName | None = None,
+        db_name: str = "dmutex",
+        collection_name: str | None = None,
+        collection_prefix: str = "_drwlock_",
+        key_prefix: str | None = None,
+        clock: Clock | None = None,
+        fencing: bool | None = None,
+        table_name: str | None = None,
+        table_prefix: str = "_drwlock_",
+        schema_name: str | None = None,
+        database_name: str | None = None,
+        replicas: int = 0,
+        replicas_timeout: float = 1.0,
+    ) -> None:
+        """Make a read-write lock for ``service_name``: many readers or one writer per key.
+
+        ``max_readers`` bounds the readers of a key at once (None: no bound).
+        The other options mean what they mean for a semaphore; the defaults
+        name ``_drwlock_`` instead of ``_dsemaphore_``.
+
+        Raises ``TypeError``/``ValueError`` for bad arguments and for a client
+        that meets no contract or whose backend serves no read-write lock
+        yet, before any request reaches the client.
+        """
+        self._open(client, _check("readwrite", {**locals(), "max_permits": 1}))

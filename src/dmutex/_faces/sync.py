@@ -32,10 +32,19 @@ from .._core.waiting import pieces
 from .._runtime.drivers import SyncDriver
 from .._runtime.renewers import SYNC
 from .._validate import check_timeout
-from .base import MutexBase, SemaphoreBase, Wrapping
+from .base import MutexBase, ReadWriteBase, SemaphoreBase, Wrapping
 from .handles import HandleBase, SlotMixin
 
-__all__ = ["DMutex", "DMutexLock", "DSemaphore", "DSemaphorePermit", "SyncClient"]
+__all__ = [
+    "DMutex",
+    "DMutexLock",
+    "DReadLock",
+    "DReadWriteLock",
+    "DSemaphore",
+    "DSemaphorePermit",
+    "DWriteLock",
+    "SyncClient",
+]
 
 T = TypeVar("T")
 H = TypeVar("H", bound="_SyncHandle")
@@ -132,6 +141,18 @@ class DMutexLock(_SyncHandle):
 
 class DSemaphorePermit(SlotMixin[SyncDriver], _SyncHandle):
     """A held semaphore permit; ``with permit:`` releases it on exit."""
+
+    __slots__ = ()
+
+
+class DReadLock(_SyncHandle):
+    """A held read lock (one of the key's readers); ``with lock:`` releases it on exit."""
+
+    __slots__ = ()
+
+
+class DWriteLock(_SyncHandle):
+    """A held write lock (the key's one holder); ``with lock:`` releases it on exit."""
 
     __slots__ = ()
 
@@ -292,3 +313,163 @@ class DMutex(_SyncFace[DMutexLock], MutexBase[SyncClient]):
             stacklevel=2,
         )
         return self._drive(self._engine.unlock(key, token))
+
+
+class _SyncSide(_SyncFace[H]):
+    """One side of a :class:`DReadWriteLock`: its engine, the lock's driver, its handle class."""
+
+    def __init__(self, engine: Engine, drive: SyncDriver, handle: Callable[..., H]) -> None:
+        self._engine = engine
+        self._drive = drive
+        self._handle = handle
+
+    def _wrap(self, lease: Lease) -> H:
+        return self._handle(lease, self._engine, self._drive)
+
+
+class DReadWriteLock(ReadWriteBase[SyncClient]):
+    """A distributed read-write lock: any number of readers, or one writer, per key.
+
+    Each hold, read or write, is a token-protected lease with a TTL, as a
+    :class:`DMutex` lock is, with the same renewal, loss reporting and
+    fencing; a writer's fence is above every fence handed out before it on
+    the key. A writer waiting in :meth:`acquire_write_with_retry` keeps new
+    readers out until it gets in or gives up, so readers cannot starve it;
+    one that dies while waiting holds them back for ``retry_delay`` + 2 s at
+    most. All callers of one key must use the same ``max_readers``.
+    """
+
+    _ASYNC = False
+
+    def _start_driver(self, engine: Engine) -> None:
+        self._drive = SyncDriver(engine.clock, engine.prepare)
+        self._read = _SyncSide(self._reading, self._drive, DReadLock)
+        self._write = _SyncSide(self._writing, self._drive, DWriteLock)
+
+    def ready(self) -> None:
+        """Prepare the backend once per instance; see :meth:`DMutex.ready`."""
+        self._drive.ready()
+
+    def acquire_read(
+        self, key: str, ttl: float | None = None, *, auto_renew: bool = False
+    ) -> DReadLock | None:
+        """Try once to read-lock ``key``; None while a writer holds it or waits for it.
+
+        Also None when ``max_readers`` readers hold it. Otherwise as
+        :meth:`DMutex.acquire`.
+        """
+        return self._read.acquire(key, ttl, auto_renew=auto_renew)
+
+    def acquire_write(
+        self, key: str, ttl: float | None = None, *, auto_renew: bool = False
+    ) -> DWriteLock | None:
+        """Try once to write-lock ``key``; None while anyone else holds it.
+
+        A single attempt leaves no intent: readers are not held back. Otherwise
+        as :meth:`DMutex.acquire`.
+        """
+        return self._write.acquire(key, ttl, auto_renew=auto_renew)
+
+    def acquire_read_with_retry(
+        self,
+        key: str,
+        *,
+        ttl: float | None = None,
+        timeout: float = 30.0,
+        retry_delay: float = 0.1,
+        auto_renew: bool = False,
+    ) -> DReadLock | None:
+        """Try to read-lock ``key`` until ``timeout``; see :meth:`DMutex.acquire_with_retry`.
+
+        Woken when a writer releases or gives up, where the backend wakes waiters.
+        """
+        return self._read.acquire_with_retry(
+            key, ttl=ttl, timeout=timeout, retry_delay=retry_delay, auto_renew=auto_renew
+        )
+
+    def acquire_write_with_retry(
+        self,
+        key: str,
+        *,
+        ttl: float | None = None,
+        timeout: float = 30.0,
+        retry_delay: float = 0.1,
+        auto_renew: bool = False,
+    ) -> DWriteLock | None:
+        """Try to write-lock ``key`` until ``timeout``, keeping new readers out meanwhile.
+
+        Each failed attempt but the last leaves this writer's intent, which
+        refuses new readers for ``retry_delay`` + 2 s; the grant, the last
+        attempt and an error withdraw it. Otherwise as
+        :meth:`DMutex.acquire_with_retry`.
+        """
+        return self._write.acquire_with_retry(
+            key, ttl=ttl, timeout=timeout, retry_delay=retry_delay, auto_renew=auto_renew
+        )
+
+    def run_read(
+        self,
+        key: str,
+        callback: Callable[[DReadLock], T],
+        ttl: float | None = None,
+        *,
+        auto_renew: bool = False,
+    ) -> T | None:
+        """Run ``callback(lock)`` while read-locking ``key``; see :meth:`DMutex.run`."""
+        return self._read.run(key, callback, ttl, auto_renew=auto_renew)
+
+    def run_write(
+        self,
+        key: str,
+        callback: Callable[[DWriteLock], T],
+        ttl: float | None = None,
+        *,
+        auto_renew: bool = False,
+    ) -> T | None:
+        """Run ``callback(lock)`` while write-locking ``key``; see :meth:`DMutex.run`."""
+        return self._write.run(key, callback, ttl, auto_renew=auto_renew)
+
+    def run_read_with_retry(
+        self,
+        key: str,
+        callback: Callable[[DReadLock], T],
+        *,
+        ttl: float | None = None,
+        timeout: float = 30.0,
+        retry_delay: float = 0.1,
+        auto_renew: bool = False,
+    ) -> T | None:
+        """Like :meth:`run_read`, acquiring as :meth:`acquire_read_with_retry` does."""
+        return self._read.run_with_retry(
+            key, callback, ttl=ttl, timeout=timeout, retry_delay=retry_delay, auto_renew=auto_renew
+        )
+
+    def run_write_with_retry(
+        self,
+        key: str,
+        callback: Callable[[DWriteLock], T],
+        *,
+        ttl: float | None = None,
+        timeout: float = 30.0,
+        retry_delay: float = 0.1,
+        auto_renew: bool = False,
+    ) -> T | None:
+        """Like :meth:`run_write`, acquiring as :meth:`acquire_write_with_retry` does."""
+        return self._write.run_with_retry(
+            key, callback, ttl=ttl, timeout=timeout, retry_delay=retry_delay, auto_renew=auto_renew
+        )
+
+    def release(self, key: str, token: str) -> bool:
+        """Release the active hold (read or write) of ``key`` holding ``token``.
+
+        Returns False, changing nothing, if no active hold has it. A waiting
+        writer's token also withdraws its intent.
+        """
+        return self._drive(self._reading.release_token(key, token))
+
+    def extend(self, key: str, token: str, ttl: float | None = None) -> bool:
+        """Extend the active hold (read or write) of ``key`` holding ``token`` to now + ``ttl``.
+
+        Returns False, changing nothing, if no active hold has it.
+        """
+        return self._drive(self._reading.extend_token(key, token, ttl))
