@@ -1,4 +1,4 @@
-"""dmutex: distributed mutexes, semaphores and read-write locks over MongoDB, Redis, PostgreSQL and SQLite.
+"""dmutex: distributed mutexes, semaphores and read-write locks over your database.
 
 Token-protected leases with a TTL. Inject the client your application already
 uses; dmutex imports none of them. ``SQLiteBackend`` serves the processes of

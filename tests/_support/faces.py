@@ -19,23 +19,28 @@ import threading
 import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from datetime import datetime
-from typing import Any, Literal, TypeAlias, TypeVar
+from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 
 from dmutex import (
     AsyncDMutex,
     AsyncDMutexLock,
+    AsyncDReadLock,
     AsyncDSemaphore,
     AsyncDSemaphorePermit,
+    AsyncDWriteLock,
     DMutex,
     DMutexLock,
+    DReadLock,
     DSemaphore,
     DSemaphorePermit,
+    DWriteLock,
 )
 
 T = TypeVar("T")
 FaceName = Literal["sync", "async"]
 Kind = Literal["mutex", "semaphore"]
 RawHandle = DMutexLock | DSemaphorePermit | AsyncDMutexLock | AsyncDSemaphorePermit
+RawHold = DReadLock | DWriteLock | AsyncDReadLock | AsyncDWriteLock  # a read-write lock's
 # Each yield is a call of either face: its result (sync), or an awaitable of it (asyncio).
 # Any: what is sent back is the call's result, whose type the yield expression cannot carry.
 Calls: TypeAlias = Generator[Any, Any, T]
@@ -93,10 +98,19 @@ class LoopThread:
         self.loop.close()
 
 
-class Handle:
-    """A lock or permit of either face, with sync methods."""
+class Waits(Protocol):
+    """What a :class:`Handle` needs of its face: a way to wait for a call, and its loop."""
 
-    def __init__(self, raw: RawHandle, face: Face) -> None:
+    def wait(self, value: Any) -> Any: ...
+
+    @property
+    def loop(self) -> LoopThread | None: ...
+
+
+class Handle:
+    """A lock, permit or read-write hold of either face, with sync methods."""
+
+    def __init__(self, raw: RawHandle | RawHold, face: Waits) -> None:
         self.raw = raw
         self._face = face
 

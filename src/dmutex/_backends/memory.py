@@ -207,14 +207,14 @@ class InMemoryBackend:
                         found[f"{prefix}{name}{key}"] = (token, expiry_datetime(expires_ms))
             return found
 
-    def force_expire(self, key: str, slot: int | None = None) -> int:
+    def force_expire(self, key: str, slot: int | None = None, *, token: str | None = None) -> int:
         """Make the permits of lock ``key`` expire now, in every namespace.
 
-        Only ``slot`` if given (a read-write lock: 0 its writer, 1 its
-        readers). The records stay in place, as an expired record
-        that a server has not yet removed would, so the next acquire takes
-        them over. Returns how many active permits expired. Use it to test
-        what code does when its lease is lost.
+        Only ``slot``'s if given (a read-write lock: 0 its writer, 1 its
+        readers), only ``token``'s if given. The records stay in place, as an
+        expired record that a server has not yet removed would, so the next
+        acquire takes them over. Returns how many active permits expired.
+        Use it to test what code does when its lease is lost.
         """
         now = now_ms(self._clock)
         expired = 0
@@ -226,16 +226,19 @@ class InMemoryBackend:
                 numbers = list(slots.records) if slot is None else [slot]
                 for number in numbers:
                     rec = slots.records.get(number)
-                    if rec is not None and now < rec.expires_ms:
+                    if rec is None or now >= rec.expires_ms:
+                        continue
+                    if token is None or rec.token == token:
                         slots.set_expiry(number, now)
                         expired += 1
             for states in self._rw.values():
                 state = states.get(key)
-                if state is not None:
-                    for number, token, _ in readwrite.holders(state, now):
-                        if slot is None or slot == number:
-                            readwrite.extend(state, token, number, 0, now)
-                            expired += 1
+                if state is None:
+                    continue
+                for number, held, _ in readwrite.holders(state, now):
+                    if slot in (None, number) and token in (None, held):
+                        readwrite.extend(state, held, number, 0, now)
+                        expired += 1
             prefixes = {*self._records, *self._rw}
             woken = [self._waiters.pop((prefix, key), ()) for prefix in prefixes]
         _wake(wakeup for wakeups in woken for wakeup in wakeups)
