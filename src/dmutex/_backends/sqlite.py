@@ -324,9 +324,14 @@ def _register(backend: SQLiteBackend, name: tuple[str, str], waiter: Waiter, on:
     waiter.registered = True
 
 
-def _in_transaction(conn: Conn, body: Callable[[Conn], T]) -> T:
-    """``body(conn)`` in ``BEGIN IMMEDIATE``: committed if it returns, rolled back if it raises."""
-    conn.execute("BEGIN IMMEDIATE")
+def _in_transaction(conn: Conn, body: Callable[[Conn], T], begin: str = "BEGIN IMMEDIATE") -> T:
+    """``body(conn)`` in ``begin``'s transaction: committed if it returns, rolled back if it raises.
+
+    ``BEGIN IMMEDIATE`` (the default) for a body that writes; a plain
+    ``BEGIN`` for one that only reads, which in WAL mode waits for no writer
+    and sees one snapshot.
+    """
+    conn.execute(begin)
     try:
         result = body(conn)
     except BaseException:
@@ -417,6 +422,39 @@ def _slot_of(name: str, key: str) -> int:
     return int(name[len("permit:") : -len(key) - 1])
 
 
+def _create(sql: _Sql) -> Callable[[Conn], None]:
+    """The call that creates a table and its expiry index if missing."""
+
+    def create(conn: Conn) -> None:
+        conn.execute(sql.create_table)
+        conn.execute(sql.create_index)
+
+    return create
+
+
+def _fence_counter(conn: Conn, sql: _Sql, table: str, key: str) -> int:
+    """The fence counter of ``key`` (0: no row yet); raise on a row dmutex did not write."""
+    name = f"fence:{key}"
+    row = conn.execute(sql.read, {"name": name}).fetchone()
+    if row is None:
+        return 0
+    value, expires = row
+    if not (_is_count(value) and expires == _FOREVER):
+        raise DMutexError(f"the row {name!r} of table {table!r} holds a value dmutex did not write")
+    return int(str(value))
+
+
+def _put_fence(conn: Conn, sql: _Sql, key: str, fence: int) -> None:
+    """Store ``fence`` as ``key``'s counter; the caller read the row (or its absence) first."""
+    conn.execute(sql.put, {"name": f"fence:{key}", "token": str(fence), "expires": _FOREVER})
+
+
+def _shown_fence(conn: Conn, sql: _Sql, key: str) -> int | None:
+    """``key``'s fence counter as an inspection shows it: None without a row of dmutex's."""
+    counter = conn.execute(sql.read, {"name": f"fence:{key}"}).fetchone()
+    return int(counter[0]) if counter and _is_count(counter[0]) else None
+
+
 class SQLiteStore:
     """One table of lease rows; a ``Store``.
 
@@ -453,13 +491,7 @@ class SQLiteStore:
 
     def ready(self) -> Steps[None]:
         """Create the table and its expiry index if missing: one call."""
-        sql = self._sql
-
-        def create(conn: Conn) -> None:
-            conn.execute(sql.create_table)
-            conn.execute(sql.create_index)
-
-        yield Call(self._run, (create,))
+        yield Call(self._run, (_create(self._sql),))
 
     def acquire(
         self, key: str, token: str, ttl_ms: int, waiter: Waiter | None = None
@@ -512,18 +544,8 @@ class SQLiteStore:
 
     def _bump(self, conn: Conn, key: str, now_us: int) -> int:
         """Move the fence counter of ``key`` on (``fences``, rule 1); raise on a foreign row."""
-        name = f"fence:{key}"
-        row = conn.execute(self._sql.read, {"name": name}).fetchone()
-        counter = 0
-        if row is not None:
-            value, expires = row
-            if not (_is_count(value) and expires == _FOREVER):
-                raise DMutexError(
-                    f"the row {name!r} of table {self._table!r} holds a value dmutex did not write"
-                )
-            counter = int(str(value))
-        fence = next_fence(counter, now_us)
-        conn.execute(self._sql.put, {"name": name, "token": str(fence), "expires": _FOREVER})
+        fence = next_fence(_fence_counter(conn, self._sql, self._table, key), now_us)
+        _put_fence(conn, self._sql, key, fence)
         return fence
 
     def _match(self, key: str, token: str, slot: int | None) -> dict[str, object]:
@@ -594,9 +616,7 @@ class SQLiteStore:
             asked = {"permits": permits, "key": key, "now": now, "token": None}
             rows = conn.execute(sql.slots, asked).fetchall()
             found = sorted(Holder(_slot_of(name, key), value, at) for name, value, at in rows)
-            counter = conn.execute(sql.read, {"name": f"fence:{key}"}).fetchone()
-            fence = int(counter[0]) if counter and _is_count(counter[0]) else None
-            return Inspection(found, fence, now)
+            return Inspection(found, _shown_fence(conn, sql, key), now)
 
         inspection = yield Call(self._run, (read,))
         return cast(Inspection, inspection)  # what read() returned
