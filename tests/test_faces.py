@@ -13,12 +13,18 @@ import dmutex
 from dmutex import (
     AsyncDMutex,
     AsyncDMutexLock,
+    AsyncDReadLock,
+    AsyncDReadWriteLock,
     AsyncDSemaphore,
     AsyncDSemaphorePermit,
+    AsyncDWriteLock,
     DMutex,
     DMutexLock,
+    DReadLock,
+    DReadWriteLock,
     DSemaphore,
     DSemaphorePermit,
+    DWriteLock,
     InMemoryBackend,
     ManualClock,
 )
@@ -28,6 +34,9 @@ PAIRS: list[tuple[type[Any], type[Any]]] = [
     (DSemaphore, AsyncDSemaphore),
     (DMutexLock, AsyncDMutexLock),
     (DSemaphorePermit, AsyncDSemaphorePermit),
+    (DReadWriteLock, AsyncDReadWriteLock),
+    (DReadLock, AsyncDReadLock),
+    (DWriteLock, AsyncDWriteLock),
 ]
 
 
@@ -40,8 +49,13 @@ def public_members(cls: type[Any]) -> dict[str, Any]:
 
 
 def _same_shape(annotation: object) -> object:
-    """An async callback returns Awaitable[T] where a sync one returns T."""
-    return annotation.replace("Awaitable[T]", "T") if isinstance(annotation, str) else annotation
+    """An async callback returns Awaitable[T] where a sync one returns T.
+
+    And the asyncio handles are named as the sync ones with ``Async`` before.
+    """
+    if not isinstance(annotation, str):
+        return annotation
+    return annotation.replace("Awaitable[T]", "T").replace("AsyncD", "D")
 
 
 def parameters(function: Any) -> list[tuple[str, Any, Any, Any]]:
@@ -82,6 +96,12 @@ def test_same_methods_with_same_parameters(sync: type[Any], async_: type[Any]) -
 # Issue 21's: the deadline by which the holder counts the lease lost.
 LIFECYCLE = ("fence", "auto_renew", "lost", "raise_if_lost", "on_lost", "wait_lost", "time_left")
 COMMON = ("ready", "acquire", "acquire_with_retry", "run", "run_with_retry", "extend")
+# Issue 28's: each of the mutex's acquiring methods per side, release and extend by token.
+READ_WRITE = (
+    "ready", "release", "extend",
+    *(f"{verb}_{side}{retry}" for verb in ("acquire", "run") for side in ("read", "write")
+      for retry in ("", "_with_retry")),
+)  # fmt: skip
 SPEC_NAMES: dict[type[Any], tuple[str, ...]] = {
     DMutex: (*COMMON, "lock", "unlock"),
     AsyncDMutex: (*COMMON, "lock", "unlock"),
@@ -93,6 +113,12 @@ SPEC_NAMES: dict[type[Any], tuple[str, ...]] = {
     AsyncDSemaphorePermit: (
         "key", "token", "expired_at", "slot", "release", "extend", *LIFECYCLE,
     ),
+    DReadWriteLock: READ_WRITE,
+    AsyncDReadWriteLock: READ_WRITE,
+    DReadLock: ("key", "token", "expired_at", "release", "extend", *LIFECYCLE),
+    AsyncDReadLock: ("key", "token", "expired_at", "release", "extend", *LIFECYCLE),
+    DWriteLock: ("key", "token", "expired_at", "release", "extend", *LIFECYCLE),
+    AsyncDWriteLock: ("key", "token", "expired_at", "release", "extend", *LIFECYCLE),
 }  # fmt: skip
 
 

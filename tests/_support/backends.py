@@ -39,6 +39,7 @@ from tests._support.mongo_servers import AsyncRedirectedClient, RedirectedClient
 from tests._support.mysql_backend import MySQL
 from tests._support.postgres_servers import Session as PostgresSession
 from tests._support.redis_clients import SERVER_VARIANTS, Made, close_made
+from tests._support.rwfaces import RWFace
 
 Runner = Callable[[Awaitable[object]], object]
 
@@ -562,7 +563,16 @@ class Rig:
                 options.setdefault(name, value)
         return Face(self.face, kind, self.client, loop=self.loop, **options)
 
-    def settle(self, face: Face) -> None:
+    def make_rw(self, **options: Any) -> RWFace:
+        """A DReadWriteLock of this face over the rig's client (sync methods either way)."""
+        if self.clock is not None:
+            options.setdefault("clock", self.clock)
+        if isinstance(self.backend, (Postgres, MySQL)):
+            for name, value in self.backend.options.items():
+                options.setdefault(name, value)
+        return RWFace(self.face, self.client, loop=self.loop, **options)
+
+    def settle(self, face: Face | RWFace) -> None:
         """Let the async face's loop run what is ready (its renewer, after a ManualClock moved).
 
         ``face.settle()`` turns the loop a few times, which is enough where

@@ -25,6 +25,7 @@ aiomysql and asyncmy connections and pools, a SQLAlchemy AsyncEngine
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -141,12 +142,50 @@ MANUAL_CLOCK_CASES = (
 )
 
 
+# The cases whose backend serves read-write locks (the ``rw_env`` fixture's),
+# by the start of the case's name.
+READ_WRITE_BACKENDS = ("memory-",)
+
+
+def read_write(name: str) -> bool:
+    """Whether case ``name``'s backend serves read-write locks."""
+    return name.startswith(READ_WRITE_BACKENDS)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Tests that move time (``manual_clock`` mark) run on the ManualClock cases only."""
-    if "env" in metafunc.fixturenames:
-        moves_time = metafunc.definition.get_closest_marker("manual_clock") is not None
-        names = MANUAL_CLOCK_CASES if moves_time else sorted(CASES)
-        metafunc.parametrize("env", names, indirect=True)
+    """Tests that move time (``manual_clock`` mark) run on the ManualClock cases only.
+
+    ``rw_env`` is ``env`` on the cases whose backend serves read-write locks.
+    """
+    for fixture, chosen in (("env", CASES), ("rw_env", [n for n in CASES if read_write(n)])):
+        if fixture in metafunc.fixturenames:
+            moves_time = metafunc.definition.get_closest_marker("manual_clock") is not None
+            names = [n for n in MANUAL_CLOCK_CASES if n in chosen] if moves_time else chosen
+            metafunc.parametrize(fixture, sorted(names), indirect=True)
+
+
+@contextlib.contextmanager
+def _rig(name: str, servers: Servers) -> Iterator[Rig]:
+    face, case = CASES[name]
+    rig = Rig(case(servers), face)
+    try:
+        yield rig
+    finally:
+        rig.close()
+
+
+@pytest.fixture
+def rw_env(
+    request: pytest.FixtureRequest,
+    redis_pool: Pool,
+    mongo_session: MongoSession,
+    postgres_session: PostgresSession,
+    mysql_session: MySQLSession,
+) -> Iterator[Rig]:
+    """``env``, on a case whose backend serves read-write locks."""
+    servers = Servers(redis_pool, mongo_session, postgres_session, mysql_session)
+    with _rig(request.param, servers) as rig:
+        yield rig
 
 
 @pytest.fixture
@@ -157,10 +196,6 @@ def env(
     postgres_session: PostgresSession,
     mysql_session: MySQLSession,
 ) -> Iterator[Rig]:
-    face, case = CASES[request.param]
     servers = Servers(redis_pool, mongo_session, postgres_session, mysql_session)
-    rig = Rig(case(servers), face)
-    try:
+    with _rig(request.param, servers) as rig:
         yield rig
-    finally:
-        rig.close()
