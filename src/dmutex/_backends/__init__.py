@@ -38,7 +38,7 @@ from .shapes import (
     refuse_asyncio,
     refuse_sync,
 )
-from .sqlite import SQLiteBackend, SQLiteStore, quote
+from .sqlite import SQLiteBackend, SQLiteReadWriteStore, SQLiteStore, quote
 
 # What replicas= would mean on the backends that replicate by their own
 # settings. An InMemoryBackend or SQLiteBackend accepts it and waits for no
@@ -132,7 +132,7 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
 
 
 # The backends that serve read-write locks so far.
-_READ_WRITE = ("InMemoryBackend",)
+_READ_WRITE = ("InMemoryBackend", "SQLite")
 
 
 def open_readwrite_store(client: object, options: Options, *, asynchronous: bool) -> ReadWriteStore:
@@ -150,6 +150,13 @@ def open_readwrite_store(client: object, options: Options, *, asynchronous: bool
         _check_memory(client, options)
         return MemoryReadWriteStore(
             client, options.key_prefix, options.max_readers, fencing=fencing
+        )
+    clock = SYSTEM_CLOCK if options.clock is None else options.clock
+    if isinstance(client, SQLiteBackend):
+        quote(options.table_name)  # refuses a name SQLite cannot hold, before any request
+        table, readers = options.table_name, options.max_readers
+        return SQLiteReadWriteStore(
+            client, table, readers, clock, asynchronous=asynchronous, fencing=fencing
         )
     raise UnsupportedClientError(
         f"read-write locks are not available on the {found} backend in this version "

@@ -9,6 +9,18 @@ the row ``key = f"permit:{i}:{k}"``, ``value`` its token. dmutex adds one row
 per fenced key, ``key = f"fence:{k}"``: the fence counter, in decimal, with
 ``expired_at`` at the largest INTEGER so that nothing takes it for a lease.
 
+Read-write locks (dmutex's own layout; the TypeScript library has none) use
+the same table schema, ``table_prefix`` ``_drwlock_``: lock ``k`` is the one
+row ``key = f"rwlock:{k}"``, whose ``value`` is the key's whole state as
+compact JSON, ``{"dmutex":"rwlock","w":W,"r":R,"i":I}`` in that order, no
+whitespace, ASCII only: ``W`` the writer ``["<token>",<expiry ms>]`` or
+``null``, ``R`` the readers ``{"<token>":<expiry ms>,...}`` and ``I`` the
+waiting writers' intents ``{"<token>":<until ms>,...}``, each sorted by
+token, with nothing expired kept. ``expired_at`` is the latest of those
+times, so a cleanup that deletes expired rows never removes a live hold;
+the row is deleted when the last hold and intent end. The fence row is the
+mutex's, ``fence:{k}``.
+
 The rules of this module:
 
 1. Every operation is one call of :class:`SQLiteBackend` and one transaction:
@@ -37,11 +49,33 @@ The rules of this module:
    one worker thread per backend, never on the event loop: a busy file makes
    a call wait up to ``timeout``. One worker keeps the calls in order, so the
    release that undoes a cancelled acquire runs after that acquire.
+6. A read-write lock's operation (:class:`SQLiteReadWriteStore`) is one
+   ``BEGIN IMMEDIATE`` transaction, as rule 1's: it reads the key's row,
+   asks ``dmutex._core.readwrite`` (which drops what has expired, and
+   decides), and writes the state back, or deletes the row once nothing is
+   held or intended; a grant moves the fence row in the same transaction.
+   Nothing is written when the decision changed nothing (a refused reader,
+   say). Time is rule 3's, read once per transaction.
+7. The row ``rwlock:{k}`` is written only over the value the transaction
+   read and checked as dmutex's (the ``"dmutex":"rwlock"`` mark and exactly
+   the layout's fields and types), and inserted only where there was none.
+   A row of that key holding anything else (another program's, or a later
+   format, which would carry another mark or field) makes every operation
+   on the key raise :class:`~dmutex.DMutexError` and change nothing; a
+   renewal batch answers that error for that lease only. A foreign fence
+   row makes every attempt to acquire raise, granted or not, since the
+   decision needs the counter.
+8. Waking is rule 4's: a release, and a writer's last attempt that
+   withdrew its intent, wake this process's waiters of the key; a refused
+   attempt registers its waiter and tells it when what stands in its way
+   lapses at the latest (the refusal's ``clears_ms``), so that waiters in
+   other processes poll no longer than that.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import numbers
 import os
@@ -52,9 +86,10 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import TypeAlias, TypeVar, cast
 
 from .._clock import Clock
+from .._core import readwrite
 from .._core.abc import Holder, Inspection, Renewed
 from .._core.effects import Call, Sleep, Steps, Wait
 from .._core.fences import clock_us, next_fence
@@ -62,7 +97,7 @@ from .._core.lease import MAX_EXPIRY_MS, Lease, now_ms
 from .._core.waiting import Waiter, Wakeup
 from .._errors import ArgumentTypeError, DMutexError, InvalidArgumentError
 
-__all__ = ["SQLiteBackend", "SQLiteStore"]
+__all__ = ["SQLiteBackend", "SQLiteReadWriteStore", "SQLiteStore"]
 
 T = TypeVar("T")
 Conn = sqlite3.Connection
@@ -360,6 +395,9 @@ class _Sql:
     delete_any: str
     extend: str
     extend_any: str
+    insert: str
+    update: str
+    remove: str
 
     @classmethod
     def of(cls, table: str) -> _Sql:
@@ -410,6 +448,16 @@ class _Sql:
                 f'UPDATE {t} SET "expired_at" = :expires WHERE "key" IN ({names}) '
                 'AND "value" = :token AND "expired_at" > :now'
             ),
+            # A read-write lock's row (rule 7): written only over the value
+            # the transaction read, and inserted only where none was.
+            insert=(
+                f'INSERT INTO {t} ("key", "value", "expired_at") VALUES (:name, :value, :expires)'
+            ),
+            update=(
+                f'UPDATE {t} SET "value" = :value, "expired_at" = :expires '
+                'WHERE "key" = :name AND "value" = :old'
+            ),
+            remove=f'DELETE FROM {t} WHERE "key" = :name AND "value" = :old',
         )
 
 
@@ -627,6 +675,284 @@ class SQLiteStore:
             yield Wait(waiter.wakeup, seconds)
         else:
             yield Sleep(seconds)
+
+
+# The mark that a read-write row's value is dmutex's (rule 7), and its fields.
+_RW_MARK = "rwlock"
+_RW_FIELDS = frozenset({"dmutex", "w", "r", "i"})
+
+
+def _is_time(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _times(value: object) -> dict[str, int] | None:
+    """A JSON object of token -> time as the layout writes it; None if it is not one."""
+    if not isinstance(value, dict):
+        return None
+    if not all(isinstance(token, str) and _is_time(at) for token, at in value.items()):
+        return None
+    return cast("dict[str, int]", value)
+
+
+def _decode_state(value: object) -> readwrite.State | None:
+    """The state a read-write row's ``value`` holds; None if dmutex did not write it (rule 7)."""
+    if not isinstance(value, str):
+        return None
+    try:
+        data = json.loads(value)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict) or data.keys() != _RW_FIELDS or data["dmutex"] != _RW_MARK:
+        return None
+    writer, readers, intents = data["w"], _times(data["r"]), _times(data["i"])
+    if readers is None or intents is None:
+        return None
+    if writer is None:
+        return readwrite.State(None, readers, intents)
+    if not (
+        isinstance(writer, list)
+        and len(writer) == 2
+        and isinstance(writer[0], str)
+        and _is_time(writer[1])
+    ):
+        return None
+    return readwrite.State((writer[0], writer[1]), readers, intents)
+
+
+def _encode_state(state: readwrite.State) -> str:
+    """A read-write row's ``value``: the layout's JSON, byte for byte (module docstring)."""
+    data = {
+        "dmutex": _RW_MARK,
+        "w": None if state.writer is None else list(state.writer),
+        "r": dict(sorted(state.readers.items())),
+        "i": dict(sorted(state.intents.items())),
+    }
+    return json.dumps(data, separators=(",", ":"))
+
+
+# A read-write row as the transaction read it: (value, expired_at), or None if absent.
+_Read: TypeAlias = "tuple[str, int] | None"
+# A call's result, and the wakeups of the waiters it woke.
+_Woken: TypeAlias = "tuple[T, list[Wakeup]]"
+
+
+def _woken(reply: object) -> object:
+    """The result of a :meth:`SQLiteReadWriteStore._waking` call, its wakeups set."""
+    result, wakeups = cast("_Woken[object]", reply)
+    for wakeup in wakeups:
+        wakeup.set()  # outside the backend's lock: a wakeup calls listeners
+    return result
+
+
+class SQLiteReadWriteStore:
+    """One table of read-write lock rows; a ``ReadWriteStore`` (rules 6-8).
+
+    Each operation is one call of the backend and one transaction, a batch
+    of renewals included. Fences are the mutex store's (``fence:{k}``).
+    """
+
+    max_expiry_ms = MAX_EXPIRY_MS
+
+    def __init__(
+        self,
+        backend: SQLiteBackend,
+        table: str,
+        max_readers: int | None,
+        clock: Clock,
+        *,
+        asynchronous: bool,
+        fencing: bool = True,
+    ) -> None:
+        self._sql = _Sql.of(table)
+        self._table = table
+        self._backend = backend
+        self._run: Callable[[Callable[[Conn], object]], object] = (
+            backend.call_async if asynchronous else backend.call
+        )
+        self._max_readers = max_readers
+        self._clock = clock
+        self._fencing = fencing
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    def ready(self) -> Steps[None]:
+        """Create the table and its expiry index if missing: one call."""
+        yield Call(self._run, (_create(self._sql),))
+
+    def _load(self, conn: Conn, key: str) -> tuple[readwrite.State, _Read]:
+        """``key``'s state and its row as read; an empty state if none; raise on a foreign row."""
+        name = f"rwlock:{key}"
+        row = conn.execute(self._sql.read, {"name": name}).fetchone()
+        if row is None:
+            return readwrite.State(), None
+        state = _decode_state(row[0])
+        if state is None:
+            raise DMutexError(
+                f"the row {name!r} of table {self._table!r} holds a value dmutex did not write"
+            )
+        return state, (row[0], row[1])
+
+    def _save(self, conn: Conn, key: str, state: readwrite.State, read: _Read) -> None:
+        """Write ``state`` over the row as it was ``read`` (rule 7); nothing if it is unchanged."""
+        name, sql = f"rwlock:{key}", self._sql
+        if state.empty():
+            if read is not None:
+                conn.execute(sql.remove, {"name": name, "old": read[0]})
+            return
+        value, expires = _encode_state(state), state.until_ms()
+        if read is None:
+            conn.execute(sql.insert, {"name": name, "value": value, "expires": expires})
+        elif (value, expires) != read:
+            changed = {"name": name, "value": value, "expires": expires, "old": read[0]}
+            conn.execute(sql.update, changed)
+
+    def _waking(
+        self, key: str, body: Callable[[Conn], tuple[T, bool]]
+    ) -> Callable[[Conn], _Woken[T]]:
+        """The call of ``body`` in a transaction, with the key's waiters if it says to wake them.
+
+        Taken after the commit, so that a transaction that fails wakes no
+        one; the caller sets them outside the backend's lock (rule 4).
+        """
+        name = (self._table, f"rwlock:{key}")
+
+        def call(conn: Conn) -> _Woken[T]:
+            result, wake = _in_transaction(conn, body)
+            return result, list(self._backend._waiters.pop(name, ())) if wake else []
+
+        return call
+
+    def acquire(
+        self, key: str, token: str, ttl_ms: int, waiter: Waiter | None, *, write: bool
+    ) -> Steps[Lease | None]:
+        """A writer's or a reader's attempt: one transaction (rule 6)."""
+        clock, backend, fencing = self._clock, self._backend, self._fencing
+        name = (self._table, f"rwlock:{key}")  # the waiters' registration, as rule 4's
+
+        def attempt(conn: Conn) -> tuple[tuple[int, int | None] | None, bool]:
+            now = now_ms(clock)
+            state, read = self._load(conn, key)
+            if fencing:
+                state.fence = _fence_counter(conn, self._sql, self._table, key)
+            state.prune(now)
+            had_intent = token in state.intents
+            now_us = clock_us(clock)
+            if write:
+                intent = readwrite.intent_until(now, waiter)
+                decided = readwrite.take_write(state, token, ttl_ms, now, now_us, intent)
+            else:
+                decided = readwrite.take_read(state, token, ttl_ms, now, now_us, self._max_readers)
+            self._save(conn, key, state, read)
+            # A writer that gave up: the readers its intent held back may enter.
+            gave_up = had_intent and token not in state.intents and state.writer is None
+            if isinstance(decided, readwrite.Grant):
+                if fencing:
+                    _put_fence(conn, self._sql, key, decided.fence)
+                if waiter is not None:
+                    _register(backend, name, waiter, False)
+                return (decided.expires_ms, decided.fence if fencing else None), gave_up
+            if waiter is not None:
+                waiter.expires_in = (decided.clears_ms - now) / 1000
+                _register(backend, name, waiter, not waiter.last)
+            return None, gave_up
+
+        reply = yield Call(self._run, (self._waking(key, attempt),))
+        granted = cast("tuple[int, int | None] | None", _woken(reply))  # what attempt() returned
+        if granted is None:
+            return None
+        expires, fence = granted
+        slot = readwrite.WRITE_SLOT if write else readwrite.READ_SLOT
+        return Lease(key, token, slot, expires, fence=fence)
+
+    def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
+        """Wait for a release through this backend (rule 8), or the whole time."""
+        if waiter.registered:
+            yield Wait(waiter.wakeup, seconds)
+        else:
+            yield Sleep(seconds)
+
+    def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
+        """End ``token``'s hold and intent: one transaction."""
+        clock = self._clock
+
+        def drop(conn: Conn) -> tuple[bool, bool]:
+            now = now_ms(clock)
+            state, read = self._load(conn, key)
+            if read is None:
+                return False, False
+            state.prune(now)
+            had_intent = token in state.intents
+            released = readwrite.drop(state, token, now)
+            self._save(conn, key, state, read)
+            return released, released or had_intent
+
+        reply = yield Call(self._run, (self._waking(key, drop),), complete=True)
+        return cast(bool, _woken(reply))  # what drop() returned
+
+    def _extend(
+        self, conn: Conn, key: str, token: str, slot: int | None, ttl_ms: int, now: int
+    ) -> int | None:
+        """Move ``token``'s active hold's expiry, in the caller's transaction."""
+        state, read = self._load(conn, key)
+        if read is None:
+            return None
+        expires = readwrite.extend(state, token, slot, ttl_ms, now)
+        self._save(conn, key, state, read)
+        return expires
+
+    def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
+        """Move the expiry of ``token``'s active hold: one transaction."""
+        clock = self._clock
+
+        def update(conn: Conn) -> int | None:
+            return self._extend(conn, key, token, slot, ttl_ms, now_ms(clock))
+
+        expires = yield Call(self._run, (_transaction(update),))
+        return cast("int | None", expires)  # what update() returned
+
+    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
+        """Extend every lease in one transaction; a failed call fails them all.
+
+        A lease whose row is not dmutex's answers that error alone (rule 7):
+        its check raises before anything of it is written.
+        """
+        clock = self._clock
+        batch = [(lease.key, lease.token, lease.slot, lease.ttl_ms) for lease in leases]
+
+        def update(conn: Conn) -> list[Renewed]:
+            now = now_ms(clock)
+            answers: list[Renewed] = []
+            for key, token, slot, ttl_ms in batch:
+                try:
+                    answers.append(self._extend(conn, key, token, slot, ttl_ms, now))
+                except DMutexError as error:
+                    answers.append(error)
+            return answers
+
+        try:
+            answers = yield Call(self._run, (_transaction(update),))
+        except Exception as error:  # noqa: BLE001 - every lease's answer
+            return [error] * len(leases)
+        return cast("list[Renewed]", answers)  # what update() returned
+
+    def holders(self, key: str) -> Steps[Inspection]:
+        """The active holds of ``key`` and its fence counter: one read transaction, no change."""
+        clock = self._clock
+
+        def read(conn: Conn) -> Inspection:
+            now = now_ms(clock)
+            state, _ = self._load(conn, key)
+            found = [Holder(*hold) for hold in readwrite.holders(state, now)]
+            return Inspection(found, _shown_fence(conn, self._sql, key), now)
+
+        def call(conn: Conn) -> Inspection:
+            return _in_transaction(conn, read, "BEGIN")
+
+        inspection = yield Call(self._run, (call,))
+        return cast(Inspection, inspection)  # what read() returned
 
 
 def _transaction(body: Callable[[Conn], T]) -> Callable[[Conn], T]:
