@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import sqlite3
@@ -258,6 +259,26 @@ class SQLite:
     def _now(self) -> int:
         assert self.clock is not None
         return now_ms(self.clock)
+
+    def expire_hold(self, key: str, token: str) -> None:
+        """Make ``token``'s read-write hold of ``key`` expire now, in every table."""
+        now = self._now()
+        with self._inspecting:
+            for table in self._tables():
+                row = self._inspector.execute(
+                    f'SELECT "value" FROM {quote(table)} WHERE "key" = ?', (f"rwlock:{key}",)
+                ).fetchone()
+                if row is None:
+                    continue
+                state = json.loads(row[0])
+                if state["w"] is not None and state["w"][0] == token:
+                    state["w"][1] = min(state["w"][1], now)
+                if token in state["r"]:
+                    state["r"][token] = min(state["r"][token], now)
+                self._inspector.execute(
+                    f'UPDATE {quote(table)} SET "value" = ? WHERE "key" = ?',
+                    (json.dumps(state, separators=(",", ":")), f"rwlock:{key}"),
+                )
 
     def _tables(self) -> list[str]:
         rows = self._inspector.execute("SELECT name FROM sqlite_master WHERE type = 'table'")

@@ -144,7 +144,7 @@ MANUAL_CLOCK_CASES = (
 
 # The cases whose backend serves read-write locks (the ``rw_env`` fixture's),
 # by the start of the case's name.
-READ_WRITE_BACKENDS = ("memory-",)
+READ_WRITE_BACKENDS = ("memory-", "sqlite-")
 
 
 def read_write(name: str) -> bool:

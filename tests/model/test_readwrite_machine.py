@@ -31,7 +31,7 @@ from hypothesis.stateful import (
 
 from dmutex import InMemoryBackend
 from dmutex._core.lease import EPOCH
-from tests._support.backends import Backend, Memory, Rig
+from tests._support.backends import Backend, Memory, Rig, SQLite
 from tests._support.faces import FaceName, Handle
 from tests._support.rwfaces import RWFace, Side
 from tests.model.rw_model import READ, WRITE, RWModel
@@ -56,6 +56,9 @@ def expire_hold(backend: Backend, key: str, token: str) -> None:
     client = backend.client(False)
     if isinstance(client, InMemoryBackend):
         client.force_expire(key, token=token)
+        return
+    if isinstance(backend, SQLite):
+        backend.expire_hold(key, token)
         return
     raise NotImplementedError(f"no way to expire a hold on {type(backend).__name__} yet")
 
@@ -214,7 +217,7 @@ class ReadWriteMachine(RuleBasedStateMachine):
             live = [ttl_ms for _, ttl_ms in self.renewed.values()]
             step = min([ms, *(ttl_ms // 4 for ttl_ms in live)])
             clock.advance(step / 1000)
-            self.callers[0].settle()
+            self.rig.settle(self.callers[0])
             self.model.advance(step)
             ms -= step
 
@@ -313,3 +316,9 @@ CONFIGS = [(face, readers) for face in ("sync", "async") for readers in (None, 2
 @pytest.mark.parametrize(("face", "max_readers"), CONFIGS)
 def test_in_memory_backend(face: FaceName, max_readers: int | None) -> None:
     check_machine(Memory, face, max_readers)
+
+
+@pytest.mark.parametrize(("face", "max_readers"), CONFIGS)
+def test_sqlite(face: FaceName, max_readers: int | None) -> None:
+    """The same machine on the SQLite store, over a temporary file."""
+    check_machine(SQLite, face, max_readers)
