@@ -1,7 +1,9 @@
 """The Redis store: each operation is one request to the server.
 
 It sits in ``dmutex._backends.redis`` with the Lua scripts it runs
-(``scripts.py``) and the budget of its blocking waits (``waits.py``).
+(``scripts.py``) and the budget of its blocking waits (``waits.py``). How it
+sends requests (:class:`RedisRequests`) is shared with the read-write locks'
+store (``readwrite.py``).
 
 Layout (shared with the TypeScript dmutex): slot ``i`` of lock ``key`` is the
 string key ``f"{key_prefix}permit:{i}:{key}"``, its value the holder's token,
@@ -81,6 +83,11 @@ __all__ = ["RedisStore"]
 # at most this share of the lease's TTL: the grant's deadline counts from
 # before the block, and so may lose up to that share of the lease.
 AHEAD_SHARE = 20
+
+
+# An attempt sent ahead with a block: its script, keys and arguments, and
+# what reads its reply into the waiter's Ahead (None: ask again).
+AheadAttempt = tuple[Script, list[str], tuple[object, ...], Callable[[object], Ahead | None]]
 
 
 class _Pipeline(Protocol):
@@ -197,20 +204,18 @@ def _as_int(reply: object, low: int, high: int) -> int:
     return value
 
 
-class RedisStore:
-    """One namespace of lock keys on one Redis server or cluster; a ``Store``.
+class RedisRequests:
+    """How a Redis store sends its requests: scripts, replicated writes and blocking waits.
 
-    Two client paths: ``execute_command`` (redis-py, valkey-py, fakeredis,
-    cluster clients), where scripts run by ``EVALSHA`` and fall back to
-    ``EVAL`` once when the server answers ``NOSCRIPT``; and ``set`` + ``eval``
-    (the ioredis shape), where scripts run by ``EVAL``.
-
-    Every operation is one script, a mutex's acquire too: a plain ``SET NX``
-    could not tell a re-sent copy of itself from contention.
-
-    On a cluster client, a lock whose slot keys fall into different hash
-    slots is handled one key per request (see :meth:`acquire`); wrap the lock
-    key in a hash tag, ``"{orders}"``, to keep one request per operation.
+    What :class:`RedisStore` and the read-write locks' store
+    (``readwrite.py``) share. Two client paths: ``execute_command``
+    (redis-py, valkey-py, fakeredis, cluster clients), where scripts run by
+    ``EVALSHA`` and fall back to ``EVAL`` once when the server answers
+    ``NOSCRIPT``; and ``set`` + ``eval`` (the ioredis shape), where scripts
+    run by ``EVAL``. With ``replicas=N``, a write goes with its ``WAIT`` in
+    one pipeline (:meth:`_run_waited`). A waiter blocks on its key's signal
+    list (:meth:`wait`), and a store may send its next attempt with the
+    block (:meth:`_ahead`).
     """
 
     max_expiry_ms = MAX_EXPIRY_MS
@@ -219,16 +224,12 @@ class RedisStore:
         self,
         client: object,
         prefix: str,
-        max_permits: int,
         clock: Clock,
         *,
-        fencing: bool | None = None,
         replicas: int = 0,
         replicas_ms: int = 1000,
     ) -> None:
         self._prefix = prefix
-        self._permits = max_permits
-        self._fencing = fencing
         self._cluster = is_cluster_client(client)
         # Detection checked the client's shape; pick its path once.
         self._execute: Callable[..., object] | None = None
@@ -266,17 +267,6 @@ class RedisStore:
     @property
     def clock(self) -> Clock:
         return self._clock
-
-    def _groups(self, key: str) -> list[list[str]]:
-        """Every slot key of ``key``, in slot order, in groups one script may touch.
-
-        One group, except on a cluster when the keys span hash slots: then
-        one group per key.
-        """
-        names = [f"{self._prefix}permit:{slot}:{key}" for slot in range(self._permits)]
-        if self._cluster and not same_hash_slot(names):
-            return [[name] for name in names]
-        return [names]
 
     def _run(self, script: Script, keys: Sequence[str], args: tuple[object, ...]) -> Steps[object]:
         """Run ``script`` in one request (two the first time on a fresh server)."""
@@ -363,6 +353,163 @@ class RedisStore:
     def ready(self) -> Steps[None]:
         """Nothing to prepare: Redis needs no index."""
         yield from ()
+
+    def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
+        """Block on ``key``'s signal list (``BLPOP``) for up to ``seconds``, else sleep.
+
+        Blocks only when the last attempt registered ``waiter`` and a
+        connection of the pool is to spare (see :class:`Blockers`). A
+        failed block (a socket timeout, a server that refuses the command)
+        sleeps the rest of the wait: it never raises.
+
+        A wait longer than a server tick (:data:`TICK`) blocks a tick less
+        than it lasts, and may end that much early; a shorter one blocks
+        all of it and may end up to a tick late, since the server times
+        the block out only on its tick, unless the holder's expiry cuts it
+        short: that one sleeps, to try on time.
+
+        Caveat: a client that re-sends a command whose connection was cut
+        (redis-py's default retry policy) re-sends the BLPOP with its whole
+        timeout, so a cut in the middle of a block stretches that one wait
+        by up to the client's retries times the block. A release still
+        ends it at once; only what sends no signal waits longer.
+        """
+        blockers = self._blockers
+        if waiter.woken:
+            # Woken, then beaten to the permit: pause before blocking (waiting.py, rule 4).
+            waiter.woken = False
+            yield Sleep(lost_pause(seconds))
+            return
+        block = min(seconds, self._block_cap)
+        if block >= TICK + MIN_BLOCK:
+            block -= TICK
+        elif waiter.expires_in is not None and seconds >= waiter.expires_in:
+            # Cut short by the holder's expiry: a block would end a tick late.
+            block = 0.0
+        if not waiter.registered or blockers is None or block < MIN_BLOCK or not blockers.take():
+            yield Sleep(seconds)
+            return
+        assert self._execute is not None  # blocking needs a command client
+        signal = f"{self._prefix}signal:{key}"
+        started = self._clock.monotonic()
+        ahead = None
+        # Only on a client that pipelines, for an acquire whose token the
+        # engine fixed, and for a block short beside the TTL (AHEAD_SHARE).
+        if (
+            self._pipeline is not None
+            and waiter.token
+            and block * 1000 * AHEAD_SHARE <= waiter.ttl_ms
+        ):
+            ahead = self._ahead(key, waiter, started)
+        failed = False
+        try:
+            if ahead is None:
+                reply = yield Call(self._execute, ("BLPOP", signal, f"{block:.3f}"))
+            else:
+                script, keys, args, answer = ahead
+                replies = yield Call(self._send_ahead, (signal, f"{block:.3f}", script, keys, args))
+                sent = 3 if self._replicas else 2
+                if not isinstance(replies, (list, tuple)) or len(replies) != sent:
+                    raise DMutexError(f"unexpected reply from Redis: {replies!r}")
+                reply = replies[0]
+                waiter.ahead = answer(replies[1])
+                if self._replicas:
+                    waiter.ahead = self._ahead_replicated(waiter.ahead, key, replies[2])
+        except Exception:  # noqa: BLE001 - the wait degrades to sleeping, rule 3 of waiting.py
+            # An attempt that went ahead may have taken a permit: the next
+            # attempt, with the same token, finds it (rule 3 of scripts.py).
+            failed, waiter.ahead = True, None
+        else:
+            waiter.woken = reply is not None
+        finally:
+            blockers.give()
+        rest = seconds - (self._clock.monotonic() - started)
+        if failed and rest > 0:
+            yield Sleep(rest)
+
+    def _ahead(self, key: str, waiter: Waiter, started: float) -> AheadAttempt | None:
+        """The attempt to send with a block that starts at ``started`` (waiting rule 6), or None.
+
+        A store that sends one answers with its script, keys and arguments,
+        and what makes the :class:`Ahead` of its reply (None: ask again).
+        """
+        return None
+
+    def _send_ahead(
+        self, signal: str, block: str, script: Script, keys: list[str], args: tuple[object, ...]
+    ) -> object:
+        """``BLPOP``, then the acquire ``script``, pipelined: the attempt runs as the block ends.
+
+        One round trip; the client's connection is blocked for both, so the
+        attempt runs right after the block, before this client reads a
+        byte. Errors come back as values (``raise_on_error=False``).
+        """
+        assert self._pipeline is not None
+        pipe = self._pipeline(transaction=False)
+        pipe.execute_command("BLPOP", signal, block)
+        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        if self._replicas:
+            pipe.execute_command("WAIT", self._replicas, self._replicas_ms)
+        return pipe.execute(raise_on_error=False)
+
+    def _ahead_replicated(self, ahead: Ahead | None, key: str, acks: object) -> Ahead | None:
+        """What an attempt sent ahead answered, once its ``WAIT``'s count ``acks`` is known.
+
+        A grant too few replicas acknowledged answers :class:`NotReplicatedError`
+        (the engine releases it); a ``WAIT`` that failed, its error.
+        """
+        if ahead is None or ahead.lease is None:
+            return ahead
+        try:
+            if isinstance(acks, Exception):
+                raise acks
+            self._replicated(key, _as_int(acks, 0, 2**31))
+        except Exception as error:  # noqa: BLE001 - the attempt's answer, raised by the next
+            return Ahead(None, error, ahead.sent)
+        return ahead
+
+
+class RedisStore(RedisRequests):
+    """One namespace of lock keys on one Redis server or cluster; a ``Store``.
+
+    Two client paths: ``execute_command`` (redis-py, valkey-py, fakeredis,
+    cluster clients), where scripts run by ``EVALSHA`` and fall back to
+    ``EVAL`` once when the server answers ``NOSCRIPT``; and ``set`` + ``eval``
+    (the ioredis shape), where scripts run by ``EVAL``.
+
+    Every operation is one script, a mutex's acquire too: a plain ``SET NX``
+    could not tell a re-sent copy of itself from contention.
+
+    On a cluster client, a lock whose slot keys fall into different hash
+    slots is handled one key per request (see :meth:`acquire`); wrap the lock
+    key in a hash tag, ``"{orders}"``, to keep one request per operation.
+    """
+
+    def __init__(
+        self,
+        client: object,
+        prefix: str,
+        max_permits: int,
+        clock: Clock,
+        *,
+        fencing: bool | None = None,
+        replicas: int = 0,
+        replicas_ms: int = 1000,
+    ) -> None:
+        super().__init__(client, prefix, clock, replicas=replicas, replicas_ms=replicas_ms)
+        self._permits = max_permits
+        self._fencing = fencing
+
+    def _groups(self, key: str) -> list[list[str]]:
+        """Every slot key of ``key``, in slot order, in groups one script may touch.
+
+        One group, except on a cluster when the keys span hash slots: then
+        one group per key.
+        """
+        names = [f"{self._prefix}permit:{slot}:{key}" for slot in range(self._permits)]
+        if self._cluster and not same_hash_slot(names):
+            return [[name] for name in names]
+        return [names]
 
     def _counter(self, key: str, groups: list[list[str]]) -> str | None:
         """The fence counter of ``key``, or None: no fencing, or no hash slot to share.
@@ -539,125 +686,22 @@ class RedisStore:
             waiter.expires_in = (left + 1) / 1000 if left >= 0 else None
         return None
 
-    def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
-        """Block on ``key``'s signal list (``BLPOP``) for up to ``seconds``, else sleep.
+    def _ahead(self, key: str, waiter: Waiter, started: float) -> AheadAttempt | None:
+        """The acquire script to send with a block (waiting rule 6), or None.
 
-        Blocks only when the last attempt registered ``waiter`` and a
-        connection of the pool is to spare (see :class:`Blockers`). A
-        failed block (a socket timeout, a server that refuses the command)
-        sleeps the rest of the wait: it never raises.
-
-        A wait longer than a server tick (:data:`TICK`) blocks a tick less
-        than it lasts, and may end that much early; a shorter one blocks
-        all of it and may end up to a tick late, since the server times
-        the block out only on its tick, unless the holder's expiry cuts it
-        short: that one sleeps, to try on time.
-
-        Caveat: a client that re-sends a command whose connection was cut
-        (redis-py's default retry policy) re-sends the BLPOP with its whole
-        timeout, so a cut in the middle of a block stretches that one wait
-        by up to the client's retries times the block. A release still
-        ends it at once; only what sends no signal waits longer.
+        Only where one request reaches every slot key and the waiting records.
         """
-        blockers = self._blockers
-        if waiter.woken:
-            # Woken, then beaten to the permit: pause before blocking (waiting.py, rule 4).
-            waiter.woken = False
-            yield Sleep(lost_pause(seconds))
-            return
-        block = min(seconds, self._block_cap)
-        if block >= TICK + MIN_BLOCK:
-            block -= TICK
-        elif waiter.expires_in is not None and seconds >= waiter.expires_in:
-            # Cut short by the holder's expiry: a block would end a tick late.
-            block = 0.0
-        if not waiter.registered or blockers is None or block < MIN_BLOCK or not blockers.take():
-            yield Sleep(seconds)
-            return
-        assert self._execute is not None  # blocking needs a command client
-        signal = f"{self._prefix}signal:{key}"
-        started = self._clock.monotonic()
-        ahead = self._ahead(key, waiter, block, started)
-        failed = False
-        try:
-            if ahead is None:
-                reply = yield Call(self._execute, ("BLPOP", signal, f"{block:.3f}"))
-            else:
-                group, keys, args, window = ahead
-                expires = now_ms(self._clock) + waiter.ttl_ms
-                replies = yield Call(self._send_ahead, (signal, f"{block:.3f}", keys, args))
-                sent = 3 if self._replicas else 2
-                if not isinstance(replies, (list, tuple)) or len(replies) != sent:
-                    raise DMutexError(f"unexpected reply from Redis: {replies!r}")
-                reply = replies[0]
-                answer = replies[1]
-                waiter.ahead = self._ahead_answer(
-                    answer, key, group, waiter, expires, started, window
-                )
-                if self._replicas:
-                    waiter.ahead = self._ahead_replicated(waiter.ahead, key, replies[2])
-        except Exception:  # noqa: BLE001 - the wait degrades to sleeping, rule 3 of waiting.py
-            # An attempt that went ahead may have taken a permit: the next
-            # attempt, with the same token, finds it (rule 3 of scripts.py).
-            failed, waiter.ahead = True, None
-        else:
-            waiter.woken = reply is not None
-        finally:
-            blockers.give()
-        rest = seconds - (self._clock.monotonic() - started)
-        if failed and rest > 0:
-            yield Sleep(rest)
-
-    def _ahead(
-        self, key: str, waiter: Waiter, block: float, started: float
-    ) -> tuple[list[str], list[str], tuple[object, ...], int] | None:
-        """The acquire request to send with a block of ``block`` s (waiting rule 6), or None.
-
-        Its slot keys, all its keys, its arguments and its registration window.
-
-        Only on a client that pipelines, for an acquire whose token the
-        engine fixed, and for a block short beside the TTL (AHEAD_SHARE).
-        """
-        if self._pipeline is None or not waiter.token or block * 1000 * AHEAD_SHARE > waiter.ttl_ms:
-            return None
         groups, (extra, kinds), wakes = self._plan(key, True)
         if len(groups) != 1 or not wakes:
             return None
+        group = groups[0]
         args, window = self._waiting_args(waiter.token, waiter.ttl_ms, kinds, waiter, started)
-        return groups[0], [*groups[0], *extra, *wakes], args, window
+        expires = now_ms(self._clock) + waiter.ttl_ms
 
-    def _send_ahead(
-        self, signal: str, block: str, keys: list[str], args: tuple[object, ...]
-    ) -> object:
-        """``BLPOP``, then the acquire script, pipelined: the attempt runs as the block ends.
+        def answer(reply: object) -> Ahead | None:
+            return self._ahead_answer(reply, key, group, waiter, expires, started, window)
 
-        One round trip; the client's connection is blocked for both, so the
-        attempt runs right after the block, before this client reads a
-        byte. Errors come back as values (``raise_on_error=False``).
-        """
-        assert self._pipeline is not None
-        pipe = self._pipeline(transaction=False)
-        pipe.execute_command("BLPOP", signal, block)
-        pipe.execute_command("EVALSHA", ACQUIRE.sha, len(keys), *keys, *args)
-        if self._replicas:
-            pipe.execute_command("WAIT", self._replicas, self._replicas_ms)
-        return pipe.execute(raise_on_error=False)
-
-    def _ahead_replicated(self, ahead: Ahead | None, key: str, acks: object) -> Ahead | None:
-        """What an attempt sent ahead answered, once its ``WAIT``'s count ``acks`` is known.
-
-        A grant too few replicas acknowledged answers :class:`NotReplicatedError`
-        (the engine releases it); a ``WAIT`` that failed, its error.
-        """
-        if ahead is None or ahead.lease is None:
-            return ahead
-        try:
-            if isinstance(acks, Exception):
-                raise acks
-            self._replicated(key, _as_int(acks, 0, 2**31))
-        except Exception as error:  # noqa: BLE001 - the attempt's answer, raised by the next
-            return Ahead(None, error, ahead.sent)
-        return ahead
+        return ACQUIRE, [*group, *extra, *wakes], args, answer
 
     def _ahead_answer(
         self,
