@@ -132,7 +132,7 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
 
 
 # The backends that serve read-write locks so far.
-_READ_WRITE = ("InMemoryBackend", "SQLite")
+_READ_WRITE = ("InMemoryBackend", "SQLite", "Redis")
 
 
 def open_readwrite_store(client: object, options: Options, *, asynchronous: bool) -> ReadWriteStore:
@@ -157,6 +157,21 @@ def open_readwrite_store(client: object, options: Options, *, asynchronous: bool
         table, readers = options.table_name, options.max_readers
         return SQLiteReadWriteStore(
             client, table, readers, clock, asynchronous=asynchronous, fencing=fencing
+        )
+    if found == "redis":
+        # Imported where it is used (it may join the imports at the top).
+        from .redis import RedisReadWriteStore
+
+        name = "execute_command" if defines(client, "execute_command") else "eval"
+        (refuse_sync if asynchronous else refuse_asyncio)(client, name, "client")
+        return RedisReadWriteStore(
+            client,
+            options.key_prefix,
+            options.max_readers,
+            clock,
+            fencing=fencing,
+            replicas=options.replicas,
+            replicas_ms=options.replicas_timeout_ms,
         )
     raise UnsupportedClientError(
         f"read-write locks are not available on the {found} backend in this version "

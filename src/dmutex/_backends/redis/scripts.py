@@ -1,7 +1,8 @@
 """The Lua scripts of the Redis store, one named constant each.
 
-They sit in ``dmutex._backends.redis`` beside the store that runs them
-(``store.py``); tests and benchmarks import them from here.
+They sit in ``dmutex._backends.redis`` beside the stores that run them
+(``store.py``; the ``RW_*`` ones, ``readwrite.py``); tests and benchmarks
+import them from here.
 
 Rules of the scripts:
 
@@ -36,6 +37,12 @@ __all__ = [
     "RELEASE",
     "RENEW",
     "RENEW_BATCH",
+    "RW_ACQUIRE",
+    "RW_EXTEND",
+    "RW_INSPECT",
+    "RW_MARK",
+    "RW_RELEASE",
+    "RW_RENEW",
     "SLOTS",
     "Script",
 ]
@@ -504,3 +511,313 @@ RENEW, INSPECT = Script.of(_RENEW), Script.of(_INSPECT)
 # At most this many leases per renewal request: a request of this size blocks
 # the server for well under a millisecond.
 RENEW_BATCH = 256
+
+
+# --- Read-write locks (``readwrite.py``) ---------------------------------------------
+#
+# One hash per lock, KEYS[1] of each script: the field ``kind`` holds RW_MARK;
+# ``w:<token>``, ``r:<token>`` and ``i:<token>`` a writer's, a reader's and a
+# waiting writer's intent's expiry (epoch ms, the server's clock); ``fence``
+# the last fence. A hold or intent whose expiry is past counts for nothing and
+# is dropped by the next script that writes; the hash expires (PEXPIREAT) with
+# its latest hold or intent, and is deleted when none is left. A key of that
+# name that is not a hash holding the mark stops every script before it
+# writes (rule 2). The decisions follow ``dmutex._core.readwrite`` rule by
+# rule. Numbers are Lua doubles: epoch ms and fences (epoch µs) are exact far
+# beyond any date dmutex stores.
+RW_MARK = "dmutex:rwlock"
+_RW_HELPERS = f"""\
+local MARK, WAITERS, SIGNAL = '{RW_MARK}', 'dmutex:waiters', 'dmutex:signal'
+-- The server's clock (TIME), in microseconds and milliseconds.
+local function clock()
+  local t = redis.call('TIME')
+  local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return us, math.floor(us / 1000)
+end
+local function ms(value) return string.format('%d', value) end
+local function foreign(name)
+  return redis.error_reply('DMUTEX ' .. name .. ' {FOREIGN}')
+end
+-- Whether hash is dmutex's lock (true), absent (false), or a record dmutex
+-- did not write (nil). pcall: a record of another type answers an error (a table).
+local function marked(hash)
+  local kind = redis.pcall('HGET', hash, 'kind')
+  if kind == MARK then return true end
+  if kind == false and redis.call('EXISTS', hash) == 0 then return false end
+  return nil
+end
+-- The lock's state at now: its writer, readers (and their count) and
+-- intents by token, each with its expiry, its fence, the expired fields
+-- (dead) and whether the hash is absent; nil for a record dmutex did not write.
+local function load(hash, now)
+  local ours = marked(hash)
+  if ours == nil then return nil end
+  local s = {{readers = {{}}, count = 0, intents = {{}}, fence = 0, dead = {{}}, absent = not ours}}
+  if not ours then return s end
+  local fields = redis.call('HGETALL', hash)
+  for i = 1, #fields, 2 do
+    local name, value = fields[i], fields[i + 1]
+    local head, token = string.sub(name, 1, 2), string.sub(name, 3)
+    if name == 'fence' then
+      s.fence = tonumber(value) or 0
+    elseif head == 'w:' or head == 'r:' or head == 'i:' then
+      local ends = tonumber(value) or 0
+      if ends <= now then
+        s.dead[#s.dead + 1] = name
+      elseif head == 'w:' then
+        s.writer, s.writer_ends = token, ends
+      elseif head == 'r:' then
+        s.readers[token], s.count = ends, s.count + 1
+      else
+        s.intents[token] = ends
+      end
+    end
+  end
+  return s
+end
+-- Drop the expired fields (rule 1), a thousand per HDEL.
+local function prune(hash, s)
+  for i = 1, #s.dead, 1000 do
+    redis.call('HDEL', hash, unpack(s.dead, i, math.min(i + 999, #s.dead)))
+  end
+end
+-- The hash lasts as long as its latest hold or intent; with none left it
+-- goes, its fence with it (dmutex._core.fences, rule 2: TIME keeps fences rising).
+local function settle(hash, s)
+  local last = s.writer_ends or 0
+  for _, ends in pairs(s.readers) do if ends > last then last = ends end end
+  for _, ends in pairs(s.intents) do if ends > last then last = ends end end
+  if last > 0 then
+    redis.call('PEXPIREAT', hash, ms(last))
+  elseif not s.absent then
+    redis.call('DEL', hash)
+  end
+end
+-- Wake every waiter registered on the lock (KEYS[2], its signal list
+-- KEYS[3]): one signal per live registration, less those pending. Readers
+-- and writers share the list, and BLPOP cannot choose who pops: all try,
+-- and the attempts decide. A waiting record dmutex did not write is left alone.
+local function wake(now)
+  local waiters, signal = KEYS[2], KEYS[3]
+  if not waiters or type(redis.pcall('ZSCORE', waiters, WAITERS)) ~= 'string' then return end
+  redis.call('ZREMRANGEBYSCORE', waiters, '-inf', '(' .. ms(now))
+  local head = redis.pcall('LINDEX', signal, 0)
+  local left = redis.call('PTTL', waiters)
+  if left <= 0 or not (head == false or head == SIGNAL) then return end
+  local missing = redis.call('ZCARD', waiters) - 1 - (head and redis.call('LLEN', signal) or 0)
+  if missing < 1 then return end
+  while missing > 0 do
+    local batch = {{}}
+    for i = 1, math.min(missing, 1000) do batch[i] = SIGNAL end
+    redis.call('LPUSH', signal, unpack(batch))
+    missing = missing - #batch
+  end
+  redis.call('PEXPIRE', signal, left)
+end
+"""
+
+# RW_ACQUIRE. KEYS: the hash, then the waiting records (waiters, signal) for
+# an attempt of a retrying acquire whose waiter can be woken. ARGV: token,
+# ttl ms, "write" or "read", max readers ("0": no bound), "1" to take a
+# fence, the intent ms (a writer's refused attempt leaves its intent this
+# long; "0": it leaves none, and withdraws one it left); then, with the
+# waiting records, the waiter's name, its registration window and "1" if an
+# earlier attempt registered it (as ACQUIRE's). Returns {1, fence} (fence 0
+# without fencing) or {0, ms until what refused it lapses at the latest}.
+# It decides before it writes, so that a record dmutex did not write (the
+# hash, or a waiting record it would register in) stops it with nothing
+# changed. A writer that withdraws its intent, and was the last, wakes the
+# waiters: the readers it held back may enter.
+_RW_ACQUIRE = (
+    _RW_HELPERS
+    + """\
+local hash, token, ttl, write = KEYS[1], ARGV[1], tonumber(ARGV[2]), ARGV[3] == 'write'
+local most, fencing, intent = tonumber(ARGV[4]), ARGV[5] == '1', tonumber(ARGV[6])
+local waiter, window, registered = ARGV[7], tonumber(ARGV[8] or '0'), ARGV[9] == '1'
+local us, now = clock()
+local s = load(hash, now)
+if not s then return foreign(hash) end
+local had = s.intents[token] ~= nil
+-- The decision (rules 1-2): clears is when what refuses the attempt lapses
+-- at the latest; nil grants it.
+local clears
+if write then
+  if s.writer ~= token and (s.writer or s.count > 0) then
+    clears = s.writer_ends or 0
+    for _, ends in pairs(s.readers) do if ends > clears then clears = ends end end
+  end
+elseif not s.readers[token] then
+  if s.writer then
+    clears = s.writer_ends
+  else
+    for other, ends in pairs(s.intents) do
+      if other ~= token and (not clears or ends < clears) then clears = ends end
+    end
+    if not clears and most > 0 and s.count >= most then
+      for _, ends in pairs(s.readers) do if not clears or ends < clears then clears = ends end end
+    end
+  end
+end
+if clears and waiter and window >= 0 then
+  local marked = redis.pcall('ZSCORE', KEYS[2], WAITERS)
+  if type(marked) == 'table' or (not marked and redis.call('EXISTS', KEYS[2]) == 1) then
+    return foreign(KEYS[2])
+  end
+  local head = redis.pcall('LINDEX', KEYS[3], 0)
+  if type(head) == 'table' or (head and head ~= SIGNAL) then return foreign(KEYS[3]) end
+end
+prune(hash, s)
+local changed = #s.dead > 0
+if write and clears and intent > 0 then
+  s.intents[token] = now + intent
+  redis.call('HSET', hash, 'i:' .. token, ms(now + intent))
+  changed = true
+elseif had and write then
+  s.intents[token] = nil
+  redis.call('HDEL', hash, 'i:' .. token)
+  changed = true
+end
+if not clears then
+  -- Rules 3-4: a hold of this token already (a re-sent grant) is granted
+  -- again, its expiry set anew, with a new fence.
+  local ends = now + ttl
+  local fields = {(write and 'w:' or 'r:') .. token, ms(ends)}
+  if write then
+    s.writer, s.writer_ends = token, ends
+  else
+    s.readers[token] = ends
+  end
+  if s.absent then fields[#fields + 1], fields[#fields + 2] = 'kind', MARK end
+  local fence = 0
+  if fencing then
+    -- dmutex._core.fences, rule 1: above the counter, at least TIME in µs.
+    fence = math.max(s.fence + 1, us)
+    fields[#fields + 1], fields[#fields + 2] = 'fence', ms(fence)
+  end
+  redis.call('HSET', hash, unpack(fields))
+  settle(hash, s)
+  -- Its own member, uniquely named: removing it never touches another's record.
+  if waiter and registered then redis.pcall('ZREM', KEYS[2], waiter) end
+  return {1, fence}
+end
+if changed then settle(hash, s) end
+if had and not s.intents[token] and not s.writer and next(s.intents) == nil then wake(now) end
+if waiter and window > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ms(now))
+  redis.call('ZADD', KEYS[2], '+inf', WAITERS, ms(now + window), waiter)
+  if redis.call('PTTL', KEYS[2]) < window then redis.call('PEXPIRE', KEYS[2], window) end
+elseif waiter and window == 0 and registered then
+  redis.pcall('ZREM', KEYS[2], waiter)
+end
+return {0, clears - now}
+"""
+)
+
+# RW_RELEASE. KEYS: the hash, then the waiting records when the lock's
+# waiters are woken. ARGV: token, max readers ("0": no bound). Ends the
+# token's hold and its intent (rule 5); returns 1 if a hold was active, else
+# 0. Wakes the waiters when that may let someone in: a writer's release; a
+# reader's that leaves no reader, or frees a place under max readers; a
+# withdrawn intent that was the last.
+_RW_RELEASE = (
+    _RW_HELPERS
+    + """\
+local hash, token, most = KEYS[1], ARGV[1], tonumber(ARGV[2])
+local _, now = clock()
+local s = load(hash, now)
+if not s then return foreign(hash) end
+if s.absent then return 0 end
+prune(hash, s)
+local changed, done, woken = #s.dead > 0, 0, false
+local had = s.intents[token] ~= nil
+if had then
+  s.intents[token], changed = nil, true
+  redis.call('HDEL', hash, 'i:' .. token)
+end
+if s.writer == token then
+  s.writer, s.writer_ends, done, woken = nil, nil, 1, true
+  redis.call('HDEL', hash, 'w:' .. token)
+elseif s.readers[token] then
+  s.readers[token], s.count, done = nil, s.count - 1, 1
+  redis.call('HDEL', hash, 'r:' .. token)
+  woken = s.count == 0 or s.count == most - 1
+end
+if had and not s.writer and next(s.intents) == nil then woken = true end
+if changed or done == 1 then settle(hash, s) end
+if woken then wake(now) end
+return done
+"""
+)
+
+# The extend of one hold, for RW_EXTEND and RW_RENEW: 1 if token's active
+# hold of the kind slot names ("0" writer, "1" reader, "-" either) now ends
+# at now + ttl, 0 if there is none, -1 for a hash dmutex did not write.
+_RW_EXTEND_ONE = """\
+local function extend(hash, token, slot, ttl, now)
+  local s = load(hash, now)
+  if not s then return -1 end
+  if s.absent then return 0 end
+  prune(hash, s)
+  local ends, field = now + ttl, nil
+  if slot ~= '1' and s.writer == token then
+    s.writer_ends, field = ends, 'w:' .. token
+  elseif slot ~= '0' and s.readers[token] then
+    s.readers[token], field = ends, 'r:' .. token
+  end
+  if field then redis.call('HSET', hash, field, ms(ends)) end
+  if field or #s.dead > 0 then settle(hash, s) end
+  return field and 1 or 0
+end
+"""
+
+# RW_EXTEND. KEYS: the hash. ARGV: token, slot ("0", "1" or "-"), ttl ms.
+# Returns 1 or 0 (rule 5: an active hold's expiry only).
+_RW_EXTEND = (
+    _RW_HELPERS
+    + _RW_EXTEND_ONE
+    + """\
+local _, now = clock()
+local done = extend(KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3]), now)
+if done < 0 then return foreign(KEYS[1]) end
+return done
+"""
+)
+
+# RW_RENEW, many holds at once. KEYS: the hashes, each once. ARGV: per
+# hold, the position in KEYS of its hash, its token, slot and ttl ms.
+# Returns per hold 1, 0, or -1 for a hash dmutex did not write (that hold's
+# answer is the error; the others go on).
+_RW_RENEW = (
+    _RW_HELPERS
+    + _RW_EXTEND_ONE
+    + """\
+local _, now = clock()
+local done = {}
+for i = 1, #ARGV / 4 do
+  local at, ttl = tonumber(ARGV[4 * i - 3]), tonumber(ARGV[4 * i])
+  done[i] = extend(KEYS[at], ARGV[4 * i - 2], ARGV[4 * i - 1], ttl, now)
+end
+return done
+"""
+)
+
+# RW_INSPECT, for ``dmutex status`` and tests; writes nothing. KEYS: the
+# hash. Returns the server's time in ms, then the hash's fields and values
+# (HGETALL), none when it is absent.
+_RW_INSPECT = (
+    _RW_HELPERS
+    + """\
+local _, now = clock()
+local ours = marked(KEYS[1])
+if ours == nil then return foreign(KEYS[1]) end
+local out = {now}
+if ours then
+  for _, value in ipairs(redis.call('HGETALL', KEYS[1])) do out[#out + 1] = value end
+end
+return out
+"""
+)
+
+RW_ACQUIRE, RW_RELEASE = Script.of(_RW_ACQUIRE), Script.of(_RW_RELEASE)
+RW_EXTEND, RW_RENEW = Script.of(_RW_EXTEND), Script.of(_RW_RENEW)
+RW_INSPECT = Script.of(_RW_INSPECT)
