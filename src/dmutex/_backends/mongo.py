@@ -46,22 +46,28 @@ from .shapes import method
 DUPLICATE_KEY = 11000
 # Marks a fence counter document as dmutex's own.
 _FENCE_KIND = "dmutex-fence"
-# The counter's next value, by ``dmutex._core.fences`` (rule 1): the larger of
-# itself plus one and the server's clock in microseconds ($$NOW is in
-# milliseconds). An update pipeline (MongoDB 4.2 and later), so that both are
-# read and written in one atomic step.
-_NEXT_FENCE = [
-    {
-        "$set": {
-            "fence": {
-                "$max": [
-                    {"$add": [{"$ifNull": ["$fence", 0]}, 1]},
-                    {"$multiply": [{"$toLong": "$$NOW"}, 1000]},
-                ]
-            }
-        }
-    }
-]
+
+
+def next_fence(counter: object) -> dict[str, object]:
+    """The aggregation expression of the fence after ``counter`` (an expression).
+
+    By ``dmutex._core.fences`` (rule 1): the larger of the counter plus one
+    and the server's clock in microseconds ($$NOW is in milliseconds), so
+    that a counter that was deleted (by hand; a read-write lock's by the TTL
+    monitor) restarts above the fences handed out before, by the one clock
+    that every client's request reads.
+    """
+    return {"$max": [{"$add": [counter, 1]}, {"$multiply": [{"$toLong": "$$NOW"}, 1000]}]}
+
+
+# The counter document's update: an update pipeline (MongoDB 4.2 and later),
+# so that the counter and the clock are read and written in one atomic step.
+_NEXT_FENCE = [{"$set": {"fence": next_fence({"$ifNull": ["$fence", 0]})}}]
+
+
+def create_ttl_index(create_index: Callable[..., object]) -> Steps[None]:
+    """Create the TTL index ``{expiredAt: 1}``; an existing identical index is no error."""
+    yield Call(create_index, ([("expiredAt", 1)],), {"expireAfterSeconds": 0})
 
 
 def is_duplicate_key(error: BaseException) -> bool:
@@ -132,7 +138,7 @@ class MongoStore:
 
     def ready(self) -> Steps[None]:
         """Create the TTL index; an existing identical index is no error."""
-        yield Call(self._create_index, ([("expiredAt", 1)],), {"expireAfterSeconds": 0})
+        return create_ttl_index(self._create_index)
 
     def _take(self, slot: int, key: str, token: str, now: int, expires: int) -> Steps[bool]:
         """Upsert slot ``slot`` if free, expired or ours; False on duplicate key (held).
