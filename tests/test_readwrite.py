@@ -11,7 +11,6 @@ import asyncio
 import threading
 from typing import Any
 
-import mongomock
 import pytest
 
 from dmutex import (
@@ -115,11 +114,25 @@ def test_max_readers_is_checked(value: Any, error: type[Exception], message: str
     assert backend.snapshot() == {}
 
 
+class PostgresShaped:
+    """An asyncpg-shaped client (``fetch`` beside ``fetchrow``) that records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+
+    async def fetch(self, *args: object) -> list[object]:
+        self.calls.append(args)
+        return []
+
+    async def fetchrow(self, *args: object) -> None:
+        self.calls.append(args)
+
+
 def test_a_backend_without_read_write_locks_refuses_at_construction() -> None:
-    client: Any = mongomock.MongoClient()
+    client: Any = PostgresShaped()
     with pytest.raises(UnsupportedClientError, match="read-write locks are not available"):
-        DReadWriteLock("svc", client)
-    assert client.list_database_names() == [], "no request reached the server"
+        AsyncDReadWriteLock("svc", client)
+    assert client.calls == [], "no request reached the server"
 
 
 def test_the_defaults_name_the_readwrite_prefix() -> None:

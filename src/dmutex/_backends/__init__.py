@@ -132,7 +132,7 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
 
 
 # The backends that serve read-write locks so far.
-_READ_WRITE = ("InMemoryBackend", "SQLite", "Redis")
+_READ_WRITE = ("InMemoryBackend", "SQLite", "Redis", "MongoDB")
 
 
 def open_readwrite_store(client: object, options: Options, *, asynchronous: bool) -> ReadWriteStore:
@@ -173,6 +173,18 @@ def open_readwrite_store(client: object, options: Options, *, asynchronous: bool
             replicas=options.replicas,
             replicas_ms=options.replicas_timeout_ms,
         )
+    if found == "mongodb":
+        # Imported beside its branch (it may join the imports at the top).
+        from .mongo_readwrite import MongoReadWriteStore
+
+        check_db_name(options.db_name)
+        check_collection_name(options.collection_name, options.collection_origin, options.db_name)
+        database = method(client, "get_database")(options.db_name)
+        collection = method(database, "get_collection")(options.collection_name)
+        face = "find_one_and_update"
+        (refuse_sync if asynchronous else refuse_asyncio)(collection, face, "collection")
+        readers = options.max_readers
+        return MongoReadWriteStore(collection, readers, clock, fencing=fencing)
     raise UnsupportedClientError(
         f"read-write locks are not available on the {found} backend in this version "
         f"(available on: {', '.join(_READ_WRITE)})"
