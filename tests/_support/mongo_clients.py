@@ -43,6 +43,9 @@ class AsyncMongomockCollection:
         found: list[object] = self.inner.distinct(key, filter)
         return found
 
+    async def find_one(self, filter: Any, /) -> Any:
+        return self.inner.find_one(filter)
+
     async def find_one_and_update(
         self, filter: Any, update: Any, /, *, upsert: bool = False, return_document: bool = False
     ) -> Any:
