@@ -56,11 +56,13 @@ Rules of this module:
 6. Nothing signals a release: a retrying attempt polls (``waiting.py``),
    told by its refusal when the hold or intent in its way lapses at the
    latest, so that it waits no longer than that.
-7. The pipeline keeps to what mongomock evaluates as a server does, so that
-   the suites without a server check the same requests: every path into a
-   value that may be null or missing goes through ``$ifNull``, and an array
-   built from the request's constants is a ``$literal``. mongomock has no
-   ``$$NOW``: its fences count 1, 2, 3, as InMemoryBackend's do.
+7. The pipeline keeps to the forms that MongoDB, SecantusDB and mongomock
+   evaluate alike, so that the suites with and without a server check the
+   same requests: every path into a value that may be null or missing goes
+   through ``$ifNull``, an array built from the request's constants is a
+   ``$literal``, and the comments say where another form was chosen for one
+   of them. mongomock has no ``$$NOW``: its fences count 1, 2, 3, as
+   InMemoryBackend's do.
 """
 
 from __future__ import annotations
@@ -361,7 +363,9 @@ class MongoReadWriteStore:
 
     Requests per operation: acquire 1 (2 when two first acquires of a key
     race to insert its document), release 1, extend 1, holders 1, a renewal
-    batch 1 per lease, ``ready()`` 1, once per instance.
+    batch 1 per lease, ``ready()`` 1, once per instance. With
+    ``fencing=False`` the document counts fences all the same (it costs no
+    request); leases and inspections show none.
     """
 
     max_expiry_ms = MAX_EXPIRY_MS
