@@ -900,16 +900,44 @@ def replicated() -> Iterator[Replicated]:
         servers.stop()
 
 
+class _Counted(redis.Redis):
+    """A redis-py client that counts its round trips: commands sent alone, and pipelines."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands = 0
+        self.pipelines = 0
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        self.commands += 1
+        send: Callable[..., Any] = super().execute_command
+        return send(*args, **options)
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
+        self.pipelines += 1
+        return super().pipeline(transaction, shard_hint)
+
+    def trips(self) -> tuple[int, int]:
+        """``(commands, pipelines)`` since the last call."""
+        counted = (self.commands, self.pipelines)
+        self.commands = self.pipelines = 0
+        return counted
+
+
 def test_replicas_grants_and_extends_are_on_the_replica_when_they_return(
     rig: FaceRig, replicated: Replicated
 ) -> None:
-    """A paused replica: NotReplicatedError, and the grant undone."""
+    """Each in one pipeline (the script and WAIT); a paused replica: NotReplicatedError, undone."""
     primary = replicated.client()
     replica = replicated.client(replicated.replicas[0].port)
+    counted = cast(_Counted, _Counted.from_url(replicated.url()))
     try:
         primary.flushdb()
+        for script in (RW_ACQUIRE, RW_RELEASE, RW_EXTEND):
+            primary.script_load(script.text)  # cached: one EVALSHA a write, no NOSCRIPT then EVAL
         replicated.wait_online()
-        lock = lock_of(rig, client_of(rig, replicated.url()), replicas=1, replicas_timeout=0.25)
+        client = counted if rig.face == "sync" else client_of(rig, replicated.url())
+        lock = lock_of(rig, client, replicas=1, replicas_timeout=0.25)
         name = rwlock("doc")
         reader = held(lock.acquire("read", "doc", LONG))
         assert replica.hget(name, f"r:{reader.token}") is not None, "on the replica already"
@@ -917,6 +945,8 @@ def test_replicas_grants_and_extends_are_on_the_replica_when_they_return(
         assert replica.hget(name, f"r:{second.token}") is not None
         assert reader.extend(LONG + 10) is True
         assert replica.hget(name, f"r:{reader.token}") == primary.hget(name, f"r:{reader.token}")
+        if rig.face == "sync":
+            assert counted.trips() == (0, 3), "three writes, a pipeline each, no command alone"
         assert reader.release() is True
         assert second.release() is True
         replicated.pause()
@@ -929,3 +959,4 @@ def test_replicas_grants_and_extends_are_on_the_replica_when_they_return(
     finally:
         primary.close()
         replica.close()
+        counted.close()
