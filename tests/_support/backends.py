@@ -112,6 +112,15 @@ class _Redis:
         self._inspector = inspector
         self._made: list[Made] = []
 
+    def expire_hold(self, key: str, token: str) -> None:
+        """Make ``token``'s read-write hold of ``key`` expire now (by the server's clock)."""
+        seconds, micros = self._inspector.time()
+        now = seconds * 1000 + micros // 1000
+        for name in self._inspector.keys(f"*rwlock:{key}"):
+            for field in (f"w:{token}", f"r:{token}"):
+                if self._inspector.hexists(name, field):
+                    self._inspector.hset(name, field, str(now))
+
     def force_expire(self, key: str, slot: int | None = None) -> None:
         for name in self._inspector.keys(f"*permit:{'*' if slot is None else slot}:{key}"):
             self._expire_in_index(str(name), key)
@@ -212,6 +221,23 @@ class Mongomock:
                 {"_id": {"$regex": slot_pattern(key, slot)}, "expiredAt": {"$gt": now}},
                 {"$set": {"expiredAt": now}},
             )
+
+    def expire_hold(self, key: str, token: str) -> None:
+        """Make ``token``'s read-write hold of ``key`` expire now, in its document."""
+        assert self.clock is not None
+        now = self.clock.now()
+        for collection in self._collections():
+            doc = collection.find_one({"_id": f"rwlock:{key}"})
+            if doc is None:
+                continue
+            writer = doc.get("w")
+            if isinstance(writer, dict) and writer.get("t") == token:
+                writer["e"] = now
+            readers = doc.get("r")
+            for reader in readers if isinstance(readers, list) else []:
+                if reader.get("t") == token:
+                    reader["e"] = now
+            collection.replace_one({"_id": doc["_id"]}, doc)
 
     def active(self, prefix: str) -> dict[str, str]:
         # The tests use the default collections: the Redis-style prefix

@@ -144,7 +144,16 @@ MANUAL_CLOCK_CASES = (
 
 # The cases whose backend serves read-write locks (the ``rw_env`` fixture's),
 # by the start of the case's name.
-READ_WRITE_BACKENDS = ("memory-", "sqlite-")
+READ_WRITE_BACKENDS = (
+    "memory-",
+    "sqlite-",
+    "fakeredis-",
+    "redis-py-",
+    "valkey-py-",
+    "set-eval-",
+    "mongomock-",
+    "pymongo-",
+)
 
 
 def read_write(name: str) -> bool:

@@ -31,13 +31,15 @@ from hypothesis.stateful import (
 
 from dmutex import InMemoryBackend
 from dmutex._core.lease import EPOCH
-from tests._support.backends import Backend, Memory, Rig, SQLite
+from tests._support.backends import Backend, Memory, Mongomock, RealRedis, Rig, SQLite
 from tests._support.faces import FaceName, Handle
+from tests._support.redis_servers import Pool, Server
 from tests._support.rwfaces import RWFace, Side
 from tests.model.rw_model import READ, WRITE, RWModel
 from tests.model.test_state_machine import (
     CALLERS,
     EXAMPLES,
+    FEWER_EXAMPLES,
     KEYS,
     RENEWED_PICKS,
     SETTINGS,
@@ -57,7 +59,7 @@ def expire_hold(backend: Backend, key: str, token: str) -> None:
     if isinstance(client, InMemoryBackend):
         client.force_expire(key, token=token)
         return
-    if isinstance(backend, SQLite):
+    if isinstance(backend, (SQLite, Mongomock, RealRedis)):
         backend.expire_hold(key, token)
         return
     raise NotImplementedError(f"no way to expire a hold on {type(backend).__name__} yet")
@@ -320,5 +322,32 @@ def test_in_memory_backend(face: FaceName, max_readers: int | None) -> None:
 
 @pytest.mark.parametrize(("face", "max_readers"), CONFIGS)
 def test_sqlite(face: FaceName, max_readers: int | None) -> None:
-    """The same machine on the SQLite store, over a temporary file."""
-    check_machine(SQLite, face, max_readers)
+    """The same machine on the SQLite store, over a temporary file.
+
+    A quarter of the examples: the store decides with ``_core.readwrite``'s
+    functions, which the in-memory machine runs in full; what is SQLite's
+    own (its row, its transactions) shows in the first examples.
+    """
+    check_machine(SQLite, face, max_readers, FEWER_EXAMPLES)
+
+
+@pytest.mark.parametrize(("face", "max_readers"), CONFIGS)
+def test_mongomock(face: FaceName, max_readers: int | None) -> None:
+    """The same machine on the MongoDB store, over mongomock (not a server).
+
+    All examples: the store decides in its own update pipeline.
+    """
+    check_machine(Mongomock, face, max_readers)
+
+
+@pytest.mark.parametrize(("face", "max_readers"), CONFIGS)
+def test_redis(
+    redis_pool: Pool, redis_server: Server, redis_url: str, face: FaceName, max_readers: int | None
+) -> None:
+    """The same machine against a real Redis server, via redis-py: its scripts decide.
+
+    All examples on the newest version found, a quarter on the others.
+    """
+    newest = redis_server.label == redis_pool.labels[-1]
+    examples = EXAMPLES if newest else FEWER_EXAMPLES
+    check_machine(lambda: RealRedis(redis_url), face, max_readers, examples)

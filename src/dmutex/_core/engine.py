@@ -26,7 +26,10 @@ Rules of this module:
    answer that shows a lease gone marks it lost (``renewal.lose``); when to
    renew and when to give up is ``renewal.py``'s.
 8. A retrying acquire waits as ``waiting.py`` says, through the store,
-   which may be woken by a release; the next attempt decides, always.
+   which may be woken by a release; the next attempt decides, always. Its
+   last attempt is marked so before it is sent (a store then leaves no
+   registration, no writer's intent); an unmarked one answered after the
+   deadline is followed by one marked last.
 9. ``run`` reports what happened to the work, not to the clean-up: the
    callback's own exception is never replaced by a failing release (which
    is logged), and a lease lost while it ran surfaces as
@@ -176,8 +179,18 @@ class Engine:
         while True:
             lease = yield from self._attempt(*request, waiter)
             remaining = deadline - self.clock.monotonic()
-            if lease is not None or remaining <= 0 or waiter is None:
+            if lease is not None or waiter is None:
                 return lease
+            if remaining <= 0:
+                if waiter.last:
+                    return lease
+                # Sent before the deadline, answered after it: that attempt
+                # was not marked last, so it may have left what a waiting
+                # attempt leaves (a registration, a writer's intent). One
+                # more, marked last, withdraws it and decides.
+                waiter.last = True
+                request = self._request(key, ttl_ms, waiter)
+                continue
             seconds = waiting.next_wait(retry_delay, remaining, waiter.expires_in)
             # What an attempt sent ahead with the wait is (waiting rule 6):
             # the last, unless a release ends the wait early.
