@@ -13,7 +13,9 @@ finds (``tests/_support/postgres_servers.py``), each starting its own; ``mysql_c
 the MariaDB/MySQL server it finds (``tests/_support/mysql_servers.py``), whose statement counts
 are checked too: they are what that script reports beside its timings, and the known counts
 (its raw contenders' own, one statement per mutex acquire, a semaphore's read and take) show
-that it counted what it claims.
+that it counted what it claims. ``redis_readwrite.py``'s counts are checked likewise: one
+request per acquire and per release (mutex, read and write, both faces), and no reader granted
+after a waiting writer's first attempt (writer preference; the grants placed by their fences).
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ from tests._support import fault_servers, mysql_servers, postgres_servers
 from tests._support.redis_servers import discovered
 
 ROOT = Path(__file__).parent.parent
-REDIS = ["redis_cycle", "renewal_scale", "semaphore_scale", "redis_peers", "redis_replicas"]
+REDIS = [
+    "redis_cycle",
+    "renewal_scale",
+    "semaphore_scale",
+    "redis_peers",
+    "redis_replicas",
+    "redis_readwrite",
+]
 POSTGRES = ["postgres_cycle", "postgres_semaphore", "postgres_handoff"]
 MYSQL = ["mysql_cycle"]
 SCRIPTS = ["sqlite_cycle", *REDIS, *POSTGRES, *MYSQL]
@@ -59,6 +68,16 @@ REPLICAS_REQUESTS = {
     "dsemaphore-r1: cycle": 2,
     "extend-r1: extend": 1,
     "raw-wait: cycle": 2,
+}
+
+# What redis_readwrite.py must count: one script per acquire and per release, read or write,
+# as the mutex's; and, the readers' grants placed by fence, none after a waiting writer's first
+# attempt (writer preference).
+READWRITE_REQUESTS = {
+    f"{name}{face}: {half}": 1
+    for name in ("mutex", "read", "write")
+    for face in ("", "-async")
+    for half in ("acquire", "release")
 }
 
 
@@ -116,3 +135,10 @@ def test_a_quick_run_writes_its_figures(script: str, tmp_path: Path) -> None:
         for run in runs.values():
             counted = run["requests"]
             assert {name: counted[name] for name in REPLICAS_REQUESTS} == REPLICAS_REQUESTS
+    if script == "redis_readwrite":
+        for run in runs.values():
+            counted = run["requests"]
+            assert {name: counted[name] for name in READWRITE_REQUESTS} == READWRITE_REQUESTS
+            preference = run["preference"]
+            assert preference["after_first_attempt"] == 0, preference
+            assert preference["trials"] > 0, preference
