@@ -1,10 +1,11 @@
 """The ``dmutex`` command: run a command under a distributed lock, or show who holds one.
 
 ``dmutex run [options] KEY -- COMMAND [ARG...]`` takes the lock KEY (a
-semaphore of ``--limit`` permits), runs COMMAND as a child with the lease
-renewed in the background, and releases it when the child ends.
-``dmutex status [options] KEY`` shows the active permits. See
-``dmutex --help``.
+semaphore of ``--limit`` permits; with ``--read`` or ``--write``, KEY's
+read-write lock as a reader or as the writer), runs COMMAND as a child with
+the lease renewed in the background, and releases it when the child ends.
+``dmutex status [options] KEY`` shows the active permits (``--read-write``:
+the read-write lock's writer or readers). See ``dmutex --help``.
 
 The rules of the command:
 
@@ -12,11 +13,12 @@ The rules of the command:
    a ``dmutex`` that is killed with SIGKILL leaves it to lapse within one TTL.
 2. Exit status: the child's own (128+N if signal N ended it); 75 (``-E``)
    when the lock was not acquired (held with ``-n``, or the ``-w`` wait ran
-   out); 64 for usage errors; 69 when the backend cannot be reached or the
-   client package of its scheme is missing; 70 after the lease was lost
-   while the child ran (the child got SIGTERM, then SIGKILL after
-   ``--kill-grace``); 127 / 126 when COMMAND is not found / not executable,
-   as in the shell. ``status``: 0 held, 1 free.
+   out); 64 for usage errors (among them a read-write lock on a backend
+   that serves none, found before anything connects); 69 when the backend
+   cannot be reached or the client package of its scheme is missing; 70
+   after the lease was lost while the child ran (the child got SIGTERM,
+   then SIGKILL after ``--kill-grace``); 127 / 126 when COMMAND is not
+   found / not executable, as in the shell. ``status``: 0 held, 1 free.
 3. A failure prints one line on stderr, ``dmutex: ...``, with any password
    in the backend URL hidden; a lock that stayed held prints nothing
    without ``-v``, as ``flock(1)`` does.
@@ -26,8 +28,9 @@ The rules of the command:
    The Redis, MongoDB, PostgreSQL and MySQL client packages are imported only for
    their schemes.
 5. The layout is the library's: a ``dmutex run`` and a ``DMutex`` (or,
-   with ``--limit``, a ``DSemaphore``) of the same service name on the same
-   backend guard the same keys.
+   with ``--limit``, a ``DSemaphore``; with ``--read`` / ``--write``, a
+   ``DReadWriteLock``'s readers / writer) of the same service name on the
+   same backend guard the same keys.
 
 Caveats: POSIX only (signals, process groups). The child stays in
 ``dmutex``'s process group, as under ``flock(1)``.

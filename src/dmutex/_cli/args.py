@@ -3,7 +3,10 @@
 Guarantee: :func:`parse` returns a :class:`RunArgs` or :class:`StatusArgs`
 whose every value is in range, or raises :class:`~dmutex._cli.errors.Failure`
 (status 64 for a usage error, 0 after ``--help`` / ``--version``, with the
-text already printed). It never raises ``SystemExit``.
+text already printed). It never raises ``SystemExit``. Each names one kind
+of lock (:attr:`RunArgs.kind`): a mutex, a semaphore (``--limit N``) or a
+read-write lock (``run --read`` / ``--write``, ``status --read-write``),
+never two: a read-write lock with a ``--limit`` other than 1 is a usage error.
 
 Caveats: as with ``flock(1)``, the options of ``run`` come before KEY:
 everything after KEY is the command (a first ``--`` after KEY is dropped).
@@ -19,9 +22,11 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from .._errors import ArgumentTypeError, InvalidArgumentError
+from .._options import Kind
 from .._validate import check_key
 from .._version import __version__
 from .errors import CONFLICT, USAGE, Failure, one_line
+from .holders import Role
 
 __all__ = ["RunArgs", "StatusArgs", "build_parser", "parse"]
 
@@ -54,7 +59,7 @@ exit status:
 
 the command's environment gains DMUTEX_KEY, DMUTEX_TOKEN, DMUTEX_FENCE (the
 grant's fencing number: every grant gets one, on every backend) and DMUTEX_SLOT
-(the permit held, 0 to N-1 with --limit N; 0 for a mutex).
+(the permit held, 0 to N-1 with --limit N; 0 for a mutex, a reader and a writer).
 
 examples:
   dmutex run nightly-backup -- ./backup.sh         # one backup at a time on this host
@@ -62,19 +67,23 @@ examples:
   dmutex run -w 300 -v deploy -- make deploy       # wait up to 5 minutes, showing holders
   dmutex run --limit 4 --backend redis://cache:6379/0 gpu -- train.py
                                                    # at most 4 at a time, across hosts
+  dmutex run --read catalog -- ./export.sh         # exports run side by side ...
+  dmutex run --write catalog -- ./rebuild.sh       # ... a rebuild runs alone
   DMUTEX_BACKEND=mongodb://db/ops dmutex run migrate -- ./migrate.sh
   dmutex run --backend 'postgresql://app@db/ops?schema=locks' report -- ./report.sh
   dmutex run --backend 'mysql://app@db:3306/ops' report -- ./report.sh
 """
 
 _STATUS_EPILOG = """\
-exit status: 0 if any permit of KEY is held, 1 if it is free, 64 usage error,
-69 the backend cannot be reached, 70 an error dmutex does not know (a bug: the
-traceback is printed). 1 never means anything but free.
+exit status: 0 if KEY is held (any permit; with --read-write, a reader or the
+writer), 1 if it is free, 64 usage error, 69 the backend cannot be reached, 70
+an error dmutex does not know (a bug: the traceback is printed). 1 never means
+anything but free.
 
 examples:
   dmutex status nightly-backup
   dmutex status --json --backend redis://cache:6379/0 --limit 4 gpu
+  dmutex status --read-write catalog
 """
 
 _MAIN_EPILOG = """\
@@ -169,8 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``dmutex`` parser with its ``run`` and ``status`` subcommands."""
     parser = _Parser(
         prog="dmutex",
-        description="Run commands under distributed locks (mutexes and semaphores) "
-        "kept in SQLite, Redis, MongoDB, PostgreSQL or MySQL/MariaDB.",
+        description="Run commands under distributed locks (mutexes and semaphores, kept in "
+        "SQLite, Redis, MongoDB, PostgreSQL or MySQL/MariaDB; read-write locks in SQLite, "
+        "Redis or MongoDB).",
         epilog=_MAIN_EPILOG,
         formatter_class=_Formatter,
     )
@@ -210,6 +220,25 @@ def build_parser() -> argparse.ArgumentParser:
         type=_seconds_or_zero,
         help="wait at most SECONDS for the lock (default: wait forever)",
     )
+    # Both store into "role": argparse refuses the two together (a usage
+    # error, 64) and names them.
+    roles = run.add_mutually_exclusive_group()
+    roles.add_argument(
+        "--read",
+        dest="role",
+        action="store_const",
+        const="read",
+        help="hold KEY's read-write lock as a reader: any number of readers at once, "
+        "none while a writer holds KEY or waits for it (not with --limit)",
+    )
+    roles.add_argument(
+        "--write",
+        dest="role",
+        action="store_const",
+        const="write",
+        help="hold KEY's read-write lock as its writer: alone, once the readers are gone; "
+        "while it waits, new readers wait behind it (not with --limit)",
+    )
     run.add_argument(
         "-E",
         "--conflict-exit-code",
@@ -239,12 +268,19 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser(
         "status",
         help="show who holds a lock",
-        description="Show the active permits of KEY: slot, expiry, time left, fence, and a "
-        "shortened token.",
+        description="Show the active permits of KEY: slot (with --read-write: role), expiry, "
+        "time left, fence, and a shortened token.",
         epilog=_STATUS_EPILOG,
         formatter_class=_Formatter,
     )
     _add_common(status)
+    status.add_argument(
+        "--read-write",
+        dest="readwrite",
+        action="store_true",
+        help="show KEY's read-write lock (that of run --read and --write): its writer or "
+        "its readers (not with --limit)",
+    )
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.add_argument("key", metavar="KEY", help="the name of the lock")
     return parser
@@ -259,12 +295,19 @@ class RunArgs:
     backend: str | None
     service: str
     limit: int
+    role: Role | None
+    """``--read`` / ``--write``: a read-write lock; None: a mutex or semaphore (``limit``)."""
     ttl: float
     wait: float | None
     """Seconds to wait for the lock: 0 with ``-n``, None for ever."""
     conflict_exit_code: int
     kill_grace: float
     verbose: bool
+
+    @property
+    def kind(self) -> Kind:
+        """The kind of lock: a read-write lock with a role, else by ``limit``."""
+        return lock_kind(self.limit, readwrite=self.role is not None)
 
 
 @dataclass(frozen=True)
@@ -276,6 +319,20 @@ class StatusArgs:
     service: str
     limit: int
     json: bool
+    readwrite: bool = False
+    """``--read-write``: show the key's read-write lock."""
+
+    @property
+    def kind(self) -> Kind:
+        """The kind of lock shown."""
+        return lock_kind(self.limit, readwrite=self.readwrite)
+
+
+def lock_kind(limit: int, *, readwrite: bool) -> Kind:
+    """``readwrite`` (whose limit is 1), else a mutex (1) or a semaphore (more)."""
+    if readwrite:
+        return "readwrite"
+    return "mutex" if limit == 1 else "semaphore"
 
 
 def parse(argv: Sequence[str], env: Mapping[str, str]) -> RunArgs | StatusArgs:
@@ -298,7 +355,18 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> RunArgs | StatusArgs:
     except (InvalidArgumentError, ArgumentTypeError) as error:
         raise Failure(USAGE, f"KEY: {one_line(error)}") from None
     if ns.command_name == "status":
-        return StatusArgs(ns.key, backend, ns.service, ns.limit, ns.json)
+        if ns.readwrite:
+            _no_limit("--read-write", ns.limit)
+        return StatusArgs(
+            key=ns.key,
+            backend=backend,
+            service=ns.service,
+            limit=ns.limit,
+            json=ns.json,
+            readwrite=ns.readwrite,
+        )
+    if ns.role is not None:
+        _no_limit(f"--{ns.role}", ns.limit)
     command: list[str] = list(ns.command)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -318,12 +386,23 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> RunArgs | StatusArgs:
         backend=backend,
         service=ns.service,
         limit=ns.limit,
+        role=ns.role,
         ttl=ns.ttl,
         wait=wait,
         conflict_exit_code=ns.conflict_exit_code,
         kill_grace=kill_grace,
         verbose=ns.verbose,
     )
+
+
+def _no_limit(option: str, limit: int) -> None:
+    """Refuse ``--limit`` N > 1 beside a read-write option: which lock is meant is unclear."""
+    if limit != 1:
+        raise Failure(
+            USAGE,
+            f"{option} with --limit {limit}: a read-write lock has one writer or any number of "
+            "readers, and takes no --limit (--limit N makes a semaphore of N permits)",
+        )
 
 
 def _kill_grace(given: float | None, ttl: float) -> float:

@@ -3,7 +3,16 @@
 Guarantee: once the lock is taken it is released before ``dmutex`` exits,
 whether the command ran, could not be started, ended by itself or by a
 signal; the lease is renewed every third of ``--ttl`` meanwhile. The exit
-status is decided here (see :mod:`dmutex._cli`).
+status is decided here (see :mod:`dmutex._cli`). The lock is a
+:class:`~dmutex.DMutex`, a :class:`~dmutex.DSemaphore` (``--limit``) or one
+side of a :class:`~dmutex.DReadWriteLock` (``--read``, ``--write``), each
+held the same way. A backend that serves no read-write lock is a usage
+error before anything connects or runs.
+
+A wait is one library call per :data:`LONGEST_WAIT` (or what is left of
+``-w``), never cut short for ``-v``'s lines (they come from a thread): a
+waiting writer's intent, which keeps new readers out, holds for the whole
+call, and lapses only for a moment between two calls.
 
 Caveats: a signal that lands in the instant between the backend granting
 the lease and ``dmutex`` recording it leaves the lease to lapse after one
@@ -17,21 +26,33 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping
-from typing import TextIO
+from dataclasses import dataclass
+from typing import Protocol, TextIO
 
-from .._errors import ArgumentTypeError, InvalidArgumentError
-from .._faces.sync import DMutex, DMutexLock, DSemaphore, DSemaphorePermit
+from .._errors import ArgumentTypeError, InvalidArgumentError, UnsupportedClientError
+from .._faces.sync import (
+    DMutex,
+    DMutexLock,
+    DReadLock,
+    DReadWriteLock,
+    DSemaphore,
+    DSemaphorePermit,
+    DWriteLock,
+)
 from . import supervise as sup
 from .args import RunArgs
 from .errors import LOST, USAGE, Failure, backend_errors, one_line
-from .holders import Inspection, read_holders
+from .holders import Inspection, read_holders, readwrite_refusal
 from .progress import Progress
-from .urls import Backend, connect, parse
+from .urls import Backend, Target, connect, parse
 
-__all__ = ["RETRY_DELAY", "request_timeout", "run"]
+__all__ = ["LONGEST_WAIT", "RETRY_DELAY", "request_timeout", "run"]
 
-Handle = DMutexLock | DSemaphorePermit
+Handle = DMutexLock | DSemaphorePermit | DReadLock | DWriteLock
 RETRY_DELAY = 0.2  # seconds between attempts while waiting; a release wakes a waiter sooner
+# The longest library call of a wait (the timeout must be finite): between two
+# calls a waiting writer's intent is withdrawn for a moment, once an hour.
+LONGEST_WAIT = 3600.0
 
 
 def request_timeout(ttl: float) -> float:
@@ -42,18 +63,53 @@ def request_timeout(ttl: float) -> float:
     return min(10.0, max(1.0, ttl / 2))
 
 
-def _lock(args: RunArgs, backend: Backend) -> DMutex | DSemaphore:
+class _Once(Protocol):
+    def __call__(
+        self, key: str, ttl: float | None = None, *, auto_renew: bool = False
+    ) -> Handle | None: ...
+
+
+class _WithRetry(Protocol):
+    def __call__(
+        self,
+        key: str,
+        *,
+        ttl: float | None = None,
+        timeout: float = 30.0,
+        retry_delay: float = 0.1,
+        auto_renew: bool = False,
+    ) -> Handle | None: ...
+
+
+@dataclass(frozen=True)
+class _Taker:
+    """How ``run`` takes its lock: the library's single attempt, and its retrying one."""
+
+    once: _Once
+    with_retry: _WithRetry
+
+
+def _refuse_unserved(args: RunArgs, target: Target) -> None:
+    """A usage error, before connecting, if ``target`` serves no read-write lock ``args`` asks."""
+    if args.role is not None:
+        refusal = readwrite_refusal(target.kind)
+        if refusal is not None:
+            raise Failure(USAGE, f"--{args.role}: {one_line(refusal)}")
+
+
+def _lock(args: RunArgs, backend: Backend) -> _Taker:
     """The library's lock for ``args``: every grant fenced, for ``DMUTEX_FENCE``.
 
     ``fencing=True`` also on MongoDB, where it costs one more request per
     acquire: nothing next to starting a process, and the command's
-    environment then always has a fence.
+    environment then always has a fence. The constructors make no request:
+    a backend that serves no read-write lock is refused here, a usage error.
     """
     service, client, ttl, db_name = args.service, backend.client, args.ttl, backend.db_name
     schema = backend.target.schema
     try:
-        if args.limit == 1:
-            return DMutex(
+        if args.role is not None:
+            rw = DReadWriteLock(
                 service,
                 client,
                 default_ttl_seconds=ttl,
@@ -61,7 +117,20 @@ def _lock(args: RunArgs, backend: Backend) -> DMutex | DSemaphore:
                 fencing=True,
                 schema_name=schema,
             )
-        return DSemaphore(
+            if args.role == "read":
+                return _Taker(rw.acquire_read, rw.acquire_read_with_retry)
+            return _Taker(rw.acquire_write, rw.acquire_write_with_retry)
+        if args.limit == 1:
+            mutex = DMutex(
+                service,
+                client,
+                default_ttl_seconds=ttl,
+                db_name=db_name,
+                fencing=True,
+                schema_name=schema,
+            )
+            return _Taker(mutex.acquire, mutex.acquire_with_retry)
+        semaphore = DSemaphore(
             service,
             client,
             max_permits=args.limit,
@@ -70,27 +139,31 @@ def _lock(args: RunArgs, backend: Backend) -> DMutex | DSemaphore:
             fencing=True,
             schema_name=schema,
         )
+        return _Taker(semaphore.acquire, semaphore.acquire_with_retry)
+    except UnsupportedClientError as error:
+        option = f"--{args.role}: " if args.role is not None else ""
+        raise Failure(USAGE, f"{option}{one_line(error)}") from None
     except (InvalidArgumentError, ArgumentTypeError) as error:
         raise Failure(USAGE, one_line(error)) from None
 
 
-def _acquire(lock: DMutex | DSemaphore, args: RunArgs, progress: Progress) -> Handle | None:
+def _acquire(taker: _Taker, args: RunArgs, progress: Progress) -> Handle | None:
     """Take the lock as ``-n`` / ``-w`` / the default ask; None if it stayed held."""
     started = time.monotonic()
-    handle: Handle | None = lock.acquire(args.key, args.ttl, auto_renew=True)
+    handle = taker.once(args.key, args.ttl, auto_renew=True)
     if handle is not None or args.wait == 0:
         return handle
     deadline = None if args.wait is None else started + args.wait
-    while True:
-        progress.waiting(time.monotonic() - started)
-        chunk = progress.every
-        if deadline is not None:
-            chunk = min(chunk, max(0.0, deadline - time.monotonic()))
-        handle = lock.acquire_with_retry(
-            args.key, ttl=args.ttl, timeout=chunk, retry_delay=RETRY_DELAY, auto_renew=True
-        )
-        if handle is not None or (deadline is not None and time.monotonic() >= deadline):
-            return handle
+    with progress.ticking(started):
+        while True:
+            chunk = LONGEST_WAIT
+            if deadline is not None:
+                chunk = min(chunk, max(0.0, deadline - time.monotonic()))
+            handle = taker.with_retry(
+                args.key, ttl=args.ttl, timeout=chunk, retry_delay=RETRY_DELAY, auto_renew=True
+            )
+            if handle is not None or (deadline is not None and time.monotonic() >= deadline):
+                return handle
 
 
 def _child_env(env: Mapping[str, str], handle: Handle) -> dict[str, str]:
@@ -106,6 +179,7 @@ def _child_env(env: Mapping[str, str], handle: Handle) -> dict[str, str]:
 def run(args: RunArgs, env: Mapping[str, str], stderr: TextIO) -> int:
     """Do one ``dmutex run``; returns the exit status, or raises :class:`Failure`."""
     target = parse(args.backend, env)
+    _refuse_unserved(args, target)
     signals = sup.Signals()
     signals.install()
     try:
@@ -123,7 +197,7 @@ def run(args: RunArgs, env: Mapping[str, str], stderr: TextIO) -> int:
 def _run(
     args: RunArgs, env: Mapping[str, str], stderr: TextIO, backend: Backend, signals: sup.Signals
 ) -> int:
-    lock = _lock(args, backend)
+    taker = _lock(args, backend)
 
     def inspect() -> Inspection:
         return read_holders(
@@ -133,6 +207,7 @@ def _run(
             key=args.key,
             db_name=backend.db_name,
             schema_name=backend.target.schema,
+            readwrite=args.role is not None,
         )
 
     progress = Progress(
@@ -142,11 +217,12 @@ def _run(
         limit=args.limit,
         wait=args.wait,
         inspect=inspect,
+        role=args.role,
     )
     started = time.monotonic()
     with backend_errors(backend):
         try:
-            handle = _acquire(lock, args, progress)
+            handle = _acquire(taker, args, progress)
         except (InvalidArgumentError, ArgumentTypeError) as error:  # a key or TTL out of range
             raise Failure(USAGE, one_line(error)) from None
         finally:
@@ -154,11 +230,14 @@ def _run(
     if handle is None:
         waited = time.monotonic() - started
         reason = "is held" if args.wait == 0 else f"was still held after {waited:.1f} s"
+        if args.role == "read":  # a writer that waits keeps readers out too
+            reason += " (by a writer, or a writer waits for it)"
         progress.say(f"{args.key!r} {reason}")
         return args.conflict_exit_code
     signals.held()
     fence = "" if handle.fence is None else f" (fence {handle.fence})"
-    progress.say(f"acquired {args.key!r}{fence} after {time.monotonic() - started:.1f} s")
+    taken = {None: "", "read": " to read", "write": " to write"}[args.role]
+    progress.say(f"acquired {args.key!r}{taken}{fence} after {time.monotonic() - started:.1f} s")
     try:
         status = _supervised(args, env, stderr, handle, signals)
     finally:
