@@ -26,9 +26,10 @@ from .._validate import (
 )
 from .memory import InMemoryBackend, MemoryReadWriteStore, MemoryStore
 from .mongo import MongoStore
+from .mongo_readwrite import MongoReadWriteStore
 from .mysql import MySQLStore
 from .postgres import PostgresStore
-from .redis import RedisStore
+from .redis import RedisReadWriteStore, RedisStore
 from .shapes import (
     defines,
     detect,
@@ -131,8 +132,29 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
     return MongoStore(collection, options.max_permits, clock, fencing=options.fencing is True)
 
 
-# The backends that serve read-write locks so far.
-_READ_WRITE = ("InMemoryBackend", "SQLite", "Redis", "MongoDB")
+# The backends that serve read-write locks so far, by name (a detected
+# backend's, or "sqlite" and "memory" for the two told by their class).
+_READ_WRITE: dict[str, str] = {
+    "redis": "Redis",
+    "mongodb": "MongoDB",
+    "sqlite": "SQLite",
+    "memory": "InMemoryBackend",
+}
+
+
+def readwrite_refusal(backend: str) -> UnsupportedClientError | None:
+    """Why ``backend`` (``"postgresql"``, ``"redis"``, ``"sqlite"``...) serves no read-write lock.
+
+    None where it serves them. No client is needed, no request is made: the
+    command asks before it connects.
+    """
+    if backend in _READ_WRITE:
+        return None
+    served = ", ".join(_READ_WRITE.values())
+    return UnsupportedClientError(
+        f"read-write locks are not available on the {backend} backend in this version "
+        f"(available on: {served})"
+    )
 
 
 def open_readwrite_store(client: object, options: Options, *, asynchronous: bool) -> ReadWriteStore:
@@ -158,10 +180,10 @@ def open_readwrite_store(client: object, options: Options, *, asynchronous: bool
         return SQLiteReadWriteStore(
             client, table, readers, clock, asynchronous=asynchronous, fencing=fencing
         )
+    refusal = readwrite_refusal(found)
+    if refusal is not None:
+        raise refusal
     if found == "redis":
-        # Imported where it is used (it may join the imports at the top).
-        from .redis import RedisReadWriteStore
-
         name = "execute_command" if defines(client, "execute_command") else "eval"
         (refuse_sync if asynchronous else refuse_asyncio)(client, name, "client")
         return RedisReadWriteStore(
@@ -173,22 +195,21 @@ def open_readwrite_store(client: object, options: Options, *, asynchronous: bool
             replicas=options.replicas,
             replicas_ms=options.replicas_timeout_ms,
         )
-    if found == "mongodb":
-        # Imported beside its branch (it may join the imports at the top).
-        from .mongo_readwrite import MongoReadWriteStore
-
-        check_db_name(options.db_name)
-        check_collection_name(options.collection_name, options.collection_origin, options.db_name)
-        database = method(client, "get_database")(options.db_name)
-        collection = method(database, "get_collection")(options.collection_name)
-        face = "find_one_and_update"
-        (refuse_sync if asynchronous else refuse_asyncio)(collection, face, "collection")
-        readers = options.max_readers
-        return MongoReadWriteStore(collection, readers, clock, fencing=fencing)
-    raise UnsupportedClientError(
-        f"read-write locks are not available on the {found} backend in this version "
-        f"(available on: {', '.join(_READ_WRITE)})"
-    )
+    check_db_name(options.db_name)
+    check_collection_name(options.collection_name, options.collection_origin, options.db_name)
+    database = method(client, "get_database")(options.db_name)
+    collection = method(database, "get_collection")(options.collection_name)
+    face = "find_one_and_update"
+    (refuse_sync if asynchronous else refuse_asyncio)(collection, face, "collection")
+    readers = options.max_readers
+    return MongoReadWriteStore(collection, readers, clock, fencing=fencing)
 
 
-__all__ = ["InMemoryBackend", "SQLiteBackend", "Store", "open_readwrite_store", "open_store"]
+__all__ = [
+    "InMemoryBackend",
+    "SQLiteBackend",
+    "Store",
+    "open_readwrite_store",
+    "open_store",
+    "readwrite_refusal",
+]

@@ -11,22 +11,20 @@ Rules of this module:
 2. A read-write lock's holders are the writer (``role`` "write") or each
    reader ("read"): the store answers them as slots, ``WRITE_SLOT`` and
    ``READ_SLOT``, and :func:`role_of` names them.
-3. :func:`readwrite_refusal` asks the library, with no client and no I/O,
-   whether a PostgreSQL or MySQL backend serves read-write locks: connecting
-   to those takes a round trip, and a lock they cannot serve is a usage
-   error, which must not wait for (or depend on) the server. The other
-   kinds connect without a request, and are asked by the lock's
-   construction.
+3. ``readwrite_refusal`` (the library's) is asked, with no client and no
+   I/O, whether a URL's backend serves read-write locks: connecting to
+   PostgreSQL or MySQL takes a round trip, and a lock they cannot serve is
+   a usage error, which must not wait for (or depend on) the server.
 """
 
 from __future__ import annotations
 
-from typing import Literal, NoReturn
+from typing import Literal
 
-from .._backends import open_readwrite_store, open_store
+from .._backends import open_readwrite_store, open_store, readwrite_refusal
 from .._core.abc import Holder, Inspection
 from .._core.readwrite import WRITE_SLOT
-from .._errors import InvalidArgumentError, UnsupportedClientError
+from .._errors import InvalidArgumentError
 from .._options import DEFAULT_PREFIX, Kind, Options
 from .._runtime.drivers import SyncDriver
 from .._validate import check_key
@@ -92,49 +90,3 @@ def read_holders(
     options = _options("readwrite", service, 1, db_name, schema_name, None)
     rw = open_readwrite_store(client, options, asynchronous=False)
     return SyncDriver(rw.clock, rw.ready)(rw.holders(key))
-
-
-def _never(*args: object) -> NoReturn:
-    raise AssertionError("a stand-in client was called")  # pragma: no cover - rule 3
-
-
-class _PostgresShaped:
-    """A stand-in for a psycopg connection not made yet: ``execute`` beside ``info``.
-
-    The library is only asked about it (rule 3): the names are the ones by
-    which it tells a client's kind (``dmutex._backends.shapes``), and opening
-    a store calls none of them.
-    """
-
-    info = "unconnected"
-    execute = staticmethod(_never)
-
-
-class _MySQLShaped:
-    """A stand-in for a PyMySQL connection, as :class:`_PostgresShaped` is for psycopg's."""
-
-    cursor = staticmethod(_never)
-    get_server_info = staticmethod(_never)
-
-
-_STAND_INS: dict[str, type[object]] = {
-    "postgresql": _PostgresShaped,
-    "mysql": _MySQLShaped,
-}
-
-
-def readwrite_refusal(backend: str) -> UnsupportedClientError | None:
-    """The library's refusal of read-write locks on ``backend`` (a URL's kind), if it refuses.
-
-    None where it serves them, and for the kinds it is asked about once
-    connected (rule 3): every kind but ``postgresql`` and ``mysql``.
-    """
-    stand_in = _STAND_INS.get(backend)
-    if stand_in is None:
-        return None
-    options = _options("readwrite", "dmutex", 1, "dmutex", None, backend)
-    try:
-        open_readwrite_store(stand_in(), options, asynchronous=False)
-    except UnsupportedClientError as refusal:
-        return refusal
-    return None
