@@ -8,6 +8,11 @@ Two calls reach below the public API, for the tests that need them:
 :meth:`RWFace.intend` (a retrying writer's failed attempt, leaving its
 intent, by a writer that then dies) and :meth:`RWFace.holders` (what the
 store holds for a key).
+
+:class:`SideFace` lends an RWFace the mutexes' :class:`~tests._support.faces.Face`
+interface, each acquire a reader's or a writer's, so that what the fault
+suites wrote for a Face (their workers, ``pausing.stale_calls``) drives a
+read-write lock unchanged.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dmutex import AsyncDReadWriteLock, DReadWriteLock
 from dmutex._core import waiting
 from dmutex._core.abc import Inspection
 from dmutex._core.lease import new_token
-from tests._support.faces import FaceName, Handle, LoopThread, RawHold
+from tests._support.faces import Face, FaceName, Handle, LoopThread, RawHold
 
 T = TypeVar("T")
 Side = Literal["read", "write"]
@@ -132,3 +137,45 @@ class RWFace:
         drive: Any = self.target._drive
         found: Inspection = self.wait(drive(self.target._reading._store.holders(key)))
         return found
+
+
+class SideFace(Face):
+    """An :class:`RWFace` behind the mutexes' :class:`~tests._support.faces.Face` methods.
+
+    ``acquire`` and ``acquire_with_retry`` go to the side that :attr:`side`
+    names; ``choose()`` draws it again once a hold was handed
+    out, so a refused attempt's retry stays on its side. ``extend`` and
+    ``release_token`` are the lock's (either kind of hold). :attr:`held` is
+    the side of the last hold handed out, :attr:`sides` every hold's by its
+    token. There is no ``target`` (a Face's is a DMutex or DSemaphore:
+    ``rw.target`` is the lock), nor ``run``, ``run_with_retry``, ``lock`` or
+    ``unlock``: use the RWFace for those.
+    """
+
+    def __init__(self, rw: RWFace, choose: Callable[[], Side]) -> None:
+        # Not Face.__init__, which makes a DMutex or a DSemaphore.
+        self.rw = rw
+        self.max_permits = 1
+        self._loop = rw.loop
+        self._choose = choose
+        self.side: Side = choose()
+        self.held: Side | None = None
+        self.sides: dict[str, Side] = {}
+
+    def _handed(self, handle: Handle | None) -> Handle | None:
+        if handle is not None:
+            self.held = self.sides[handle.token] = self.side
+            self.side = self._choose()
+        return handle
+
+    def acquire(self, key: str, ttl: float | None = None, **options: Any) -> Handle | None:
+        return self._handed(self.rw.acquire(self.side, key, ttl, **options))
+
+    def acquire_with_retry(self, key: str, **options: Any) -> Handle | None:
+        return self._handed(self.rw.acquire_with_retry(self.side, key, **options))
+
+    def extend(self, key: str, token: str, ttl: float | None = None) -> bool:
+        return self.rw.extend(key, token, ttl)
+
+    def release_token(self, key: str, token: str) -> bool:
+        return self.rw.release_token(key, token)
