@@ -2,14 +2,17 @@
 
 Shared by ``tests/faults/test_cancellation.py`` (InMemoryBackend, a real
 Redis server) and ``tests/faults/test_sqlite_faults.py`` (SQLiteBackend).
-Batches of concurrent tasks, each an ``AsyncDMutex`` or ``AsyncDSemaphore``
-used on one of the plan's keys in one pattern:
+Batches of concurrent tasks, each an ``AsyncDMutex``, an ``AsyncDSemaphore``
+or one side of an ``AsyncDReadWriteLock`` (:class:`ReadWriteSide`, for
+``tests/faults/test_readwrite_faults.py``) used on one of the plan's keys in
+one pattern:
 
 - ``run``: ``await face.run(key, body)``;
 - ``run_with_retry``: the same, acquiring with retries;
 - ``async with``: ``acquire_with_retry``, then ``async with handle: body``;
 - ``release``: ``acquire``, then ``body`` and ``await handle.release()`` in a ``finally``;
-- ``token release`` (semaphore): the same with ``await sem.release(key, token)``.
+- ``token release`` (semaphore, read-write lock): the same with
+  ``await lock.release(key, token)``.
 
 Each task is cancelled after a random delay. What a task awaits is noted on
 its :class:`Trial` (``doing``): the suites' clients and backends note the
@@ -20,7 +23,10 @@ accepted. After each batch, once every task of the loop has finished (but
 those that ran before the trials: a pool's own workers), every
 permit left in storage must belong to a task that still believes it holds
 it (none: every trial ends by releasing); a task whose ``cancel()`` was
-accepted must end cancelled, any other without an error.
+accepted must end cancelled, any other without an error. For a read-write
+lock the storage also tells the waiting writers' intents left (none may be:
+every task has ended) and whether a new reader of each key gets in at once
+(:class:`Storage`'s ``intents`` and ``admits``).
 """
 
 from __future__ import annotations
@@ -29,21 +35,91 @@ import asyncio
 import contextvars
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import pytest
 
-from dmutex import AsyncDMutex, AsyncDMutexLock, AsyncDSemaphore, AsyncDSemaphorePermit, SystemClock
+from dmutex import (
+    AsyncDMutex,
+    AsyncDMutexLock,
+    AsyncDReadLock,
+    AsyncDReadWriteLock,
+    AsyncDSemaphore,
+    AsyncDSemaphorePermit,
+    AsyncDWriteLock,
+    SystemClock,
+)
 from dmutex._core.waiting import Wakeup
 from dmutex._runtime import drivers
+
+T = TypeVar("T")
 
 PATTERNS = {
     "mutex": ("run", "run_with_retry", "async with", "release"),
     "semaphore": ("run", "run_with_retry", "async with", "release", "token release"),
+    # The two sides of a read-write lock (ReadWriteSide): run_read / run_write and so on.
+    "read": ("run", "run_with_retry", "async with", "release", "token release"),
+    "write": ("run", "run_with_retry", "async with", "release", "token release"),
 }
 
-Face = AsyncDMutex | AsyncDSemaphore
+Hold = AsyncDReadLock | AsyncDWriteLock
+
+
+class ReadWriteSide:
+    """One side of an :class:`AsyncDReadWriteLock` under the mutexes' method names.
+
+    ``run``, ``run_with_retry``, ``acquire`` and ``acquire_with_retry`` are
+    the side's (``run_read`` or ``run_write``, and so on); ``release(key,
+    token)`` is the lock's. :func:`run_trial` uses it as it uses an
+    ``AsyncDSemaphore``; its faces are keyed ``"read"`` and ``"write"``.
+    """
+
+    def __init__(self, lock: AsyncDReadWriteLock, *, write: bool) -> None:
+        self.lock = lock
+        self.write = write
+
+    async def run(
+        self, key: str, callback: Callable[[Hold], Awaitable[T]], ttl: float | None = None
+    ) -> T | None:
+        if self.write:
+            return await self.lock.run_write(key, callback, ttl)
+        return await self.lock.run_read(key, callback, ttl)
+
+    async def run_with_retry(
+        self,
+        key: str,
+        callback: Callable[[Hold], Awaitable[T]],
+        *,
+        ttl: float | None = None,
+        timeout: float = 30.0,
+        retry_delay: float = 0.1,
+    ) -> T | None:
+        run = self.lock.run_write_with_retry if self.write else self.lock.run_read_with_retry
+        return await run(key, callback, ttl=ttl, timeout=timeout, retry_delay=retry_delay)
+
+    async def acquire(self, key: str, ttl: float | None = None) -> Hold | None:
+        if self.write:
+            return await self.lock.acquire_write(key, ttl)
+        return await self.lock.acquire_read(key, ttl)
+
+    async def acquire_with_retry(
+        self, key: str, *, ttl: float | None = None, timeout: float = 30.0, retry_delay: float = 0.1
+    ) -> Hold | None:
+        acquire = (
+            self.lock.acquire_write_with_retry if self.write else self.lock.acquire_read_with_retry
+        )
+        return await acquire(key, ttl=ttl, timeout=timeout, retry_delay=retry_delay)
+
+    async def release(self, key: str, token: str) -> bool:
+        return await self.lock.release(key, token)
+
+    async def ready(self) -> None:
+        await self.lock.ready()
+
+
+Face = AsyncDMutex | AsyncDSemaphore | ReadWriteSide
 
 
 @dataclass(frozen=True)
@@ -137,6 +213,16 @@ class Storage:
     clear: Callable[[], None]
     owner: Callable[[str], Trial | None] = lambda token: None
     """Which trial sent ``token``, for a token no trial was handed (the suite's client knows)."""
+    intents: Callable[[], dict[str, str]] = dict
+    """A read-write lock's waiting writers' intents, as ``{storage name: token}`` (others: none).
+
+    Read after each batch with the permits; :attr:`clear` removes them too.
+    """
+    admits: Callable[[str], Awaitable[bool]] | None = None
+    """Whether a new reader of ``key`` gets in at once (a read-write lock's), or None: not asked.
+
+    Asked of every key of the plan after each batch, before :attr:`clear`.
+    """
 
 
 @dataclass
@@ -159,6 +245,12 @@ class Tally:
     """Commands sent, by name (where the suite's client counts them)."""
     calls: Counter[str] = field(default_factory=Counter)
     """Calls by stage (where the suite's backend counts them)."""
+    intents: Counter[str] = field(default_factory=Counter)
+    """Intents left after a batch, by the trial's kind and pattern (read-write locks)."""
+    probes: int = 0
+    """New readers sent after a batch to see whether they get in at once (read-write locks)."""
+    refused: list[str] = field(default_factory=list)
+    """Those that did not: ``"batch n: key"``."""
 
     def summary(self) -> str:
         lines = [
@@ -177,6 +269,11 @@ class Tally:
             lines.append(f"  commands sent: {dict(self.sent)}")
         if self.calls:
             lines.append(f"  calls by stage: {dict(self.calls)}")
+        if self.probes or self.intents:
+            lines.append(
+                f"  intents left: {sum(self.intents.values())} {dict(sorted(self.intents.items()))}"
+                f"; new readers refused: {len(self.refused)} of {self.probes} {self.refused[:5]}"
+            )
         return "\n".join(lines)
 
 
@@ -199,7 +296,7 @@ async def run_trial(
     trial.stage = "acquire"
     doing("acquire/between")
 
-    async def callback(handle: AsyncDMutexLock | AsyncDSemaphorePermit) -> None:
+    async def callback(handle: AsyncDMutexLock | AsyncDSemaphorePermit | Hold) -> None:
         trial.tokens.add(handle.token)
         await body(plan, rng)
 
@@ -237,7 +334,7 @@ async def run_trial(
         if trial.pattern == "release":
             await handle.release()
         else:
-            assert isinstance(face, AsyncDSemaphore)
+            assert isinstance(face, (AsyncDSemaphore, ReadWriteSide))
             await face.release(key, token)
 
 
@@ -328,6 +425,15 @@ async def run_trials(
             tally.orphaned["unknown" if owner is None else f"{owner.kind} {owner.pattern}"] += 1
             tally.orphans["unknown" if owner is None else owner.landed or "not cancelled"] += 1
             tally.orphan_names.append(name)
+        for name, token in storage.intents().items():
+            owner = owners.get(token) or storage.owner(token)
+            tally.intents["unknown" if owner is None else f"{owner.kind} {owner.pattern}"] += 1
+            tally.orphan_names.append(name)
+        if storage.admits is not None:
+            for key in plan.keys:
+                tally.probes += 1
+                if not await storage.admits(key):
+                    tally.refused.append(f"batch {batch_number}: {key}")
         storage.clear()
         if enough(tally):
             break
@@ -344,4 +450,6 @@ def judge(tally: Tally) -> str:
     assert not tally.errors, summary
     assert not tally.swallowed, summary
     assert sum(tally.orphans.values()) == 0, summary
+    assert sum(tally.intents.values()) == 0, summary
+    assert not tally.refused, summary
     return summary
