@@ -503,15 +503,45 @@ def _shown_fence(conn: Conn, sql: _Sql, key: str) -> int | None:
     return int(counter[0]) if counter and _is_count(counter[0]) else None
 
 
-class SQLiteStore:
+class _TableStore:
+    """What both SQLite stores hold: the table's statements, the backend's call, the clock."""
+
+    max_expiry_ms = MAX_EXPIRY_MS
+
+    def __init__(
+        self,
+        backend: SQLiteBackend,
+        table: str,
+        clock: Clock,
+        *,
+        asynchronous: bool,
+        fencing: bool,
+    ) -> None:
+        self._sql = _Sql.of(table)
+        self._table = table
+        self._backend = backend
+        self._run: Callable[[Callable[[Conn], object]], object] = (
+            backend.call_async if asynchronous else backend.call
+        )
+        self._clock = clock
+        self._fencing = fencing
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    def ready(self) -> Steps[None]:
+        """Create the table and its expiry index if missing: one call."""
+        yield Call(self._run, (_create(self._sql),))
+
+
+class SQLiteStore(_TableStore):
     """One table of lease rows; a ``Store``.
 
     One call to the backend per operation (rule 1): acquire (with its
     fence), release, extend, and a whole batch of renewals each run as one
     transaction.
     """
-
-    max_expiry_ms = MAX_EXPIRY_MS
 
     def __init__(
         self,
@@ -523,23 +553,8 @@ class SQLiteStore:
         asynchronous: bool,
         fencing: bool = True,
     ) -> None:
-        self._sql = _Sql.of(table)
-        self._table = table
-        self._backend = backend
-        self._run: Callable[[Callable[[Conn], object]], object] = (
-            backend.call_async if asynchronous else backend.call
-        )
+        super().__init__(backend, table, clock, asynchronous=asynchronous, fencing=fencing)
         self._permits = max_permits
-        self._clock = clock
-        self._fencing = fencing
-
-    @property
-    def clock(self) -> Clock:
-        return self._clock
-
-    def ready(self) -> Steps[None]:
-        """Create the table and its expiry index if missing: one call."""
-        yield Call(self._run, (_create(self._sql),))
 
     def acquire(
         self, key: str, token: str, ttl_ms: int, waiter: Waiter | None = None
@@ -745,14 +760,12 @@ def _woken(reply: object) -> object:
     return result
 
 
-class SQLiteReadWriteStore:
+class SQLiteReadWriteStore(_TableStore):
     """One table of read-write lock rows; a ``ReadWriteStore`` (rules 6-8).
 
     Each operation is one call of the backend and one transaction, a batch
     of renewals included. Fences are the mutex store's (``fence:{k}``).
     """
-
-    max_expiry_ms = MAX_EXPIRY_MS
 
     def __init__(
         self,
@@ -764,23 +777,8 @@ class SQLiteReadWriteStore:
         asynchronous: bool,
         fencing: bool = True,
     ) -> None:
-        self._sql = _Sql.of(table)
-        self._table = table
-        self._backend = backend
-        self._run: Callable[[Callable[[Conn], object]], object] = (
-            backend.call_async if asynchronous else backend.call
-        )
+        super().__init__(backend, table, clock, asynchronous=asynchronous, fencing=fencing)
         self._max_readers = max_readers
-        self._clock = clock
-        self._fencing = fencing
-
-    @property
-    def clock(self) -> Clock:
-        return self._clock
-
-    def ready(self) -> Steps[None]:
-        """Create the table and its expiry index if missing: one call."""
-        yield Call(self._run, (_create(self._sql),))
 
     def _load(self, conn: Conn, key: str) -> tuple[readwrite.State, _Read]:
         """``key``'s state and its row as read; an empty state if none; raise on a foreign row."""
