@@ -22,8 +22,10 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any, cast
 
 import redis
+import redis.cluster
 
 from dmutex._backends.cluster import hash_slot
 from tests._support import redis_servers
@@ -236,3 +238,29 @@ class LocalCluster:
                     f"Redis Cluster on ports {self.ports} not ok after {START_TIMEOUT:.0f} s"
                 )
             time.sleep(0.1)
+
+
+class ClusterRecorded:
+    """A cluster client that records each command as ``kind(args)``.
+
+    ``keyslot`` on the type marks it a cluster client to dmutex's detection.
+    """
+
+    def __init__(
+        self, inner: redis.cluster.RedisCluster, kind: Callable[[tuple[Any, ...]], str]
+    ) -> None:
+        self.inner = inner
+        self._send: Callable[..., Any] = inner.execute_command
+        self._kind = kind
+        self.kinds: list[str] = []
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        self.kinds.append(self._kind(args))
+        return self._send(*args, **kwargs)
+
+    def keyslot(self, key: str) -> int:
+        slot: int = cast(Any, self.inner).keyslot(key)
+        return slot
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

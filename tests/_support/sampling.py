@@ -2,7 +2,8 @@
 
 - :func:`sampling`: call a check every so often while a block runs;
 - :func:`until`: poll a condition, failing the test after a timeout;
-- :func:`process_state`: a process's state letter from /proc ("T" when stopped).
+- :func:`process_state`: a process's state letter from /proc ("T" when stopped);
+- :class:`Background`: a function in a daemon thread, its outcome awaited with a bound.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 import pytest
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -64,3 +68,33 @@ def wait_stopped(pid: int, timeout: float, *, poll: float = 0.005) -> None:
     """After a SIGSTOP to ``pid``: wait until /proc shows it stopped (no wait without /proc)."""
     if process_state(pid) is not None:
         until(lambda: process_state(pid) in ("T", "t"), "the holder stopped", timeout, poll=poll)
+
+
+class Background(Generic[T]):
+    """``fn()`` in a daemon thread (so a failed test never hangs the run), and its outcome."""
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self._fn = fn
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._fn()
+        except BaseException as error:  # noqa: BLE001 - re-raised in result()
+            self._error = error
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, within: float = 10.0) -> T | None:
+        """``fn``'s result, or what it raised; fails the test if it runs past ``within`` s."""
+        if not self._done.wait(within):
+            pytest.fail(f"the thread was still running after {within} s")
+        if self._error is not None:
+            raise self._error
+        return self._value

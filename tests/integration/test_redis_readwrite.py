@@ -13,13 +13,12 @@ Redis Cluster; ``replicas=1``. The newest server found runs every test.
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import pytest
 import redis
@@ -42,10 +41,11 @@ from tests._support import fault_servers
 from tests._support.face_rigs import FaceRig
 from tests._support.faces import FaceName, Handle
 from tests._support.redis_clients import SetEvalRedis
-from tests._support.redis_cluster import LocalCluster, slot_ranges
+from tests._support.redis_cluster import ClusterRecorded, LocalCluster, slot_ranges
 from tests._support.redis_replicated import Replicated
 from tests._support.redis_servers import Executable, Pool, executables, newest
 from tests._support.rwfaces import RWFace, Side
+from tests._support.sampling import Background
 from tests._support.sampling import until as poll_until
 
 T = TypeVar("T")
@@ -154,32 +154,6 @@ class AsyncRecorded:
 
     def kinds(self) -> list[str]:
         return [s.kind for s in self.sent]
-
-
-class Background(Generic[T]):
-    """``fn()`` in a daemon thread (a failed test never hangs the run), and its outcome."""
-
-    def __init__(self, fn: Callable[[], T]) -> None:
-        self._fn = fn
-        self._value: T | None = None
-        self._error: BaseException | None = None
-        self._done = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        try:
-            self._value = self._fn()
-        except BaseException as error:  # noqa: BLE001 - re-raised in result()
-            self._error = error
-        finally:
-            self._done.set()
-
-    def result(self) -> T | None:
-        if not self._done.wait(SETTLE):
-            pytest.fail(f"the thread was still running after {SETTLE} s")
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 # --- fixtures ----------------------------------------------------------------------------
@@ -812,26 +786,6 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[list[tuple[str, int]]]:
         local.stop()
 
 
-class ClusterRecorded:
-    """A cluster client that records its commands; ``keyslot`` on the type marks it a cluster."""
-
-    def __init__(self, inner: redis.cluster.RedisCluster) -> None:
-        self.inner = inner
-        self._send: Callable[..., Any] = inner.execute_command
-        self.kinds: list[str] = []
-
-    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        self.kinds.append(Sent(args).kind)
-        return self._send(*args, **kwargs)
-
-    def keyslot(self, key: str) -> int:
-        slot: int = cast(Any, self.inner).keyslot(key)
-        return slot
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 def _node_of(nodes: list[tuple[str, int]], name: str) -> redis.Redis:
     index = next(i for i, owned in enumerate(slot_ranges(len(nodes))) if hash_slot(name) in owned)
     host, port = nodes[index]
@@ -859,7 +813,7 @@ def test_a_cluster_serves_any_key_fenced_and_wakes_on_a_hash_tagged_one(
         assert stored["kind"] == MARK
         assert stored["fence"] == str(second.fence)
         assert first.release() is True
-        recorded = ClusterRecorded(inner)
+        recorded = ClusterRecorded(inner, lambda args: Sent(args).kind)
         waiting = RWFace("sync", recorded, service_name=SERVICE)
         tagged = key.startswith("{")
         waiter = Background(

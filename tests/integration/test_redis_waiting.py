@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import pytest
 import redis
@@ -48,8 +48,9 @@ from dmutex._backends.redis.scripts import ACQUIRE, MUTEX_ACQUIRE, MUTEX_RELEASE
 from dmutex._backends.redis.waits import TICK
 from dmutex._core.waiting import REGISTRATION_MARGIN_MS
 from tests._support.processes import stop_process
-from tests._support.redis_cluster import LocalCluster, slot_ranges
+from tests._support.redis_cluster import ClusterRecorded, LocalCluster, slot_ranges
 from tests._support.redis_servers import Executable, Pool, executables
+from tests._support.sampling import Background
 from tests._support.sampling import until as poll_until
 
 T = TypeVar("T")
@@ -207,36 +208,6 @@ class Parked(Recorded):
 
 
 # --- threads, waits and the server's view ------------------------------------------------
-
-
-class Background(Generic[T]):
-    """``fn()`` in a daemon thread (so a failed test never hangs the run), and its outcome."""
-
-    def __init__(self, fn: Callable[[], T]) -> None:
-        self._fn = fn
-        self._value: T | None = None
-        self._error: BaseException | None = None
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._value = self._fn()
-        except BaseException as error:  # noqa: BLE001 - re-raised in result()
-            self._error = error
-        finally:
-            self._done.set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def result(self, within: float = SETTLE) -> T | None:
-        if not self._done.wait(within):
-            pytest.fail(f"the thread was still running after {within} s")
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 # Every wait of a test for the server or a thread: bounded by SETTLE.
@@ -829,26 +800,6 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[list[tuple[str, int]]]:
         local.stop()
 
 
-class ClusterRecorded:
-    """A cluster client that records every command; ``keyslot`` on the type marks it a cluster."""
-
-    def __init__(self, inner: redis.cluster.RedisCluster) -> None:
-        self.inner = inner
-        self._send: Callable[..., Any] = inner.execute_command
-        self.kinds: list[str] = []
-
-    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        self.kinds.append(Sent(args).kind)
-        return self._send(*args, **kwargs)
-
-    def keyslot(self, key: str) -> int:
-        slot: int = cast(Any, self.inner).keyslot(key)
-        return slot
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 def _node_blocked(nodes: list[tuple[str, int]], slot: int) -> int:
     """``blocked_clients`` of the node that serves hash slot ``slot``."""
     index = next(i for i, owned in enumerate(slot_ranges(len(nodes))) if slot in owned)
@@ -869,7 +820,7 @@ def test_a_cluster_waiter_blocks_only_on_a_hash_tagged_key(
         holder_client.flushall()
         for script in (ACQUIRE, RELEASE, MUTEX_ACQUIRE, MUTEX_RELEASE):
             holder_client.script_load(script.text)
-        recorded = ClusterRecorded(inner)
+        recorded = ClusterRecorded(inner, lambda args: Sent(args).kind)
         holder = DMutex(SERVICE, holder_client).acquire(key, ttl=LONG)
         assert holder is not None
         tagged = key.startswith("{")
