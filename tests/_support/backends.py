@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import sqlite3
@@ -41,6 +40,7 @@ from tests._support.mysql_backend import MySQL
 from tests._support.postgres_servers import Session as PostgresSession
 from tests._support.redis_clients import SERVER_VARIANTS, Made, close_made
 from tests._support.rwfaces import RWFace
+from tests._support.rwrows import hold_expired
 
 Runner = Callable[[Awaitable[object]], object]
 
@@ -296,14 +296,9 @@ class SQLite:
                 ).fetchone()
                 if row is None:
                     continue
-                state = json.loads(row[0])
-                if state["w"] is not None and state["w"][0] == token:
-                    state["w"][1] = min(state["w"][1], now)
-                if token in state["r"]:
-                    state["r"][token] = min(state["r"][token], now)
                 self._inspector.execute(
                     f'UPDATE {quote(table)} SET "value" = ? WHERE "key" = ?',
-                    (json.dumps(state, separators=(",", ":")), f"rwlock:{key}"),
+                    (hold_expired(row[0], token, now), f"rwlock:{key}"),
                 )
 
     def _tables(self) -> list[str]:
@@ -558,6 +553,24 @@ class Postgres:
                 ).format(self._table(table)),
                 (slot_pattern(key, slot),),
             )
+
+    def expire_hold(self, key: str, token: str) -> None:
+        """Make ``token``'s read-write hold of ``key`` expire now (the server's), in every table."""
+        now_ms = "floor(extract(epoch FROM statement_timestamp()) * 1000)::bigint"
+        for table in self._tables():
+            row = self._inspector.execute(
+                sql.SQL(f'SELECT "value", {now_ms} FROM {{}} WHERE "key" = %s').format(
+                    self._table(table)
+                ),
+                (f"rwlock:{key}",),
+            ).fetchone()
+            if row is not None:
+                self._inspector.execute(
+                    sql.SQL('UPDATE {} SET "value" = %s WHERE "key" = %s').format(
+                        self._table(table)
+                    ),
+                    (hold_expired(row[0], token, row[1]), f"rwlock:{key}"),
+                )
 
     def active(self, prefix: str) -> dict[str, str]:
         # The tests use the default tables: the Redis-style prefix without

@@ -30,6 +30,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from dmutex import ManualClock
 from tests._support.faces import FaceName, LoopThread
 from tests._support.mysql_servers import Session, connect_args, without_tls
+from tests._support.rwrows import hold_expired
 
 Runner = Callable[[Awaitable[object]], object]
 
@@ -225,6 +226,20 @@ class MySQL:
                 "AND `key` REGEXP %s",
                 (pattern,),
             )
+
+    def expire_hold(self, key: str, token: str) -> None:
+        """Make ``token``'s read-write hold of ``key`` expire now (the server's), in every table."""
+        for table in self._tables():
+            rows = self._execute(
+                f"SELECT `value`, {NOW_MS} FROM {quoted(table)} WHERE `key` = %s",
+                (f"rwlock:{key}",),
+            )
+            for value, now in rows:
+                text = value.decode() if isinstance(value, bytes) else str(value)
+                self._execute(
+                    f"UPDATE {quoted(table)} SET `value` = %s WHERE `key` = %s",
+                    (hold_expired(text, token, int(now)), f"rwlock:{key}"),
+                )
 
     def active(self, prefix: str) -> dict[str, str]:
         # The tests use the default tables: the Redis-style prefix without its colon.

@@ -47,7 +47,7 @@ from tests._support.backends import (
 from tests._support.faces import FaceName
 from tests._support.mongo_servers import Session as MongoSession
 from tests._support.mongo_servers import mongo_label
-from tests._support.mysql_backend import MYSQL_CASES, MySQL, chosen_variants
+from tests._support.mysql_backend import MYSQL_CASES, MYSQL_VARIANTS, MySQL, chosen_variants
 from tests._support.mysql_servers import Session as MySQLSession
 from tests._support.mysql_servers import mysql_label
 from tests._support.postgres_servers import Session as PostgresSession
@@ -153,6 +153,8 @@ READ_WRITE_BACKENDS = (
     "set-eval-",
     "mongomock-",
     "pymongo-",
+    *(f"{variant}-" for variant in POSTGRES_VARIANTS),
+    *(f"{variant}-" for variant in MYSQL_VARIANTS),
 )
 
 

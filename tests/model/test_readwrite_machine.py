@@ -31,8 +31,9 @@ from hypothesis.stateful import (
 
 from dmutex import InMemoryBackend
 from dmutex._core.lease import EPOCH
-from tests._support.backends import Backend, Memory, Mongomock, RealRedis, Rig, SQLite
+from tests._support.backends import Backend, Memory, Mongomock, Postgres, RealRedis, Rig, SQLite
 from tests._support.faces import FaceName, Handle
+from tests._support.mysql_backend import MySQL
 from tests._support.redis_servers import Pool, Server
 from tests._support.rwfaces import RWFace, Side
 from tests.model.rw_model import READ, WRITE, RWModel
@@ -59,7 +60,7 @@ def expire_hold(backend: Backend, key: str, token: str) -> None:
     if isinstance(client, InMemoryBackend):
         client.force_expire(key, token=token)
         return
-    if isinstance(backend, (SQLite, Mongomock, RealRedis)):
+    if isinstance(backend, (SQLite, Mongomock, RealRedis, Postgres, MySQL)):
         backend.expire_hold(key, token)
         return
     raise NotImplementedError(f"no way to expire a hold on {type(backend).__name__} yet")

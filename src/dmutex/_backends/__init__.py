@@ -27,8 +27,8 @@ from .._validate import (
 from .memory import InMemoryBackend, MemoryReadWriteStore, MemoryStore
 from .mongo import MongoStore
 from .mongo_readwrite import MongoReadWriteStore
-from .mysql import MySQLStore
-from .postgres import PostgresStore
+from .mysql import MySQLReadWriteStore, MySQLStore
+from .postgres import PostgresReadWriteStore, PostgresStore
 from .redis import RedisReadWriteStore, RedisStore
 from .shapes import (
     defines,
@@ -137,6 +137,8 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
 _READ_WRITE: dict[str, str] = {
     "redis": "Redis",
     "mongodb": "MongoDB",
+    "postgresql": "PostgreSQL",
+    "mysql": "MySQL",
     "sqlite": "SQLite",
     "memory": "InMemoryBackend",
 }
@@ -194,6 +196,28 @@ def open_readwrite_store(client: object, options: Options, *, asynchronous: bool
             fencing=fencing,
             replicas=options.replicas,
             replicas_ms=options.replicas_timeout_ms,
+        )
+    if found == "postgresql":
+        check_postgres_names(options.table_name, options.table_origin, options.schema_name)
+        face = postgres_method(client) or "execute"
+        (refuse_sync if asynchronous else refuse_asyncio)(client, face, "client")
+        table, schema, readers = options.table_name, options.schema_name, options.max_readers
+        return PostgresReadWriteStore(
+            client, table, readers, clock, schema=schema, asynchronous=asynchronous, fencing=fencing
+        )
+    if found == "mysql":
+        check_mysql_names(options.table_name, options.table_origin, options.database_name)
+        face = mysql_face(client, asynchronous)
+        (refuse_sync if asynchronous else refuse_asyncio)(client, face, "client")
+        table, readers = options.table_name, options.max_readers
+        return MySQLReadWriteStore(
+            client,
+            table,
+            readers,
+            clock,
+            database=options.database_name,
+            asynchronous=asynchronous,
+            fencing=fencing,
         )
     check_db_name(options.db_name)
     check_collection_name(options.collection_name, options.collection_origin, options.db_name)

@@ -75,7 +75,6 @@ The rules of this module:
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import numbers
 import os
@@ -96,6 +95,7 @@ from .._core.fences import clock_us, next_fence
 from .._core.lease import MAX_EXPIRY_MS, Lease, now_ms
 from .._core.waiting import Waiter, Wakeup
 from .._errors import ArgumentTypeError, DMutexError, InvalidArgumentError
+from . import rwstate
 
 __all__ = ["SQLiteBackend", "SQLiteReadWriteStore", "SQLiteStore"]
 
@@ -692,60 +692,6 @@ class SQLiteStore(_TableStore):
             yield Sleep(seconds)
 
 
-# The mark that a read-write row's value is dmutex's (rule 7), and its fields.
-_RW_MARK = "rwlock"
-_RW_FIELDS = frozenset({"dmutex", "w", "r", "i"})
-
-
-def _is_time(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _times(value: object) -> dict[str, int] | None:
-    """A JSON object of token -> time as the layout writes it; None if it is not one."""
-    if not isinstance(value, dict):
-        return None
-    if not all(isinstance(token, str) and _is_time(at) for token, at in value.items()):
-        return None
-    return cast("dict[str, int]", value)
-
-
-def _decode_state(value: object) -> readwrite.State | None:
-    """The state a read-write row's ``value`` holds; None if dmutex did not write it (rule 7)."""
-    if not isinstance(value, str):
-        return None
-    try:
-        data = json.loads(value)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(data, dict) or data.keys() != _RW_FIELDS or data["dmutex"] != _RW_MARK:
-        return None
-    writer, readers, intents = data["w"], _times(data["r"]), _times(data["i"])
-    if readers is None or intents is None:
-        return None
-    if writer is None:
-        return readwrite.State(None, readers, intents)
-    if not (
-        isinstance(writer, list)
-        and len(writer) == 2
-        and isinstance(writer[0], str)
-        and _is_time(writer[1])
-    ):
-        return None
-    return readwrite.State((writer[0], writer[1]), readers, intents)
-
-
-def _encode_state(state: readwrite.State) -> str:
-    """A read-write row's ``value``: the layout's JSON, byte for byte (module docstring)."""
-    data = {
-        "dmutex": _RW_MARK,
-        "w": None if state.writer is None else list(state.writer),
-        "r": dict(sorted(state.readers.items())),
-        "i": dict(sorted(state.intents.items())),
-    }
-    return json.dumps(data, separators=(",", ":"))
-
-
 # A read-write row as the transaction read it: (value, expired_at), or None if absent.
 _Read: TypeAlias = "tuple[str, int] | None"
 # A call's result, and the wakeups of the waiters it woke.
@@ -786,7 +732,7 @@ class SQLiteReadWriteStore(_TableStore):
         row = conn.execute(self._sql.read, {"name": name}).fetchone()
         if row is None:
             return readwrite.State(), None
-        state = _decode_state(row[0])
+        state = rwstate.decode(row[0])
         if state is None:
             raise DMutexError(
                 f"the row {name!r} of table {self._table!r} holds a value dmutex did not write"
@@ -800,7 +746,7 @@ class SQLiteReadWriteStore(_TableStore):
             if read is not None:
                 conn.execute(sql.remove, {"name": name, "old": read[0]})
             return
-        value, expires = _encode_state(state), state.until_ms()
+        value, expires = rwstate.encode(state), state.until_ms()
         if read is None:
             conn.execute(sql.insert, {"name": name, "value": value, "expires": expires})
         elif (value, expires) != read:

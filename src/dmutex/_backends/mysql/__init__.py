@@ -5,11 +5,13 @@
 - ``runners.py``: how one statement runs on each kind of client (PyMySQL,
   mysqlclient and mysql-connector connections and pools; aiomysql and
   asyncmy connections and pools; SQLAlchemy engines on any of them);
-- ``store.py``: :class:`MySQLStore`, which sends the statements.
+- ``store.py``: :class:`MySQLStore`, which sends the statements;
+- ``readwrite.py``: :class:`MySQLReadWriteStore`, read-write locks on the same table shape.
 """
 
 from __future__ import annotations
 
+from .readwrite import MySQLReadWriteStore
 from .store import MySQLStore
 
-__all__ = ["MySQLStore"]
+__all__ = ["MySQLReadWriteStore", "MySQLStore"]

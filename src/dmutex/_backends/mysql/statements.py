@@ -243,14 +243,17 @@ class Statements:
             ),
         )
 
-    def create(self, flavour: str) -> Statement:
-        """The TypeScript store's ``CREATE TABLE``, its text columns in ``flavour``'s collation."""
+    def create(self, flavour: str, value_type: str = "varchar(128)") -> Statement:
+        """The TypeScript store's ``CREATE TABLE``, its text columns in ``flavour``'s collation.
+
+        ``value_type``: the ``value`` column's (the read-write store's is ``mediumtext``).
+        """
         collation = COLLATIONS[flavour]
         text = f"CHARACTER SET {CHARSET} COLLATE {collation} NOT NULL"
         return Statement(
             f"CREATE TABLE IF NOT EXISTS {self.table} (\n"
             f"  `key` varchar(512) {text},\n"
-            f"  `value` varchar(128) {text},\n"
+            f"  `value` {value_type} {text},\n"
             "  `expired_at` bigint NOT NULL,\n"
             "  PRIMARY KEY (`key`),\n"
             "  INDEX `expired_at_idx` (`expired_at`)\n"

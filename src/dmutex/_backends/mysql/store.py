@@ -165,8 +165,10 @@ class MySQLStore:
         database: str | None = None,
         asynchronous: bool,
         fencing: bool = False,
+        value_type: str = "varchar(128)",
     ) -> None:
         self._sql = Statements.of(table, database)
+        self._value_type = value_type
         self._run = runner(client, asynchronous=asynchronous)
         self._waiting = _waiting(client)
         self._permits = max_permits
@@ -216,13 +218,12 @@ class MySQLStore:
         )
         keyed = [name for _, _, name, _, _, _, key in columns if key == "PRI"]
         indexed = bool(rows[0][8])
-        if not _same_columns(found) or keyed != ["key"] or not indexed:
+        if not _same_columns(found, self._value_type) or keyed != ["key"] or not indexed:
             raise DMutexError(
                 f"the table {table} has another shape than dmutex's: columns {found}, primary "
                 f"key {keyed}, index expired_at_idx {'present' if indexed else 'missing'}; dmutex "
-                "and the TypeScript dmutex need `key` varchar(512) NOT NULL PRIMARY KEY, `value` "
-                "varchar(128) NOT NULL, `expired_at` bigint NOT NULL, INDEX `expired_at_idx` "
-                "(`expired_at`)"
+                f"needs `key` varchar(512) NOT NULL PRIMARY KEY, `value` {self._value_type} "
+                "NOT NULL, `expired_at` bigint NOT NULL, INDEX `expired_at_idx` (`expired_at`)"
             )
         loose = [
             (name, kind_, collation)
@@ -253,7 +254,7 @@ class MySQLStore:
         flavour = yield from self._shape()
         if flavour is None:
             return
-        yield from self._call(self._sql.create(flavour), {})
+        yield from self._call(self._sql.create(flavour, self._value_type), {})
         if (yield from self._shape()) is not None:
             raise DMutexError(f"the table {self._sql.table} could not be created")
 
@@ -429,11 +430,12 @@ class MySQLStore:
             yield Sleep(seconds)
 
 
-def _same_columns(found: tuple[tuple[str, str, str], ...]) -> bool:
+def _same_columns(found: tuple[tuple[str, str, str], ...], value_type: str) -> bool:
     """Whether the columns are dmutex's: MySQL 8 spells ``bigint`` without a display width."""
-    if len(found) != len(COLUMNS):
+    wanted = (COLUMNS[0], (COLUMNS[1][0], value_type, COLUMNS[1][2]), COLUMNS[2])
+    if len(found) != len(wanted):
         return False
     return all(
         name == want_name and null == want_null and (kind == want or kind + "(20)" == want)
-        for (name, kind, null), (want_name, want, want_null) in zip(found, COLUMNS, strict=True)
+        for (name, kind, null), (want_name, want, want_null) in zip(found, wanted, strict=True)
     )

@@ -5,11 +5,13 @@
 - ``runners.py``: how one statement runs on each kind of client (psycopg 3
   connections and pools, sync and asyncio; asyncpg; SQLAlchemy engines on
   either);
-- ``store.py``: :class:`PostgresStore`, which sends the statements.
+- ``store.py``: :class:`PostgresStore`, which sends the statements;
+- ``readwrite.py``: :class:`PostgresReadWriteStore`, read-write locks on the same table shape.
 """
 
 from __future__ import annotations
 
+from .readwrite import PostgresReadWriteStore
 from .store import PostgresStore
 
-__all__ = ["PostgresStore"]
+__all__ = ["PostgresReadWriteStore", "PostgresStore"]

@@ -68,14 +68,15 @@ from contextlib import (
     closing,
     suppress,
 )
+from dataclasses import dataclass
 from typing import Protocol, TypeAlias, cast
 
 from ..blocking import Blockers, pool_budget
 from ..shapes import defines
-from .runners import Row, _asyncpg, _psycopg, _psycopg_async, asyncpg_turn
+from .runners import Params, Row, _asyncpg, _psycopg, _psycopg_async, asyncpg_turn
 from .statements import Statement, Statements
 
-__all__ = ["POOLED", "Listen", "listener"]
+__all__ = ["POOLED", "Listen", "Probe", "holders_probe", "listener"]
 
 Listen: TypeAlias = Callable[[str, float], object]
 """``listen(key, seconds)``: rule 5's answer (sync), or an awaitable of it (asyncio)."""
@@ -143,9 +144,28 @@ class _AsyncpgPool(Protocol):
     def release(self, connection: object, *, timeout: float | None = None) -> Awaitable[None]: ...
 
 
-def _free(rows: Sequence[Row], permits: int) -> bool:
-    """Whether the ``holders`` statement's rows leave a permit free (rule 2)."""
-    return sum(1 for row in rows if row[0] is not None) < permits
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What a wait reads once it listens (rule 2): a statement, and whether its rows say go.
+
+    ``params(key)`` are the statement's parameters for ``key``; ``free(rows)``
+    whether its rows say an attempt may now succeed. A store whose probe says
+    go too rarely wakes its waiter later (by the end of its wait), never
+    wrongly; one that says it too often costs an attempt.
+    """
+
+    statement: Statement
+    params: Callable[[str], Params]
+    free: Callable[[Sequence[Row]], bool]
+
+
+def holders_probe(sql: Statements, permits: int) -> Probe:
+    """The mutex store's probe: the ``holders`` statement leaves a permit free."""
+
+    def free(rows: Sequence[Row]) -> bool:
+        return sum(1 for row in rows if row[0] is not None) < permits
+
+    return Probe(sql.holders, lambda key: {"key": key, "permits": permits}, free)
 
 
 def _budget(pool: object, size: object) -> Blockers | None:
@@ -186,7 +206,7 @@ def _judge(owner: object, reported: object, rows: Sequence[Row]) -> bool:
     return pooled
 
 
-def _psycopg_pool(pool: _Pool, sql: Statements, permits: int) -> Listen | None:
+def _psycopg_pool(pool: _Pool, sql: Statements, probe: Probe) -> Listen | None:
     blockers = _budget(pool, pool.max_size)
     if blockers is None:
         return None
@@ -206,7 +226,7 @@ def _psycopg_pool(pool: _Pool, sql: Statements, permits: int) -> Listen | None:
                     return POOLED
                 run(sql.listen, {})
                 try:
-                    if _free(run(sql.holders, {"key": key, "permits": permits}), permits):
+                    if probe.free(run(probe.statement, probe.params(key))):
                         return True
                     heard = cast(_ListeningConnection, conn)
                     while (left := deadline - time.monotonic()) > 0:
@@ -241,7 +261,7 @@ def _budgeted(
     return listen
 
 
-def _psycopg_pool_async(pool: _AsyncPool, sql: Statements, permits: int) -> Listen | None:
+def _psycopg_pool_async(pool: _AsyncPool, sql: Statements, probe: Probe) -> Listen | None:
     async def lent(key: str, seconds: float) -> bool | str:
         deadline = time.monotonic() + seconds
         async with pool.connection(timeout=seconds) as conn:
@@ -254,7 +274,7 @@ def _psycopg_pool_async(pool: _AsyncPool, sql: Statements, permits: int) -> List
                 return POOLED
             await run(sql.listen, {})
             try:
-                if _free(await run(sql.holders, {"key": key, "permits": permits}), permits):
+                if probe.free(await run(probe.statement, probe.params(key))):
                     return True
                 heard = cast(_AsyncListeningConnection, conn)
                 while (left := deadline - time.monotonic()) > 0:
@@ -271,7 +291,7 @@ def _psycopg_pool_async(pool: _AsyncPool, sql: Statements, permits: int) -> List
 
 
 async def _asyncpg_wait(
-    conn: object, key: str, seconds: float, sql: Statements, permits: int, owner: object
+    conn: object, key: str, seconds: float, sql: Statements, probe: Probe, owner: object
 ) -> bool | str:
     """Rule 2 on an asyncpg connection: listen, read the holders, await the key's notification.
 
@@ -293,8 +313,8 @@ async def _asyncpg_wait(
     async with asyncpg_turn(conn):  # its LISTEN (runners.py, rule 5)
         await listening.add_listener(sql.channel, heard)
     try:
-        rows = await _asyncpg(conn)(sql.holders, {"key": key, "permits": permits})
-        if _free(rows, permits):
+        rows = await _asyncpg(conn)(probe.statement, probe.params(key))
+        if probe.free(rows):
             return True
         # Not asyncio.wait_for: on Python <= 3.11 it returns the wakeup and
         # swallows a cancellation that lands as the notification does (rule 6).
@@ -305,13 +325,13 @@ async def _asyncpg_wait(
             await listening.remove_listener(sql.channel, heard)
 
 
-def _asyncpg_pool(pool: _AsyncpgPool, sql: Statements, permits: int) -> Listen | None:
+def _asyncpg_pool(pool: _AsyncpgPool, sql: Statements, probe: Probe) -> Listen | None:
     async def lent(key: str, seconds: float) -> bool | str:
         deadline = time.monotonic() + seconds
         conn = await pool.acquire(timeout=seconds)
         try:
             left = deadline - time.monotonic()
-            woken = left > 0 and await _asyncpg_wait(conn, key, left, sql, permits, pool)
+            woken = left > 0 and await _asyncpg_wait(conn, key, left, sql, probe, pool)
         except BaseException:
             with suppress(Exception):  # the wait's error (a cancellation) outranks the release's
                 await pool.release(conn, timeout=RELEASE_TIMEOUT)
@@ -322,26 +342,38 @@ def _asyncpg_pool(pool: _AsyncpgPool, sql: Statements, permits: int) -> Listen |
     return _budgeted(_budget(pool, pool.get_max_size()), lent)
 
 
-def listener(client: object, sql: Statements, permits: int, *, asynchronous: bool) -> Listen | None:
+def listener(
+    client: object,
+    sql: Statements,
+    permits: int,
+    *,
+    asynchronous: bool,
+    probe: Probe | None = None,
+) -> Listen | None:
     """How a wait on ``client`` listens for ``sql``'s table; None where it cannot (rule 1).
+
+    ``probe``: what the wait reads once listening (rule 2); the mutex
+    store's, for ``permits`` permits, if None.
 
     By shape, as :func:`~.runners.runner` tells clients apart: ``fetch`` is
     asyncpg's (a pool also has ``acquire``), ``getconn`` a psycopg pool's;
     anything else is a single psycopg connection or a SQLAlchemy engine,
     which never listen.
     """
+    if probe is None:
+        probe = holders_probe(sql, permits)
     if defines(client, "fetch"):
         if defines(client, "acquire"):
-            return _asyncpg_pool(cast(_AsyncpgPool, client), sql, permits)
+            return _asyncpg_pool(cast(_AsyncpgPool, client), sql, probe)
         if not defines(client, "add_listener"):
             return None
 
         def listen(key: str, seconds: float) -> Awaitable[bool | str]:
-            return _asyncpg_wait(client, key, seconds, sql, permits, client)
+            return _asyncpg_wait(client, key, seconds, sql, probe, client)
 
         return listen
     if defines(client, "getconn"):
         if asynchronous:
-            return _psycopg_pool_async(cast(_AsyncPool, client), sql, permits)
-        return _psycopg_pool(cast(_Pool, client), sql, permits)
+            return _psycopg_pool_async(cast(_AsyncPool, client), sql, probe)
+        return _psycopg_pool(cast(_Pool, client), sql, probe)
     return None

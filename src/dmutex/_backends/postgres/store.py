@@ -68,7 +68,7 @@ from ..._core.lease import MAX_EXPIRY_MS, Lease
 from ..._core.waiting import Waiter, lost_pause
 from ..._errors import DMutexError
 from ..blocking import REFRESH
-from .listening import POOLED, listener
+from .listening import POOLED, Probe, listener
 from .runners import Params, Row, runner
 from .statements import COLUMNS, FOREIGN, PRIMARY_KEY, Statement, Statements
 
@@ -103,7 +103,9 @@ class PostgresStore:
     ``asynchronous`` says), an asyncpg connection or pool (asyncio), or a
     SQLAlchemy ``Engine`` or ``AsyncEngine`` on one of them.
     ``listen=False``: waiters never ``LISTEN`` (behind a pooler in
-    transaction mode) and poll instead (rule 5).
+    transaction mode) and poll instead (rule 5). ``probe``: what a wait
+    reads once it listens (``listening.py``, rule 2), if not the key's
+    permits.
     """
 
     max_expiry_ms = MAX_EXPIRY_MS
@@ -119,12 +121,13 @@ class PostgresStore:
         asynchronous: bool,
         fencing: bool = True,
         listen: bool = True,
+        probe: Probe | None = None,
     ) -> None:
         self._sql = Statements.of(table, schema, fencing=fencing)
         self._index = self._sql.index_name
         self._run = runner(client, asynchronous=asynchronous)
         self._listen = (
-            listener(client, self._sql, max_permits, asynchronous=asynchronous)
+            listener(client, self._sql, max_permits, asynchronous=asynchronous, probe=probe)
             if listen and isinstance(clock, SystemClock)
             else None
         )

@@ -1,0 +1,150 @@
+"""The MySQL store of read-write locks: one row per key, read, decided, compare-and-set.
+
+Layout and rules: ``..sql_readwrite`` (the decisions, the state, the
+compare-and-set), on the mutex store's table shape (``statements.py``) but
+for its ``value`` column, ``mediumtext`` (a state with many readers needs
+more than 128 characters; up to 16 MiB), in the ``_drwlock_`` table. What
+is MySQL's here:
+
+1. Time is the read's ``UTC_TIMESTAMP(6)`` (``statements.py``, rule 1).
+2. The write is one upsert: ``INSERT ... ON DUPLICATE KEY UPDATE``, whose
+   update keeps the row's value unless it is still the text read (InnoDB
+   runs it under the row's lock, so two writers of one text cannot both
+   apply). It answers in its OK packet (``statements.py``, rule 2): the
+   insert's values set ``LAST_INSERT_ID`` to 1, the update sets it again to
+   1 if it applied, to 0 if not.
+3. Waking is the mutex store's (``store.py``, rule 5): a waiter registers
+   with this process's waiters of the client before each attempt, and a
+   write that can let a waiter in wakes them once it applied. Other
+   processes' waiters poll within ``retry_delay``, told by their refusal
+   when what stands in their way lapses at the latest.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from ..._clock import Clock
+from ..._core.effects import Call, Sleep, Steps, Wait
+from ..._core.waiting import Waiter
+from ..._errors import DMutexError
+from ..sql_readwrite import SqlReadWriteStore
+from .runners import Outcome, runner
+from .statements import FOREVER, NOW_MS, NOW_US, Statement
+from .store import MySQLStore, _waiting
+
+__all__ = ["MySQLReadWriteStore"]
+
+# Rule 2: a value of that column type, up to 16 MiB.
+VALUE_TYPE = "mediumtext"
+
+
+def _read(t: str) -> Statement:
+    """The key's row (its value, NULL if absent) and the server's time in ms and µs."""
+    return Statement(
+        f"SELECT r.`value`, {NOW_MS}, {NOW_US}\n"
+        f"FROM (SELECT 1) AS one LEFT JOIN {t} AS r ON r.`key` = %(row)s"
+    )
+
+
+def _write(t: str) -> Statement:
+    """Rule 2's upsert: its OK packet's id is 1 if it applied, else 0."""
+    return Statement(
+        f"INSERT INTO {t} (`key`, `value`, `expired_at`)\n"
+        f"VALUES (%(row)s, %(value)s, LAST_INSERT_ID(1) * {FOREVER})\n"
+        "ON DUPLICATE KEY UPDATE `value` = IF(`value` = %(old)s,\n"
+        "  CONCAT(%(value)s, LEFT(LAST_INSERT_ID(1), 0)),\n"
+        "  CONCAT(`value`, LEFT(LAST_INSERT_ID(0), 0)))"
+    )
+
+
+def _text(value: object) -> object:
+    """A text column as str (a driver may answer bytes for a binary collation)."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode()
+    return value
+
+
+class MySQLReadWriteStore(SqlReadWriteStore):
+    """One table of read-write lock rows on a MySQL or MariaDB server; a ``ReadWriteStore``.
+
+    ``client`` is any client :class:`~.store.MySQLStore` takes.
+    """
+
+    def __init__(
+        self,
+        client: object,
+        table: str,
+        max_readers: int | None,
+        clock: Clock,
+        *,
+        database: str | None = None,
+        asynchronous: bool,
+        fencing: bool = True,
+    ) -> None:
+        # The mutex store's table checks and creation, with a wider value column.
+        self._rows = MySQLStore(
+            client,
+            table,
+            1,
+            clock,
+            database=database,
+            asynchronous=asynchronous,
+            value_type=VALUE_TYPE,
+        )
+        sql = self._rows.statements
+        super().__init__(sql.table, max_readers, clock, fencing=fencing)
+        t = sql.table.replace("%", "%%")  # a driver would read "%" as a placeholder
+        self._read_sql = _read(t)
+        self._write_sql = _write(t)
+        self._run = runner(client, asynchronous=asynchronous)
+        self._waiting = _waiting(client)
+
+    def ready(self) -> Steps[None]:
+        """The mutex store's ``ready()``, for a ``mediumtext`` value column."""
+        return self._rows.ready()
+
+    def _call(self, statement: Statement, params: dict[str, object]) -> Steps[Outcome]:
+        outcome = yield Call(self._run, (statement, params))
+        return cast(Outcome, outcome)  # what a runner answers
+
+    def _read(self, key: str) -> Steps[tuple[object, int, int]]:
+        rows = (yield from self._call(self._read_sql, {"row": f"rwlock:{key}"})).rows
+        if len(rows) != 1 or len(rows[0]) != 3:
+            raise DMutexError(f"unexpected reply from MySQL: {rows!r}")
+        value, now, now_us = rows[0]
+        if not isinstance(now, int) or not isinstance(now_us, int):
+            raise DMutexError(f"unexpected time from MySQL: {rows!r}")
+        return _text(value), now, now_us
+
+    def _write(self, key: str, old: object, new: str, wake: bool) -> Steps[bool]:
+        params: dict[str, object] = {"row": f"rwlock:{key}", "value": new, "old": old}
+        answer = (yield from self._call(self._write_sql, params)).answer
+        if answer not in (0, 1):
+            raise DMutexError(f"unexpected answer from MySQL to a write: {answer!r}")
+        return answer == 1
+
+    def _name(self, key: str) -> tuple[str, str]:
+        return (self._table, f"rwlock:{key}")
+
+    def _woke(self, key: str) -> None:
+        self._waiting.wake(self._name(key))
+
+    def _before(self, key: str, waiter: Waiter | None) -> None:
+        if waiter is not None and not waiter.last:
+            self._waiting.register(self._name(key), waiter.wakeup)
+
+    def _after(self, key: str, waiter: Waiter | None, granted: bool) -> None:
+        if waiter is None:
+            return
+        registering = not waiter.last
+        if granted or not registering:
+            self._waiting.forget(self._name(key), waiter.wakeup)
+        waiter.registered = registering and not granted
+
+    def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
+        """Wait for a wake through this client (rule 3), or the whole time."""
+        if waiter.registered:
+            yield Wait(waiter.wakeup, seconds)
+        else:
+            yield Sleep(seconds)

@@ -1,0 +1,154 @@
+"""The PostgreSQL store of read-write locks: one row per key, read, decided, compare-and-set.
+
+Layout and rules: ``..sql_readwrite`` (the decisions, the state, the
+compare-and-set), on the mutex store's table shape (``statements.py``), in
+the ``_drwlock_`` table. What is PostgreSQL's here:
+
+1. Time is ``statement_timestamp()`` of the read (``statements.py``, rule 1).
+2. The write is one upsert: it inserts where the read found no row and
+   updates only a row whose ``value`` is still the text read (its
+   ``DO UPDATE ... WHERE``, which PostgreSQL evaluates on the row's latest
+   version under its row lock, so two writers of one text cannot both
+   apply). A write that can let a waiter in (``sql_readwrite``, rule 5)
+   notifies the table's channel, the key as payload, in the same statement:
+   only when it applied, and leaving with its commit.
+3. A waiter listens as the mutex store's do (``listening.py``: a pool lends
+   it a connection, an asyncpg connection listens itself; a single psycopg
+   connection, a SQLAlchemy engine, ``listen=False``, a pooler in
+   transaction mode and a clock other than the system's poll). Once
+   listening it reads the key's row and ends its wait at once if nothing
+   is held or intended there; else it waits for the notification or its
+   time. A release that lands between the refused attempt and the
+   ``LISTEN`` while other holds remain is not heard: that waiter's wait
+   then ends by the time its refusal said what stood in its way lapses, or
+   ``retry_delay``, as a poller's does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+from ..._clock import Clock
+from ..._core.effects import Call, Steps
+from ..._core.waiting import Waiter
+from ..._errors import DMutexError
+from .. import rwstate
+from ..sql_readwrite import SqlReadWriteStore
+from .listening import Probe
+from .runners import Row, runner
+from .statements import _FOREVER, _NOW, _NOW_US, Statement, _escape, _in_literal, _ms, qualified
+from .store import PostgresStore
+
+__all__ = ["PostgresReadWriteStore"]
+
+
+def _read(t: str) -> Statement:
+    """The key's row (its value, NULL if absent) and the server's time in ms and µs."""
+    return Statement.of(
+        f'SELECT r."value", {_ms(_NOW)}, {_NOW_US}\n'
+        f'FROM (SELECT 1) AS one LEFT JOIN {t} AS r ON r."key" = %(row)s::text'
+    )
+
+
+def _write(t: str, channel: str) -> Statement:
+    """Rule 2's upsert: 1 if it applied, else 0; it notifies ``channel`` if asked and applied."""
+    return Statement.of(
+        f'WITH w AS (INSERT INTO {t} AS t ("key", "value", "expired_at")\n'
+        f"  VALUES (%(row)s::text, %(value)s::text, {_FOREVER})\n"
+        '  ON CONFLICT ("key") DO UPDATE SET "value" = EXCLUDED."value"\n'
+        '  WHERE t."value" = %(old)s::text\n'
+        "  RETURNING 1)\n"
+        "SELECT count(*)::int, CASE WHEN %(wake)s::bool AND count(*) > 0\n"
+        f"  THEN pg_notify('{_escape(_in_literal(channel))}', %(key)s::text) END\n"
+        "FROM w"
+    )
+
+
+def _nothing_there(rows: Sequence[Row]) -> bool:
+    """The probe's verdict (rule 3): the key's row holds no active hold nor intent."""
+    if len(rows) != 1:
+        return False
+    value, now, _ = rows[0]
+    if value is None:
+        return True
+    state = rwstate.decode(value, fenced=True)
+    if state is None or not isinstance(now, int):
+        return False
+    state.prune(now)
+    return state.empty()
+
+
+class PostgresReadWriteStore(SqlReadWriteStore):
+    """One table of read-write lock rows on a PostgreSQL server; a ``ReadWriteStore``.
+
+    ``client`` is any client :class:`~.store.PostgresStore` takes;
+    ``listen=False`` as there.
+    """
+
+    def __init__(
+        self,
+        client: object,
+        table: str,
+        max_readers: int | None,
+        clock: Clock,
+        *,
+        schema: str | None = None,
+        asynchronous: bool,
+        fencing: bool = True,
+        listen: bool = True,
+    ) -> None:
+        named = qualified(table, schema)
+        super().__init__(named, max_readers, clock, fencing=fencing)
+        self._read_sql = _read(_escape(named))
+        probe = Probe(self._read_sql, lambda key: {"row": f"rwlock:{key}"}, _nothing_there)
+        # The mutex store's table (its shape, ready() and channel) and its wait.
+        self._rows = PostgresStore(
+            client,
+            table,
+            1,
+            clock,
+            schema=schema,
+            asynchronous=asynchronous,
+            listen=listen,
+            probe=probe,
+        )
+        self._write_sql = _write(_escape(named), self._rows.statements.channel)
+        self._run = runner(client, asynchronous=asynchronous)
+
+    @property
+    def listens(self) -> bool:
+        """Whether its waiters listen for releases (rule 3); else they poll."""
+        return self._rows.listens
+
+    def ready(self) -> Steps[None]:
+        """The mutex store's ``ready()``: create the table and index, refuse another shape."""
+        return self._rows.ready()
+
+    def _call(self, statement: Statement, params: dict[str, object]) -> Steps[list[Row]]:
+        rows = yield Call(self._run, (statement, params))
+        return cast("list[Row]", rows)  # what a runner answers
+
+    def _read(self, key: str) -> Steps[tuple[object, int, int]]:
+        rows = yield from self._call(self._read_sql, {"row": f"rwlock:{key}"})
+        if len(rows) != 1 or len(rows[0]) != 3:
+            raise DMutexError(f"unexpected reply from PostgreSQL: {rows!r}")
+        value, now, now_us = rows[0]
+        if not isinstance(now, int) or not isinstance(now_us, int):
+            raise DMutexError(f"unexpected time from PostgreSQL: {rows!r}")
+        return value, now, now_us
+
+    def _write(self, key: str, old: object, new: str, wake: bool) -> Steps[bool]:
+        params: dict[str, object] = {
+            "row": f"rwlock:{key}",
+            "value": new,
+            "old": old,
+            "wake": wake and self._rows.listens,
+            "key": key,
+        }
+        rows = yield from self._call(self._write_sql, params)
+        return bool(rows and rows[0][0])
+
+    def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
+        """Listen for a change of ``key`` up to ``seconds``, else sleep (rule 3); never raises."""
+        return self._rows.wait(key, waiter, seconds)
