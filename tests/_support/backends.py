@@ -565,11 +565,13 @@ class Postgres:
                 (f"rwlock:{key}",),
             ).fetchone()
             if row is not None:
+                value, now = row
+                assert isinstance(now, int)
                 self._inspector.execute(
                     sql.SQL('UPDATE {} SET "value" = %s WHERE "key" = %s').format(
                         self._table(table)
                     ),
-                    (hold_expired(row[0], token, row[1]), f"rwlock:{key}"),
+                    (hold_expired(str(value), token, now), f"rwlock:{key}"),
                 )
 
     def active(self, prefix: str) -> dict[str, str]:
