@@ -128,10 +128,11 @@ class PostgresShaped:
         self.calls.append(args)
 
 
-def test_a_backend_without_read_write_locks_refuses_at_construction() -> None:
+def test_a_sql_client_is_taken_without_a_request_and_the_other_face_is_refused() -> None:
     client: Any = PostgresShaped()
-    with pytest.raises(UnsupportedClientError, match="read-write locks are not available"):
-        AsyncDReadWriteLock("svc", client)
+    AsyncDReadWriteLock("svc", client)  # an asyncpg client: the asyncio face's
+    with pytest.raises(UnsupportedClientError, match="asyncio"):
+        DReadWriteLock("svc", client)
     assert client.calls == [], "no request reached the server"
 
 

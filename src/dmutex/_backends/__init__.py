@@ -16,7 +16,7 @@ from __future__ import annotations
 from .._clock import SYSTEM_CLOCK
 from .._core.abc import Store
 from .._core.readwrite import ReadWriteStore
-from .._errors import InvalidArgumentError, UnsupportedClientError
+from .._errors import InvalidArgumentError
 from .._options import Options
 from .._validate import (
     check_collection_name,
@@ -132,33 +132,6 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
     return MongoStore(collection, options.max_permits, clock, fencing=options.fencing is True)
 
 
-# The backends that serve read-write locks so far, by name (a detected
-# backend's, or "sqlite" and "memory" for the two told by their class).
-_READ_WRITE: dict[str, str] = {
-    "redis": "Redis",
-    "mongodb": "MongoDB",
-    "postgresql": "PostgreSQL",
-    "mysql": "MySQL",
-    "sqlite": "SQLite",
-    "memory": "InMemoryBackend",
-}
-
-
-def readwrite_refusal(backend: str) -> UnsupportedClientError | None:
-    """Why ``backend`` (``"postgresql"``, ``"redis"``, ``"sqlite"``...) serves no read-write lock.
-
-    None where it serves them. No client is needed, no request is made: the
-    command asks before it connects.
-    """
-    if backend in _READ_WRITE:
-        return None
-    served = ", ".join(_READ_WRITE.values())
-    return UnsupportedClientError(
-        f"read-write locks are not available on the {backend} backend in this version "
-        f"(available on: {served})"
-    )
-
-
 def open_readwrite_store(client: object, options: Options, *, asynchronous: bool) -> ReadWriteStore:
     """The store that serves ``options``' namespace of read-write locks through ``client``.
 
@@ -182,9 +155,6 @@ def open_readwrite_store(client: object, options: Options, *, asynchronous: bool
         return SQLiteReadWriteStore(
             client, table, readers, clock, asynchronous=asynchronous, fencing=fencing
         )
-    refusal = readwrite_refusal(found)
-    if refusal is not None:
-        raise refusal
     if found == "redis":
         name = "execute_command" if defines(client, "execute_command") else "eval"
         (refuse_sync if asynchronous else refuse_asyncio)(client, name, "client")
@@ -235,5 +205,4 @@ __all__ = [
     "Store",
     "open_readwrite_store",
     "open_store",
-    "readwrite_refusal",
 ]

@@ -11,17 +11,13 @@ Rules of this module:
 2. A read-write lock's holders are the writer (``role`` "write") or each
    reader ("read"): the store answers them as slots, ``WRITE_SLOT`` and
    ``READ_SLOT``, and :func:`role_of` names them.
-3. ``readwrite_refusal`` (the library's) is asked, with no client and no
-   I/O, whether a URL's backend serves read-write locks: connecting to
-   PostgreSQL or MySQL takes a round trip, and a lock they cannot serve is
-   a usage error, which must not wait for (or depend on) the server.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from .._backends import open_readwrite_store, open_store, readwrite_refusal
+from .._backends import open_readwrite_store, open_store
 from .._core.abc import Holder, Inspection
 from .._core.readwrite import WRITE_SLOT
 from .._errors import InvalidArgumentError
@@ -29,7 +25,7 @@ from .._options import DEFAULT_PREFIX, Kind, Options
 from .._runtime.drivers import SyncDriver
 from .._validate import check_key
 
-__all__ = ["Holder", "Inspection", "Role", "read_holders", "readwrite_refusal", "role_of"]
+__all__ = ["Holder", "Inspection", "Role", "read_holders", "role_of"]
 
 Role = Literal["read", "write"]
 """A hold of a read-write lock: a reader's or the writer's."""

@@ -42,9 +42,9 @@ from .._faces.sync import (
 from . import supervise as sup
 from .args import RunArgs
 from .errors import LOST, USAGE, Failure, backend_errors, one_line
-from .holders import Inspection, read_holders, readwrite_refusal
+from .holders import Inspection, read_holders
 from .progress import Progress
-from .urls import Backend, Target, connect, parse
+from .urls import Backend, connect, parse
 
 __all__ = ["LONGEST_WAIT", "RETRY_DELAY", "request_timeout", "run"]
 
@@ -87,14 +87,6 @@ class _Taker:
 
     once: _Once
     with_retry: _WithRetry
-
-
-def _refuse_unserved(args: RunArgs, target: Target) -> None:
-    """A usage error, before connecting, if ``target`` serves no read-write lock ``args`` asks."""
-    if args.role is not None:
-        refusal = readwrite_refusal(target.kind)
-        if refusal is not None:
-            raise Failure(USAGE, f"--{args.role}: {one_line(refusal)}")
 
 
 def _lock(args: RunArgs, backend: Backend) -> _Taker:
@@ -179,7 +171,6 @@ def _child_env(env: Mapping[str, str], handle: Handle) -> dict[str, str]:
 def run(args: RunArgs, env: Mapping[str, str], stderr: TextIO) -> int:
     """Do one ``dmutex run``; returns the exit status, or raises :class:`Failure`."""
     target = parse(args.backend, env)
-    _refuse_unserved(args, target)
     signals = sup.Signals()
     signals.install()
     try:

@@ -26,7 +26,7 @@ from typing import TextIO
 from .._errors import ArgumentTypeError, InvalidArgumentError, UnsupportedClientError
 from .args import StatusArgs
 from .errors import FREE, OK, USAGE, Failure, backend_errors, one_line
-from .holders import Holder, Inspection, read_holders, readwrite_refusal, role_of
+from .holders import Holder, Inspection, read_holders, role_of
 from .progress import short_token, token_prefix
 from .urls import connect, parse
 
@@ -102,10 +102,6 @@ def render_text(args: StatusArgs, found: Inspection) -> str:
 def status(args: StatusArgs, env: Mapping[str, str], stdout: TextIO) -> int:
     """Print the key's permits on ``stdout``; 0 if held, 1 if free, or raise :class:`Failure`."""
     target = parse(args.backend, env)
-    if args.readwrite:
-        refusal = readwrite_refusal(target.kind)
-        if refusal is not None:
-            raise Failure(USAGE, f"--read-write: {one_line(refusal)}")
     path = target.path
     if path is not None and not path.exists() and (target.default or path.parent.is_dir()):
         found = Inspection(holders=[], fence=None, now_ms=_now_ms())  # no file: nothing held

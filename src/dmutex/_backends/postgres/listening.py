@@ -22,7 +22,8 @@ Rules of this module:
    would count against the application's checkouts.
 2. No release is missed between the failed attempt and the ``LISTEN``:
    once listening, the wait reads the key's holders (one statement,
-   ``holders``) and ends at once if a permit is free. A wait that listens
+   ``holders``; a read-write lock's store reads its row instead, a
+   :class:`Probe`) and ends at once if a permit is free. A wait that listens
    costs three statements besides the block: ``LISTEN``, that read,
    ``UNLISTEN`` (asyncpg's ``add_listener``/``remove_listener`` send the two).
 3. A notification wakes every listener of the table; a wait ends only for
