@@ -40,6 +40,12 @@ printed: a commit's cost depends on them.
      the OK packet's ``LAST_INSERT_ID``, and the release), sent raw with the
      parameters dmutex gives them: the floor of dmutex's protocol.
 
+   - ``read`` and ``write``: a read-write lock's ``acquire_read`` /
+     ``acquire_write`` then ``release()`` (``DReadWriteLock``, fenced as by
+     default; issue 28): each acquire and release is a read then a
+     compare-and-set write, four statements a cycle; the ratios to ``dmutex
+     fenced`` say what that costs.
+
    Every raw contender uses a fresh ``uuid4`` token per cycle, one cursor
    per cycle, and checks its answers, as dmutex does.
 2. A semaphore's acquire at each ``max_permits`` N of ``--permits`` (1, 64,
@@ -85,7 +91,15 @@ from pymysql.connections import Connection
 from pymysql.cursors import Cursor
 from redis_cycle import timed, timed_async
 
-from dmutex import AsyncDMutex, DMutex, DMutexLock, DSemaphore, DSemaphorePermit
+from dmutex import (
+    AsyncDMutex,
+    AsyncDReadWriteLock,
+    DMutex,
+    DMutexLock,
+    DReadWriteLock,
+    DSemaphore,
+    DSemaphorePermit,
+)
 from dmutex._backends.mysql.statements import Statements, granted
 
 OPTIONS = {  # name: (default, under --quick)
@@ -327,10 +341,25 @@ def sync_cycles(conn: Sync, service: str, ttl_s: float) -> dict[str, Cycle]:
     for name, raw in raws.items():
         row = f"permit:0:check {name}"
         check(name, raw(row, False), not raw(row, False))
+    rw = DReadWriteLock(service, conn, default_ttl_seconds=ttl_s)
+    rw.ready()
+
+    def rw_cycle(write: bool) -> Cycle:
+        take = rw.acquire_write if write else rw.acquire_read
+
+        def run() -> None:
+            held = take("rw")
+            if held is None or not held.release():
+                raise BenchmarkError(f"{'write' if write else 'read'}: uncontended cycle failed")
+
+        return run
+
     return {
         "dmutex": cycle(mutex, "k", "dmutex"),
         "dmutex fenced": cycle(fenced, "f", "dmutex fenced"),
         **{name: raw_cycle(name, raw) for name, raw in raws.items()},
+        "read": rw_cycle(False),
+        "write": rw_cycle(True),
     }
 
 
@@ -365,10 +394,25 @@ def async_cycles(
         row = f"permit:0:check {name}"
         took = loop.run_until_complete(raw(row, False))
         check(f"{name} aiomysql", took, not loop.run_until_complete(raw(row, False)))
+    rw = AsyncDReadWriteLock(service, conn, default_ttl_seconds=ttl_s)
+    loop.run_until_complete(rw.ready())
+
+    def rw_cycle(write: bool) -> AsyncCycle:
+        take = rw.acquire_write if write else rw.acquire_read
+
+        async def run() -> None:
+            held = await take("rw")
+            if held is None or not await held.release():
+                raise BenchmarkError(f"{'write' if write else 'read'} (aiomysql): cycle failed")
+
+        return run
+
     return {
         "dmutex aiomysql": cycle(mutex, "k", "AsyncDMutex"),
         "dmutex fenced aiomysql": cycle(fenced, "f", "AsyncDMutex fenced"),
         **{f"{name} aiomysql": raw_cycle(name, raw) for name, raw in raws.items()},
+        "read aiomysql": rw_cycle(False),
+        "write aiomysql": rw_cycle(True),
     }
 
 
@@ -609,6 +653,7 @@ def measure(
         s = suffix(driver)
         pairs += [(f"dmutex{s}", f"{raw}{s}") for raw in RAWS]
         pairs += [(f"dmutex fenced{s}", f"raw ts{s}"), (f"raw 1{s}", f"raw ts{s}")]
+        pairs += [(f"read{s}", f"dmutex fenced{s}"), (f"write{s}", f"dmutex fenced{s}")]
     ratios = harness.ratio_table(figures, pairs, ("ops/s", "p50", "mean"))
     targets = [
         Target(

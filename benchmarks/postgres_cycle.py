@@ -30,7 +30,13 @@ cycles (``harness.interleave``), timed with ``time.perf_counter_ns``:
   and caches every statement it runs, dmutex's as the others;
 - ``... psycopg-async``: ``dmutex`` and ``raw`` on one
   ``psycopg.AsyncConnection``. The asyncio turns each run to completion on
-  one event loop, outside the timed region.
+  one event loop, outside the timed region;
+- ``read`` and ``write`` (and ``... asyncpg``): a read-write lock's
+  ``acquire_read`` / ``acquire_write`` then ``release()``
+  (``DReadWriteLock``, ``AsyncDReadWriteLock``; issue 28): each acquire and
+  release is a read then a compare-and-set write, four statements a cycle
+  where the mutex sends two; the ratios ``read / dmutex`` and ``write /
+  dmutex`` say what that costs.
 
 Options: ``--cycles`` per contender per round, ``--rounds``, ``--chunk``
 (cycles per turn), ``--warmup`` (cycles per contender), ``--ttl`` (s); with
@@ -57,13 +63,14 @@ import psycopg
 from harness import Batch, BenchmarkError, Target
 from redis_cycle import timed, timed_async
 
-from dmutex import AsyncDMutex, DMutex
+from dmutex import AsyncDMutex, AsyncDReadWriteLock, DMutex, DReadWriteLock
 from dmutex._backends.postgres.statements import Statements
 
 OPTIONS = {  # name: (default, under --quick)
     "cycles": (2000, 100), "rounds": (5, 2), "chunk": (100, 50), "warmup": (300, 20),
     "ttl": (30.0, 30.0),
 }  # fmt: skip
+Cycle = Callable[[], None]
 ADVISORY_KEY = 0x646D7574  # "dmut": any bigint no other client of the benchmark's server uses
 DRIVERS = ("psycopg", "asyncpg", "psycopg-async")
 
@@ -110,7 +117,50 @@ def sync_cycles(conn: psycopg.Connection[Any], service: str, ttl_s: float) -> di
         if taken != (True,) or freed != (True,):
             raise BenchmarkError("advisory: uncontended lock/unlock failed")
 
-    return {"dmutex": timed(dmutex), "raw": timed(raw), "advisory": timed(advisory)}
+    return {
+        "dmutex": timed(dmutex),
+        "raw": timed(raw),
+        "advisory": timed(advisory),
+        **{name: timed(cycle) for name, cycle in rw_cycles(conn, service, ttl_s).items()},
+    }
+
+
+def rw_cycles(conn: psycopg.Connection[Any], service: str, ttl_s: float) -> dict[str, Cycle]:
+    """A read-write lock's read and write cycles on ``conn``, its table made first."""
+    lock = DReadWriteLock(service, conn, default_ttl_seconds=ttl_s)
+    lock.ready()
+
+    def read() -> None:
+        held = lock.acquire_read("k")
+        if held is None or not held.release():
+            raise BenchmarkError("read: uncontended acquire/release failed")
+
+    def write() -> None:
+        held = lock.acquire_write("k")
+        if held is None or not held.release():
+            raise BenchmarkError("write: uncontended acquire/release failed")
+
+    return {"read": read, "write": write}
+
+
+def async_rw_cycles(
+    conn: asyncpg.Connection, loop: asyncio.AbstractEventLoop, service: str, ttl_s: float
+) -> dict[str, Batch]:
+    """:func:`rw_cycles` on an asyncpg connection (``AsyncDReadWriteLock``), names suffixed."""
+    lock = AsyncDReadWriteLock(service, conn, default_ttl_seconds=ttl_s)
+    loop.run_until_complete(lock.ready())
+
+    async def read() -> None:
+        held = await lock.acquire_read("k")
+        if held is None or not await held.release():
+            raise BenchmarkError("read (asyncpg): uncontended acquire/release failed")
+
+    async def write() -> None:
+        held = await lock.acquire_write("k")
+        if held is None or not await held.release():
+            raise BenchmarkError("write (asyncpg): uncontended acquire/release failed")
+
+    return {"read asyncpg": timed_async(loop, read), "write asyncpg": timed_async(loop, write)}
 
 
 def async_dmutex(
@@ -157,6 +207,7 @@ def asyncpg_cycles(
         "dmutex asyncpg": timed_async(loop, dmutex),
         "raw asyncpg": timed_async(loop, raw),
         "advisory asyncpg": timed_async(loop, advisory),
+        **async_rw_cycles(conn, loop, service, ttl_s),
     }
 
 
@@ -223,6 +274,9 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
                 (f"dmutex{suffix}", f"advisory{suffix}"),
                 (f"raw{suffix}", f"advisory{suffix}"),
             ]
+    for driver in ("psycopg", "asyncpg"):
+        suffix = "" if driver == "psycopg" else f" {driver}"
+        pairs += [(f"read{suffix}", f"dmutex{suffix}"), (f"write{suffix}", f"dmutex{suffix}")]
     ratios = harness.ratio_table(figures, pairs, ("ops/s", "p50", "mean"))
     targets = [
         Target(
