@@ -1,4 +1,4 @@
-"""Read-write locks under the fault suites' faults (issue 28): Redis, and InMemory for cancellation.
+"""Read-write locks under the fault suites' faults (issue 28): Redis; cancellation on more.
 
 Each case is an existing suite's, its machinery driving a read-write lock;
 :class:`~tests._support.rwfaces.SideFace` lends a ``DReadWriteLock`` or an
@@ -40,10 +40,12 @@ intent is a field, live while its expiry is after the server's ``TIME``.
 4. **Cancellation** (``test_cancellation.py``): its seeded trials on the
    two sides of an ``AsyncDReadWriteLock`` (``run_read``/``run_write``,
    ``*_with_retry``, ``async with``, release by handle and by token),
-   cancelled at random points, on ``InMemoryBackend`` and on Redis behind
-   its delaying client: after each batch no hold and no intent is left,
-   a new reader of each key gets in at once, and no cancellation was
-   swallowed.
+   cancelled at random points, on ``InMemoryBackend``, on Redis behind its
+   delaying client and on PostgreSQL behind its delaying asyncpg pool
+   (each operation there is a read and a compare-and-set write: a
+   cancellation between the two, or in the write's reply, is what it
+   adds): after each batch no hold and no intent is left, a new reader of
+   each key gets in at once, and no cancellation was swallowed.
 
 Each case prints one summary (``pytest -s``). Seeded, on 127.0.0.1, bounded:
 the module ran in 14 to 26 s here (2 cores, shared).
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import multiprocessing.synchronize
 import random
 import time
@@ -61,13 +64,16 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+from urllib.parse import quote
 
+import psycopg
 import pytest
 import redis
 import redis.asyncio
 import redis.asyncio.retry
 import redis.backoff
 import redis.retry
+from psycopg import sql
 
 from dmutex import AsyncDReadWriteLock, DReadWriteLock, InMemoryBackend, __version__
 from dmutex._core.lease import now_ms
@@ -84,6 +90,7 @@ from tests._support.cancellation import (
 from tests._support.faces import Face, FaceName, Handle, LoopThread
 from tests._support.fault_clients import DelayingRedis
 from tests._support.fault_proxy import FaultProxy
+from tests._support.postgres_clients import Phases
 from tests._support.proxied import redis_options
 from tests._support.redis_servers import Pool, Server
 from tests._support.rwfaces import RWFace, Side, SideFace
@@ -753,6 +760,88 @@ def test_cancellation_on_redis(rw_redis: Server) -> None:
     finally:
         inspector.close()
     tally.sent = client.sent
+    summary = judge(tally)
+    for where in test_cancellation.STAGE_PHASES:
+        assert tally.landed[where] > 0, summary
+
+
+POSTGRES_LEAST = 640  # trials; then the run stops once every phase of both stages was hit
+POSTGRES = test_cancellation.plan("postgresql", batches=80, cancel_after=0.015, spread=(1, 2, 4))
+
+
+def postgres_rows(
+    inspector: psycopg.Connection[tuple[Any, ...]], table: str, field: str
+) -> dict[str, str]:
+    """The live holds (``field`` "r" and "w") or intents ("i") of ``table``'s rows, by name."""
+    found: dict[str, str] = {}
+    rows = inspector.execute(
+        sql.SQL(
+            'SELECT "key", "value", floor(extract(epoch FROM statement_timestamp()) * 1000)'
+            "::bigint FROM {}"
+        ).format(sql.Identifier(table))
+    ).fetchall()
+    for name, value, now in rows:
+        state = json.loads(value)
+        if field == "w":
+            held = {} if state["w"] is None else {state["w"][0]: state["w"][1]}
+        else:
+            held = state[field]
+        found |= {f"{name}:{field}:{t}": t for t, until in held.items() if until > now}
+    return found
+
+
+def test_cancellation_on_postgresql(
+    postgres_server: str, postgres_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL behind the delaying asyncpg pool: cancellations in every phase of a
+    statement (the read's and the write's) leave no hold and no intent, and none is swallowed."""
+    note_retry_waits(monkeypatch)
+    rng = random.Random(CANCEL_SEED)
+    owners = test_cancellation.Owners()
+    service = f"rwcancel_{uuid.uuid4().hex[:8]}"
+    table = f"_drwlock_{service}"
+    url = f"{postgres_server}{'&' if '?' in postgres_server else '?'}options=" + quote(
+        f"-csearch_path={postgres_schema}"
+    )
+    inspector = psycopg.connect(url, autocommit=True)
+
+    def clear() -> None:
+        inspector.execute(sql.SQL("DELETE FROM {}").format(sql.Identifier(table)))
+
+    def enough(tally: Tally) -> bool:
+        ran = sum(tally.trials.values())
+        phases = test_cancellation.STAGE_PHASES
+        return ran >= POSTGRES_LEAST and all(tally.landed[where] for where in phases)
+
+    phases = Phases(
+        rng, test_cancellation.MAX_DELAY, on_send=owners.sent, on_phase=test_cancellation.in_request
+    )
+
+    async def main() -> Tally:
+        client, close = await test_cancellation.postgres_client("asyncpg pool", url, phases)
+        lock = AsyncDReadWriteLock(
+            service, client, schema_name=postgres_schema, clock=NotingClock()
+        )
+        probe = AsyncDReadWriteLock(service, client, schema_name=postgres_schema)
+        try:
+            await lock.ready()
+            storage = Storage(
+                permits=lambda: (
+                    postgres_rows(inspector, table, "r") | postgres_rows(inspector, table, "w")
+                ),
+                clear=clear,
+                owner=owners.of,
+                intents=lambda: postgres_rows(inspector, table, "i"),
+                admits=admitting(probe),
+            )
+            return await run_trials(POSTGRES, rw_faces(lock), storage, rng, enough)
+        finally:
+            await close()
+
+    try:
+        tally = asyncio.run(main())
+    finally:
+        inspector.close()
     summary = judge(tally)
     for where in test_cancellation.STAGE_PHASES:
         assert tally.landed[where] > 0, summary
