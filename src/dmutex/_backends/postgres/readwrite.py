@@ -11,22 +11,24 @@ the ``_drwlock_`` table. What is PostgreSQL's here:
    version under its row lock, so two writers of one text cannot both
    apply). A write that can let a waiter in (``sql_readwrite``, rule 5)
    notifies the table's channel, the key as payload, in the same statement:
-   only when it applied, and leaving with its commit.
+   only when it applied, and leaving with its commit; whether or not the
+   store that writes listens itself (a single connection's release must
+   wake a pool's waiter). Unlike the mutex store's, it reads no waiters
+   mark first: such a write notifies whether anyone waits or not.
 3. A waiter listens as the mutex store's do (``listening.py``: a pool lends
    it a connection, an asyncpg connection listens itself; a single psycopg
    connection, a SQLAlchemy engine, ``listen=False``, a pooler in
    transaction mode and a clock other than the system's poll). Once
-   listening it reads the key's row and ends its wait at once if nothing
-   is held or intended there; else it waits for the notification or its
-   time. A release that lands between the refused attempt and the
-   ``LISTEN`` while other holds remain is not heard: that waiter's wait
-   then ends by the time its refusal said what stood in its way lapses, or
-   ``retry_delay``, as a poller's does.
+   listening it reads the key's row and ends its wait at once if the row
+   would let a writer in (nothing held) or a reader (no writer, no intent,
+   a place under ``max_readers``); else it waits for the notification or
+   its time. So no release between the refused attempt and the ``LISTEN``
+   is missed where it let someone in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from ..._clock import Clock
@@ -65,18 +67,32 @@ def _write(t: str, channel: str) -> Statement:
     )
 
 
-def _nothing_there(rows: Sequence[Row]) -> bool:
-    """The probe's verdict (rule 3): the key's row holds no active hold nor intent."""
-    if len(rows) != 1:
-        return False
-    value, now, _ = rows[0]
-    if value is None:
-        return True
-    state = rwstate.decode(value, fenced=True)
-    if state is None or not isinstance(now, int):
-        return False
-    state.prune(now)
-    return state.empty()
+def _admits(max_readers: int | None) -> Callable[[Sequence[Row]], bool]:
+    """The probe's verdict (rule 3): whether the key's row would let some waiter in now.
+
+    A writer gets in where nothing is held; a reader where no writer holds
+    or intends and a place is left under ``max_readers``. The probe does
+    not know which the waiter is, so it says go if either would get in: a
+    reader woken for a writer's chance tries once and pauses
+    (``waiting.py``, rule 4).
+    """
+
+    def admits(rows: Sequence[Row]) -> bool:
+        if len(rows) != 1:
+            return False
+        value, now, _ = rows[0]
+        if value is None:
+            return True
+        state = rwstate.decode(value, fenced=True)
+        if state is None or not isinstance(now, int):
+            return False
+        state.prune(now)
+        if state.writer is not None:
+            return False
+        room = max_readers is None or len(state.readers) < max_readers
+        return not state.readers or (not state.intents and room)
+
+    return admits
 
 
 class PostgresReadWriteStore(SqlReadWriteStore):
@@ -101,7 +117,7 @@ class PostgresReadWriteStore(SqlReadWriteStore):
         named = qualified(table, schema)
         super().__init__(named, max_readers, clock, fencing=fencing)
         self._read_sql = _read(_escape(named))
-        probe = Probe(self._read_sql, lambda key: {"row": f"rwlock:{key}"}, _nothing_there)
+        probe = Probe(self._read_sql, lambda key: {"row": f"rwlock:{key}"}, _admits(max_readers))
         # The mutex store's table (its shape, ready() and channel) and its wait.
         self._rows = PostgresStore(
             client,
@@ -143,7 +159,7 @@ class PostgresReadWriteStore(SqlReadWriteStore):
             "row": f"rwlock:{key}",
             "value": new,
             "old": old,
-            "wake": wake and self._rows.listens,
+            "wake": wake,
             "key": key,
         }
         rows = yield from self._call(self._write_sql, params)
