@@ -101,9 +101,24 @@ class SqlReadWriteStore:
         """Create the table if missing; refuse one of another shape."""
         raise NotImplementedError
 
+    server = "SQL"
+    """The server's name, in errors."""
+
+    def _fetch(self, key: str) -> Steps[Sequence[Sequence[object]]]:
+        """The read's rows: one, ``(value or NULL, server ms, server µs)``."""
+        raise NotImplementedError
+
     def _read(self, key: str) -> Steps[tuple[object, int, int]]:
         """The row's value (None if absent), the server's time in ms and in µs."""
-        raise NotImplementedError
+        rows = yield from self._fetch(key)
+        if len(rows) != 1 or len(rows[0]) != 3:
+            raise DMutexError(f"unexpected reply from {self.server}: {rows!r}")
+        value, now, now_us = rows[0]
+        if not isinstance(now, int) or not isinstance(now_us, int):
+            raise DMutexError(f"unexpected time from {self.server}: {rows!r}")
+        if isinstance(value, (bytes, bytearray)):  # a driver's answer for a binary collation
+            value = bytes(value).decode()
+        return value, now, now_us
 
     def _write(self, key: str, old: object, new: str, wake: bool) -> Steps[bool]:
         """Write ``new`` over ``old`` (None: no row), notifying if ``wake``; whether it applied."""

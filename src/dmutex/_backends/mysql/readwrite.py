@@ -29,7 +29,7 @@ from ..._core.effects import Call, Sleep, Steps, Wait
 from ..._core.waiting import Waiter
 from ..._errors import DMutexError
 from ..sql_readwrite import SqlReadWriteStore
-from .runners import Outcome, runner
+from .runners import Outcome, Row, runner
 from .statements import FOREVER, NOW_MS, NOW_US, Statement
 from .store import MySQLStore, _waiting
 
@@ -58,18 +58,13 @@ def _write(t: str) -> Statement:
     )
 
 
-def _text(value: object) -> object:
-    """A text column as str (a driver may answer bytes for a binary collation)."""
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode()
-    return value
-
-
 class MySQLReadWriteStore(SqlReadWriteStore):
     """One table of read-write lock rows on a MySQL or MariaDB server; a ``ReadWriteStore``.
 
     ``client`` is any client :class:`~.store.MySQLStore` takes.
     """
+
+    server = "MySQL"
 
     def __init__(
         self,
@@ -108,14 +103,8 @@ class MySQLReadWriteStore(SqlReadWriteStore):
         outcome = yield Call(self._run, (statement, params))
         return cast(Outcome, outcome)  # what a runner answers
 
-    def _read(self, key: str) -> Steps[tuple[object, int, int]]:
-        rows = (yield from self._call(self._read_sql, {"row": f"rwlock:{key}"})).rows
-        if len(rows) != 1 or len(rows[0]) != 3:
-            raise DMutexError(f"unexpected reply from MySQL: {rows!r}")
-        value, now, now_us = rows[0]
-        if not isinstance(now, int) or not isinstance(now_us, int):
-            raise DMutexError(f"unexpected time from MySQL: {rows!r}")
-        return _text(value), now, now_us
+    def _fetch(self, key: str) -> Steps[list[Row]]:
+        return (yield from self._call(self._read_sql, {"row": f"rwlock:{key}"})).rows
 
     def _write(self, key: str, old: object, new: str, wake: bool) -> Steps[bool]:
         params: dict[str, object] = {"row": f"rwlock:{key}", "value": new, "old": old}

@@ -34,7 +34,6 @@ from typing import cast
 from ..._clock import Clock
 from ..._core.effects import Call, Steps
 from ..._core.waiting import Waiter
-from ..._errors import DMutexError
 from .. import rwstate
 from ..sql_readwrite import SqlReadWriteStore
 from .listening import Probe
@@ -102,6 +101,8 @@ class PostgresReadWriteStore(SqlReadWriteStore):
     ``listen=False`` as there.
     """
 
+    server = "PostgreSQL"
+
     def __init__(
         self,
         client: object,
@@ -145,14 +146,8 @@ class PostgresReadWriteStore(SqlReadWriteStore):
         rows = yield Call(self._run, (statement, params))
         return cast("list[Row]", rows)  # what a runner answers
 
-    def _read(self, key: str) -> Steps[tuple[object, int, int]]:
-        rows = yield from self._call(self._read_sql, {"row": f"rwlock:{key}"})
-        if len(rows) != 1 or len(rows[0]) != 3:
-            raise DMutexError(f"unexpected reply from PostgreSQL: {rows!r}")
-        value, now, now_us = rows[0]
-        if not isinstance(now, int) or not isinstance(now_us, int):
-            raise DMutexError(f"unexpected time from PostgreSQL: {rows!r}")
-        return value, now, now_us
+    def _fetch(self, key: str) -> Steps[list[Row]]:
+        return (yield from self._call(self._read_sql, {"row": f"rwlock:{key}"}))
 
     def _write(self, key: str, old: object, new: str, wake: bool) -> Steps[bool]:
         params: dict[str, object] = {
