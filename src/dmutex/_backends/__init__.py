@@ -62,6 +62,15 @@ def _check_memory(client: InMemoryBackend, options: Options) -> None:
         )
 
 
+def backend_of(client: object, options: Options) -> str:
+    """The backend's name as events report it: ``"memory"``, ``"sqlite"``, or the detected one."""
+    if isinstance(client, InMemoryBackend):
+        return "memory"
+    if isinstance(client, SQLiteBackend):
+        return "sqlite"
+    return detect(client, options.backend)
+
+
 def open_store(client: object, options: Options, *, asynchronous: bool) -> Store:
     """The store that serves ``options``' namespace through ``client``.
 
@@ -203,6 +212,7 @@ __all__ = [
     "InMemoryBackend",
     "SQLiteBackend",
     "Store",
+    "backend_of",
     "open_readwrite_store",
     "open_store",
 ]

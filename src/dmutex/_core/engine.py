@@ -34,6 +34,11 @@ Rules of this module:
    callback's own exception is never replaced by a failing release (which
    is logged), and a lease lost while it ran surfaces as
    :class:`LeaseLostError`, the release's error as its cause.
+10. Observing (``observe.py``): an engine made with observers reports each
+    operation, attempt, wake, grant, renewal and end of a lease to them as
+    it happens, from the same generators, adding no request and changing
+    no decision; an engine without makes no event, and its generators are
+    the unobserved ones.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from .._errors import LeaseLostError
 from .._validate import (
@@ -54,9 +59,25 @@ from .._validate import (
     check_ttl,
 )
 from . import renewal, waiting
+from .abc import Renewed as Answer
 from .abc import Store
 from .effects import Callback, Steps, completing
 from .lease import Lease, new_token, now_ms, ttl_to_ms
+from .observe import (
+    Acquired,
+    Attempted,
+    Ended,
+    Lost,
+    NotAcquired,
+    Observers,
+    Operation,
+    OperationName,
+    Released,
+    Renewed,
+    Source,
+    Started,
+    Woken,
+)
 from .waiting import Waiter
 
 H = TypeVar("H")
@@ -75,9 +96,20 @@ class Engine:
     the mark costs a generator layer per release: the sync face turns it off.
     """
 
-    def __init__(self, store: Store, *, default_ttl: float, shield: bool = True) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        default_ttl: float,
+        shield: bool = True,
+        observe: Observers | None = None,
+        source: Source | None = None,
+    ) -> None:
         self._store = store
         self._shield = shield
+        # Rule 10: who is told, and what they are told the events come from.
+        self._observe = observe if source is not None else None
+        self._source = source
         # The store's clock, which also times retries; fixed for the store's life.
         self.clock = store.clock
         self.default_ttl = default_ttl
@@ -102,7 +134,57 @@ class Engine:
     def acquire(self, key: str, ttl: float | None) -> Steps[Lease | None]:
         """Try once to take a permit; None only when all permits are active."""
         key = check_key(key)
-        return self._attempt(*self._request(key, self.ttl_ms(ttl)))
+        request = self._request(key, self.ttl_ms(ttl))
+        if not self._listened():
+            return self._attempt(*request)
+        operation = self._operation("acquire", key)
+        return self._observed(operation, self._attempt(*request, operation=operation))
+
+    def _listened(self) -> bool:
+        """Whether an operation starting now is reported (observe rule 5)."""
+        observe = self._observe
+        return observe is not None and observe.listening()
+
+    def _operation(self, name: OperationName, key: str) -> Operation:
+        assert self._source is not None  # rule 10: set with the observers
+        return Operation(self._source, name, key)
+
+    def _observed(self, operation: Operation, steps: Steps[Lease | None]) -> Steps[Lease | None]:
+        """``steps`` of an acquire, reported from its call to its end (rule 10)."""
+        observe, clock = self._observe, self.clock
+        assert observe is not None
+        started = clock.monotonic()
+        observe(Started(operation))
+        try:
+            lease = yield from steps
+        except BaseException as error:
+            waited = _seconds(clock.monotonic() - started)
+            observe(NotAcquired(operation, "error", waited, operation.attempts, error))
+            raise
+        waited = _seconds(clock.monotonic() - started)
+        if lease is None:
+            refused = operation.name == "acquire"
+            outcome: Literal["refused", "timeout"] = "refused" if refused else "timeout"
+            observe(NotAcquired(operation, outcome, waited, operation.attempts))
+            return None
+        self._watch_end(lease)
+        attempts = operation.attempts
+        observe(Acquired(operation, lease.token, lease.fence, lease.slot, waited, attempts))
+        return lease
+
+    def _watch_end(self, lease: Lease) -> None:
+        """Report the end of ``lease``, released or lost, once (observe rule 6)."""
+        observe, source, clock = self._observe, self._source, self.clock
+        assert observe is not None
+        assert source is not None
+        granted = clock.monotonic()
+
+        def ended() -> None:
+            held = _seconds(clock.monotonic() - granted)
+            kind = Lost if lease.lost else Released
+            observe(kind(source, lease.key, lease.token, lease.fence, held))
+
+        lease.listen(ended)
 
     def _request(
         self, key: str, ttl_ms: int, waiter: Waiter | None = None
@@ -131,6 +213,8 @@ class Engine:
         ttl_ms: int,
         steps: Steps[Lease | None],
         waiter: Waiter | None = None,
+        *,
+        operation: Operation | None = None,
     ) -> Steps[Lease | None]:
         # Taken before the first request: the grant's deadline counts from
         # no later than the server set its expiry (renewal rule 1).
@@ -142,6 +226,9 @@ class Engine:
         except BaseException:
             yield from self._undo(key, token)
             raise
+        if operation is not None and self._observe is not None:
+            operation.attempts += 1
+            self._observe(Attempted(operation, lease is not None))
         if waiter is not None and waiter.sent is not None:
             # The store answered from an attempt it sent with the wait before
             # (waiting rule 6): that request went out earlier.
@@ -165,7 +252,12 @@ class Engine:
         ttl_ms = self.ttl_ms(ttl)
         timeout, retry_delay = check_timeout(timeout), check_retry_delay(retry_delay)
         waiter = waiting.waiter(retry_delay) if timeout > 0 else None
-        return self._retry(self._request(key, ttl_ms, waiter), waiter, timeout, retry_delay)
+        request = self._request(key, ttl_ms, waiter)
+        if not self._listened():
+            return self._retry(request, waiter, timeout, retry_delay)
+        operation = self._operation("acquire_with_retry", key)
+        steps = self._retry(request, waiter, timeout, retry_delay, operation)
+        return self._observed(operation, steps)
 
     def _retry(
         self,
@@ -173,11 +265,12 @@ class Engine:
         waiter: Waiter | None,
         timeout: float,
         retry_delay: float,
+        operation: Operation | None = None,
     ) -> Steps[Lease | None]:
         key, token, ttl_ms, _ = request = first
         deadline = self.clock.monotonic() + timeout
         while True:
-            lease = yield from self._attempt(*request, waiter)
+            lease = yield from self._attempt(*request, waiter, operation=operation)
             remaining = deadline - self.clock.monotonic()
             if lease is not None or waiter is None:
                 return lease
@@ -204,6 +297,9 @@ class Engine:
                 waiter.ahead = None
                 yield from self._undo(key, token)
                 raise
+            woken = waiter.woken or waiter.wakeup.is_set()
+            if operation is not None and self._observe is not None and woken:
+                self._observe(Woken(operation))
             waiter.last = deadline - self.clock.monotonic() <= 0
             request = self._request(key, ttl_ms, waiter)
 
@@ -214,6 +310,8 @@ class Engine:
         wrap: Callable[[Lease], H],
         *,
         renewing: bool = False,
+        key: str | None = None,
+        retrying: bool = False,
     ) -> Steps[object]:
         """Run ``callback(wrap(lease))`` while holding the lease ``acquisition`` takes.
 
@@ -222,9 +320,24 @@ class Engine:
         release. ``renewing``: ``wrap`` set the lease renewing, and a lease
         lost while the callback ran (or found gone by the release) raises
         :class:`LeaseLostError` instead of returning the callback's result.
+        ``key`` (the acquisition's) and ``retrying`` name the operation to
+        observers (rule 10): a ``run``, or a ``run_with_retry``.
         """
         check_callback(callback)
-        return self._run(acquisition, callback, wrap, renewing)
+        if key is None or not self._listened():
+            return self._run(acquisition, callback, wrap, renewing)
+        name: OperationName = "run_with_retry" if retrying else "run"
+        operation = self._operation(name, check_key(key))
+        return self._run(acquisition, callback, wrap, renewing, operation)
+
+    def _ended(
+        self,
+        operation: Operation | None,
+        outcome: Literal["ok", "raised", "lost", "not acquired", "error"],
+        error: BaseException | None = None,
+    ) -> None:
+        if operation is not None and self._observe is not None:
+            self._observe(Ended(operation, outcome, error))
 
     def _run(
         self,
@@ -232,13 +345,21 @@ class Engine:
         callback: Callable[[H], object],
         wrap: Callable[[Lease], H],
         renewing: bool,
+        operation: Operation | None = None,
     ) -> Steps[object]:
-        lease = yield from acquisition
+        if operation is not None and self._observe is not None:
+            self._observe(Started(operation))
+        try:
+            lease = yield from acquisition
+        except BaseException as error:
+            self._ended(operation, "error", error)
+            raise
         if lease is None:
+            self._ended(operation, "not acquired")
             return None
         try:
             result = yield Callback(callback, wrap(lease), lease if renewing else None)
-        except BaseException:
+        except BaseException as error:
             # Rule 9: the callback's exception (a LeaseLostError from a
             # cancelled async callback among them) is what the caller gets.
             try:
@@ -247,16 +368,24 @@ class Engine:
                 _log.warning(
                     "releasing %r after its callback raised failed", lease.key, exc_info=True
                 )
+            lost_meanwhile = isinstance(error, LeaseLostError)
+            self._ended(operation, "lost" if lost_meanwhile else "raised", error)
             raise
         lost = renewing and renewal.is_lost(lease, self.clock.monotonic())
         try:
             released = yield from self.release(lease)
         except Exception as error:
             if lost or (renewing and lease.lost):
-                raise LeaseLostError(lease.key, lease.token) from error
+                gone = LeaseLostError(lease.key, lease.token)
+                self._ended(operation, "lost", gone)
+                raise gone from error
+            self._ended(operation, "error", error)
             raise
         if lost or (renewing and not released):
-            raise LeaseLostError(lease.key, lease.token)
+            gone = LeaseLostError(lease.key, lease.token)
+            self._ended(operation, "lost", gone)
+            raise gone
+        self._ended(operation, "ok")
         return result
 
     def release(self, lease: Lease) -> Steps[bool]:
@@ -321,7 +450,28 @@ class Engine:
         As few requests as the store can make (Redis: one per up to 256
         leases). See :func:`dmutex._core.renewal.renew`.
         """
-        return renewal.renew(self._store.extend_many, leases, self.clock)
+        if not self._listened():
+            return renewal.renew(self._store.extend_many, leases, self.clock)
+        return renewal.renew(self._extend_observed, leases, self.clock)
+
+    def _extend_observed(self, leases: Sequence[Lease]) -> Steps[list[Answer]]:
+        """The store's ``extend_many``, each answer reported as a renewal (rule 10).
+
+        A lease found gone is reported by its end (a :class:`Lost`), not here.
+        """
+        observe, source = self._observe, self._source
+        assert observe is not None
+        assert source is not None
+        try:
+            answers = yield from self._store.extend_many(leases)
+        except Exception:
+            for lease in leases:
+                observe(Renewed(source, lease.key, lease.token, False))
+            raise
+        for lease, answer in zip(leases, answers, strict=True):
+            if answer is not None:
+                observe(Renewed(source, lease.key, lease.token, not isinstance(answer, Exception)))
+        return answers
 
     def release_token(self, key: str, token: str) -> Steps[bool]:
         """Release the active permit of ``key`` that holds ``token``."""
@@ -371,6 +521,11 @@ class Engine:
             if self._remembered.get(key) == token:
                 del self._remembered[key]
         return released
+
+
+def _seconds(elapsed: float) -> float:
+    """A duration to the nanosecond, so that a ManualClock's steps read back exactly."""
+    return round(elapsed, 9)
 
 
 def _answer(value: bool) -> Steps[bool]:

@@ -210,7 +210,7 @@ class _AsyncFace(Wrapping[H]):
         """
         wrap = self._wrapper(auto_renew)
         acquisition = self._engine.acquire(key, ttl)
-        steps = self._engine.run(acquisition, callback, wrap, renewing=auto_renew)
+        steps = self._engine.run(acquisition, callback, wrap, renewing=auto_renew, key=key)
         return cast("T | None", await self._drive(steps))
 
     async def run_with_retry(
@@ -226,7 +226,9 @@ class _AsyncFace(Wrapping[H]):
         """Like :meth:`run`, acquiring as :meth:`acquire_with_retry` does."""
         wrap = self._wrapper(auto_renew)
         acquisition = self._engine.acquire_with_retry(key, ttl, timeout, retry_delay)
-        steps = self._engine.run(acquisition, callback, wrap, renewing=auto_renew)
+        steps = self._engine.run(
+            acquisition, callback, wrap, renewing=auto_renew, key=key, retrying=True
+        )
         return cast("T | None", await self._drive(steps))
 
     async def extend(self, key: str, token: str, ttl: float | None = None) -> bool:

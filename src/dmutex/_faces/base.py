@@ -10,14 +10,16 @@ per side) and the face's driver.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
-from .._backends import open_readwrite_store, open_store
+from .._backends import backend_of, open_readwrite_store, open_store
 from .._clock import Clock
 from .._core import renewal
 from .._core.engine import Engine
 from .._core.lease import Lease
+from .._core.observe import Kind as EventKind
+from .._core.observe import Observer, Observers, Source
 from .._core.readwrite import side
 from .._options import Kind, Options
 from .._validate import BackendName, check_flag
@@ -35,7 +37,15 @@ class Face(Generic[ClientT]):
 
     def _open(self, client: object, options: Options) -> None:
         store = open_store(client, options, asynchronous=self._ASYNC)
-        self._engine = Engine(store, default_ttl=options.default_ttl, shield=self._ASYNC)
+        kind: EventKind = "mutex" if options.kind == "mutex" else "semaphore"
+        observe, source = _observing(client, options, kind)
+        self._engine = Engine(
+            store,
+            default_ttl=options.default_ttl,
+            shield=self._ASYNC,
+            observe=observe,
+            source=source,
+        )
         self._start_driver(self._engine)
 
     def _start_driver(self, engine: Engine) -> None:
@@ -60,6 +70,16 @@ class Wrapping(Generic[H]):
         if auto_renew is False:
             return self._wrap  # the common case, on every acquire
         return self._wrap_renewed if check_flag("auto_renew", auto_renew) else self._wrap
+
+
+def _observing(
+    client: object, options: Options, kind: EventKind
+) -> tuple[Observers | None, Source | None]:
+    """The instance's observers and what its events say they come from; None, None: none."""
+    if not options.observers:
+        return None, None
+    source = Source(options.service_name, kind, backend_of(client, options))
+    return Observers(options.observers), source
 
 
 def _check(kind: Kind, arguments: dict[str, object]) -> Options:
@@ -97,6 +117,7 @@ class SemaphoreBase(Face[ClientT]):
         database_name: str | None = None,
         replicas: int = 0,
         replicas_timeout: float = 1.0,
+        observers: Sequence[Observer] = (),
     ) -> None:
         """Make a semaphore of ``max_permits`` permits per key for ``service_name``.
 
@@ -141,6 +162,11 @@ class SemaphoreBase(Face[ClientT]):
         default) waits for none. Another backend with ``replicas`` > 0 is an
         error: MongoDB uses the collection's write concern.
 
+        ``observers``: callables that are given an event for each operation,
+        attempt, grant, renewal and end of a lease of this instance, as it
+        happens (:mod:`dmutex.events`; see the Observing page). They add no
+        request; one that raises is logged and skipped.
+
         Raises ``TypeError``/``ValueError`` for bad arguments and for a client
         that meets no contract, before any request reaches the client.
         """
@@ -169,6 +195,7 @@ class MutexBase(Face[ClientT]):
         database_name: str | None = None,
         replicas: int = 0,
         replicas_timeout: float = 1.0,
+        observers: Sequence[Observer] = (),
     ) -> None:
         """Make a mutex for ``service_name``: one holder per key at a time.
 
@@ -188,8 +215,14 @@ class ReadWriteFace(Generic[ClientT]):
     def _open(self, client: object, options: Options) -> None:
         store = open_readwrite_store(client, options, asynchronous=self._ASYNC)
         ttl, shield = options.default_ttl, self._ASYNC
-        self._reading = Engine(side(store, write=False), default_ttl=ttl, shield=shield)
-        self._writing = Engine(side(store, write=True), default_ttl=ttl, shield=shield)
+        observe, reads = _observing(client, options, "read")
+        writes = None if reads is None else Source(reads.service, "write", reads.backend)
+        self._reading = Engine(
+            side(store, write=False), default_ttl=ttl, shield=shield, observe=observe, source=reads
+        )
+        self._writing = Engine(
+            side(store, write=True), default_ttl=ttl, shield=shield, observe=observe, source=writes
+        )
         self._start_driver(self._reading)
 
     def _start_driver(self, engine: Engine) -> None:
@@ -219,6 +252,7 @@ class ReadWriteBase(ReadWriteFace[ClientT]):
         database_name: str | None = None,
         replicas: int = 0,
         replicas_timeout: float = 1.0,
+        observers: Sequence[Observer] = (),
     ) -> None:
         """Make a read-write lock for ``service_name``: many readers or one writer per key.
 
@@ -227,7 +261,6 @@ class ReadWriteBase(ReadWriteFace[ClientT]):
         name ``_drwlock_`` instead of ``_dsemaphore_``.
 
         Raises ``TypeError``/``ValueError`` for bad arguments and for a client
-        that meets no contract or whose backend serves no read-write lock
-        yet, before any request reaches the client.
+        that meets no contract, before any request reaches the client.
         """
         self._open(client, _check("readwrite", {**locals(), "max_permits": 1}))

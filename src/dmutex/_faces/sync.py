@@ -229,7 +229,7 @@ class _SyncFace(Wrapping[H]):
         """
         wrap = self._wrapper(auto_renew)
         acquisition = self._engine.acquire(key, ttl)
-        steps = self._engine.run(acquisition, callback, wrap, renewing=auto_renew)
+        steps = self._engine.run(acquisition, callback, wrap, renewing=auto_renew, key=key)
         return cast("T | None", self._drive(steps))
 
     def run_with_retry(
@@ -245,7 +245,9 @@ class _SyncFace(Wrapping[H]):
         """Like :meth:`run`, acquiring as :meth:`acquire_with_retry` does."""
         wrap = self._wrapper(auto_renew)
         acquisition = self._engine.acquire_with_retry(key, ttl, timeout, retry_delay)
-        steps = self._engine.run(acquisition, callback, wrap, renewing=auto_renew)
+        steps = self._engine.run(
+            acquisition, callback, wrap, renewing=auto_renew, key=key, retrying=True
+        )
         return cast("T | None", self._drive(steps))
 
     def extend(self, key: str, token: str, ttl: float | None = None) -> bool:
