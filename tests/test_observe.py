@@ -247,9 +247,72 @@ def test_the_sides_of_a_read_write_lock_and_a_semaphore_name_their_kind(
     assert [e.operation.source for e in started] == [Source("svc", "semaphore", "memory")]
 
 
-def test_without_observers_no_event_is_made(clock: ManualClock) -> None:
+class Switch(Recorder):
+    """A recorder that listens only while ``on`` (observe rule 5)."""
+
+    on = False
+
+    def listening(self) -> bool:
+        return self.on
+
+
+def test_an_operation_makes_events_only_if_an_observer_listens_as_it_starts(
+    clock: ManualClock,
+) -> None:
+    switch = Switch()
+    mutex = DMutex("svc", InMemoryBackend(clock=clock), observers=[switch])
+    held = mutex.acquire("k", 10, auto_renew=True)
+    assert held is not None
+    assert held.release() is True
+    assert not mutex._engine._listened()  # the defaults: logging below DEBUG, no SDK
+    assert switch.events == [], "nobody listened: nothing was made"
+    switch.on = True
+    held = mutex.acquire("k", 10)
+    assert held is not None
+    switch.on = False
+    assert held.release() is True  # observed at its grant: observed to its end
+    names = [type(e).__name__ for e in switch.take()]
+    assert names == ["Started", "Attempted", "Acquired", "Released"]
+
+
+def test_debug_logging_listens_and_logs_grants_refusals_releases(
+    clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
     mutex = DMutex("svc", InMemoryBackend(clock=clock))
-    assert mutex._engine._observe is None
+    with caplog.at_level(logging.DEBUG, logger="dmutex.engine"):
+        assert mutex._engine._listened()
+        held = mutex.acquire("k", 10)
+        assert held is not None
+        assert mutex.acquire("k", 10) is None
+        assert held.release() is True
+    records = [r for r in caplog.records if r.name == "dmutex.engine"]
+    assert [r.levelno for r in records] == [logging.DEBUG] * 3
+    granted, refused, released = records
+    assert "granted" in granted.getMessage()
+    assert "not granted (refused)" in refused.getMessage()
+    assert "released" in released.getMessage()
+    for record in (granted, released):
+        assert record.__dict__["dmutex_key"] == "k"
+        assert record.__dict__["dmutex_token"] == held.token[:8]
+        assert record.__dict__["dmutex_fence"] == held.fence
+        assert record.__dict__["dmutex_kind"] == "mutex"
+
+
+def test_a_lost_lease_is_a_warning_whoever_observes(
+    clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = InMemoryBackend(clock=clock)
+    mutex = DMutex("svc", backend)
+    held = mutex.acquire("k", 3, auto_renew=True)
+    assert held is not None
+    backend.force_expire("k")
+    with caplog.at_level(logging.WARNING, logger="dmutex"):
+        clock.advance(1.1)
+    (lost,) = [r for r in caplog.records if r.name == "dmutex.renewal"]
+    assert lost.levelno == logging.WARNING
+    assert "is lost" in lost.getMessage()
+    assert lost.__dict__["dmutex_key"] == "k"
+    assert lost.__dict__["dmutex_token"] == held.token[:8]
 
 
 def test_an_asyncio_instance_reports_as_the_sync_one(clock: ManualClock) -> None:

@@ -31,6 +31,10 @@ Rules of this module:
    revive it. A lease that is neither renewed nor watched is not declared
    lost by reading :func:`is_lost`: an ``extend`` that succeeds moves its
    deadline on.
+7. A loss and a renewal that failed are logged here at WARNING, on the
+   logger ``dmutex.renewal``, with the key, the token's first 8
+   characters and the fence in ``extra`` (``dmutex_key``,
+   ``dmutex_token``, ``dmutex_fence``): rare, and wanted in every log.
 
 The guarantee: a lease renewed every third of its TTL survives one missed
 renewal; one that cannot be renewed is reported lost at its deadline, before
@@ -54,7 +58,7 @@ from .lease import Lease
 if TYPE_CHECKING:
     from .abc import Renewed
 
-_log = logging.getLogger("dmutex")
+_log = logging.getLogger("dmutex.renewal")
 
 # A renewal is due a third of the TTL after the last success, less up to a
 # tenth of that at random, so that leases taken together spread out.
@@ -123,7 +127,18 @@ def is_lost(lease: Lease, now: float) -> bool:
 
 
 def lose(lease: Lease) -> None:
-    """Mark ``lease`` lost and call its listeners, once."""
+    """Mark ``lease`` lost and call its listeners, once; log it at WARNING, once (rule 7)."""
+    if not lease.lost:
+        _log.warning(
+            "the lease on %r (fence %s) is lost",
+            lease.key,
+            lease.fence,
+            extra={
+                "dmutex_key": lease.key,
+                "dmutex_token": lease.token[:8],
+                "dmutex_fence": lease.fence,
+            },
+        )
     lease.lost = True
     end(lease)
 
@@ -132,7 +147,7 @@ def end(lease: Lease) -> None:
     """Call the listeners of ``lease``, once each: it was lost or released.
 
     A listener tells the two apart by ``lease.lost``. One that raises is
-    logged (logger ``dmutex``); the others still run.
+    logged (logger ``dmutex.renewal``); the others still run.
     """
     for listener in lease.end():
         try:
@@ -168,6 +183,12 @@ def renew(
         now = clock.monotonic()
         for lease, ttl_ms, answer in zip(live, ttls, answers, strict=True):
             if isinstance(answer, Exception):
+                _log.warning(
+                    "renewing the lease on %r failed (%s); retried until its deadline",
+                    lease.key,
+                    type(answer).__name__,
+                    extra={"dmutex_key": lease.key, "dmutex_token": lease.token[:8]},
+                )
                 delays[id(lease)] = _after_error(lease, now)
             else:
                 delays[id(lease)] = _after(lease, sent, ttl_ms, answer, now)

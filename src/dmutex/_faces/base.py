@@ -21,6 +21,7 @@ from .._core.lease import Lease
 from .._core.observe import Kind as EventKind
 from .._core.observe import Observer, Observers, Source
 from .._core.readwrite import side
+from .._observers import defaults
 from .._options import Kind, Options
 from .._validate import BackendName, check_flag
 from .handles import HandleBase
@@ -75,11 +76,9 @@ class Wrapping(Generic[H]):
 def _observing(
     client: object, options: Options, kind: EventKind
 ) -> tuple[Observers | None, Source | None]:
-    """The instance's observers and what its events say they come from; None, None: none."""
-    if not options.observers:
-        return None, None
+    """The instance's observers (its own, then the defaults) and its events' source."""
     source = Source(options.service_name, kind, backend_of(client, options))
-    return Observers(options.observers), source
+    return Observers(defaults(options.observers)), source
 
 
 def _check(kind: Kind, arguments: dict[str, object]) -> Options:
