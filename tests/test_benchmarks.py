@@ -39,6 +39,7 @@ REDIS = [
     "redis_peers",
     "redis_replicas",
     "redis_readwrite",
+    "observe_cost",
 ]
 POSTGRES = ["postgres_cycle", "postgres_semaphore", "postgres_handoff"]
 MYSQL = ["mysql_cycle"]

@@ -4,7 +4,8 @@ The rank rule: a module imports only from its own rank or a lower one.
 
  0 foundation: ``_errors``, ``_clock``, ``_validate``, ``_options``, ``_version``
  1 ``_core``: the engine and the store protocol (``abc.py``), no I/O
- 2 ``_backends``: the stores and client detection
+ 2 ``_backends``: the stores and client detection; ``_observers``: the observers
+   dmutex brings (logging, OpenTelemetry), on ``_core``'s events
  3 ``_runtime``: the drivers and renewers, which run the engine against real I/O
  4 ``_faces``: the public classes
  5 ``_cli``: the command
@@ -32,6 +33,7 @@ RANKS: dict[str, int] = {
     "dmutex._version": 0,
     "dmutex._core": 1,
     "dmutex._backends": 2,
+    "dmutex._observers": 2,
     "dmutex._runtime": 3,
     "dmutex._faces": 4,
     "dmutex._cli": 5,

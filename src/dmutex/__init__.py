@@ -7,13 +7,16 @@ one host from a file; ``InMemoryBackend`` stands in for a server in tests.
 
 from __future__ import annotations
 
+import logging as _logging
 from types import FunctionType as _FunctionType
 
+from . import events
 from ._backends import clients as _clients
 from ._backends.clients import *  # noqa: F403 - the client contracts, as clients.__all__ lists them
 from ._backends.memory import InMemoryBackend
 from ._backends.sqlite import SQLiteBackend
 from ._clock import Clock, ManualClock, SystemClock
+from ._core.observe import Observer
 from ._errors import (
     AmbiguousClientError,
     ArgumentTypeError,
@@ -43,6 +46,7 @@ from ._faces.sync import (
     DWriteLock,
     SyncClient,
 )
+from ._observers.otel import OpenTelemetryObserver
 from ._validate import MAX_KEY_LENGTH, MAX_PERMITS, BackendName
 from ._version import __version__
 
@@ -74,11 +78,14 @@ __all__ = [
     "LeaseLostError",
     "ManualClock",
     "NotReplicatedError",
+    "Observer",
+    "OpenTelemetryObserver",
     "SQLiteBackend",
     "SyncClient",
     "SystemClock",
     "UnsupportedClientError",
     "__version__",
+    "events",
 ]
 __all__ += _clients.__all__
 
@@ -90,3 +97,7 @@ for _name in __all__:
     if isinstance(_value, (type, _FunctionType)):
         _value.__module__ = __name__
 del _name, _value, _clients, _FunctionType
+
+# A library's loggers print nothing until the application configures logging.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
+del _logging

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ._clock import Clock
-from ._core.observe import Observer
 from ._validate import (
     BackendName,
     check_backend,
@@ -20,7 +19,6 @@ from ._validate import (
     check_flag,
     check_max_permits,
     check_max_readers,
-    check_observers,
     check_replicas,
     check_replicas_timeout,
     check_str,
@@ -75,8 +73,6 @@ class Options:
     """Redis: how long the ``WAIT`` for them may last, in whole ms (at least 1)."""
     max_readers: int | None = None
     """A read-write lock's bound on readers at once; None: no bound."""
-    observers: tuple[Observer, ...] = ()
-    """Who is told of each operation, grant, renewal and end (``_core/observe.py``)."""
 
     @classmethod
     def check(
@@ -101,7 +97,6 @@ class Options:
         replicas: object = 0,
         replicas_timeout: object = 1.0,
         max_readers: object = None,
-        observers: object = (),
     ) -> Options:
         """Check every argument, by the names of the constructors' parameters.
 
@@ -139,7 +134,6 @@ class Options:
         waited_for = check_replicas(replicas)
         wait_ms = check_replicas_timeout(replicas_timeout)
         readers = None if max_readers is None else check_max_readers(max_readers)
-        observing = check_observers(observers)
         return cls(
             kind=kind,
             service_name=service,
@@ -159,5 +153,4 @@ class Options:
             replicas=waited_for,
             replicas_timeout_ms=wait_ms,
             max_readers=readers,
-            observers=observing,
         )

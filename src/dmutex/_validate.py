@@ -7,7 +7,6 @@ import numbers
 from typing import Literal, cast
 
 from ._clock import Clock
-from ._core.observe import Observer
 from ._errors import ArgumentTypeError, InvalidArgumentError
 
 BackendName = Literal["mongodb", "mysql", "postgresql", "redis"]
@@ -196,20 +195,6 @@ def check_clock(value: object) -> Clock | None:
             f"clock must be a dmutex.Clock; {type(value).__name__} has no {', '.join(missing)}"
         )
     return cast(Clock, value)  # its methods were checked just above
-
-
-def check_observers(value: object) -> tuple[Observer, ...]:
-    """Return ``value``'s observers as a tuple: a list or tuple of callables (observe rule 2)."""
-    if not isinstance(value, (list, tuple)):
-        raise ArgumentTypeError(
-            f"observers must be a list or tuple of callables, not {type(value).__name__}"
-        )
-    for observer in value:
-        if not callable(observer):
-            raise ArgumentTypeError(
-                f"every observer must be callable with an event; {observer!r} is not"
-            )
-    return tuple(cast("list[Observer]", value))  # each was checked callable just above
 
 
 def check_flag(name: str, value: object) -> bool:

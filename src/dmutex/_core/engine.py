@@ -81,7 +81,7 @@ from .observe import (
 from .waiting import Waiter
 
 H = TypeVar("H")
-_log = logging.getLogger("dmutex")
+_log = logging.getLogger("dmutex.engine")
 
 # A default TTL is converted once when no process could live to see it pass
 # the latest storable expiry: a century of margin.

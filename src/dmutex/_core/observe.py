@@ -42,6 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeAlias, cast
 
+from .._errors import ArgumentTypeError
+
 __all__ = [
     "Acquired",
     "Attempted",
@@ -60,6 +62,7 @@ __all__ = [
     "Started",
     "Switched",
     "Woken",
+    "check_observers",
 ]
 
 _log = logging.getLogger("dmutex.observe")
@@ -275,3 +278,17 @@ class Observers:
 
 
 _WARNED = threading.Lock()
+
+
+def check_observers(value: object) -> tuple[Observer, ...]:
+    """Return ``value``'s observers as a tuple: a list or tuple of callables (observe rule 2)."""
+    if not isinstance(value, (list, tuple)):
+        raise ArgumentTypeError(
+            f"observers must be a list or tuple of callables, not {type(value).__name__}"
+        )
+    for observer in value:
+        if not callable(observer):
+            raise ArgumentTypeError(
+                f"every observer must be callable with an event; {observer!r} is not"
+            )
+    return tuple(cast("list[Observer]", value))  # each was checked callable just above

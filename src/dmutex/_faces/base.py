@@ -11,7 +11,7 @@ per side) and the face's driver.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeAlias, TypeVar
 
 from .._backends import backend_of, open_readwrite_store, open_store
 from .._clock import Clock
@@ -19,7 +19,7 @@ from .._core import renewal
 from .._core.engine import Engine
 from .._core.lease import Lease
 from .._core.observe import Kind as EventKind
-from .._core.observe import Observer, Observers, Source
+from .._core.observe import Observer, Observers, Source, check_observers
 from .._core.readwrite import side
 from .._observers import defaults
 from .._options import Kind, Options
@@ -36,10 +36,11 @@ class Face(Generic[ClientT]):
     _ASYNC: ClassVar[bool]
     _engine: Engine
 
-    def _open(self, client: object, options: Options) -> None:
+    def _open(self, client: object, checked: Checked) -> None:
+        options, observers = checked
         store = open_store(client, options, asynchronous=self._ASYNC)
         kind: EventKind = "mutex" if options.kind == "mutex" else "semaphore"
-        observe, source = _observing(client, options, kind)
+        observe, source = _observing(client, options, observers, kind)
         self._engine = Engine(
             store,
             default_ttl=options.default_ttl,
@@ -74,23 +75,33 @@ class Wrapping(Generic[H]):
 
 
 def _observing(
-    client: object, options: Options, kind: EventKind
+    client: object, options: Options, observers: tuple[Observer, ...], kind: EventKind
 ) -> tuple[Observers | None, Source | None]:
     """The instance's observers (its own, then the defaults) and its events' source."""
     source = Source(options.service_name, kind, backend_of(client, options))
-    return Observers(defaults(options.observers)), source
+    return Observers(defaults(observers)), source
 
 
-def _check(kind: Kind, arguments: dict[str, object]) -> Options:
+Checked: TypeAlias = "tuple[Options, tuple[Observer, ...]]"
+"""A constructor's arguments, checked: its options and its observers."""
+
+
+def _check(kind: Kind, arguments: dict[str, object]) -> Checked:
     """A constructor's options, checked: ``arguments`` are its ``locals()``, on entry.
 
-    Every parameter but ``self`` and ``client`` is an option, under the name
-    that :meth:`Options.check` takes, so the options are written once, in the
-    signature; an option it does not know is a ``TypeError`` at the first
-    construction.
+    Every parameter but ``self``, ``client`` and ``observers`` is an option,
+    under the name that :meth:`Options.check` takes, so the options are
+    written once, in the signature; an option it does not know is a
+    ``TypeError`` at the first construction. ``observers``, the last
+    parameter, is checked last.
     """
-    named = {name: value for name, value in arguments.items() if name not in ("self", "client")}
-    return Options.check(kind, **named)
+    named = {
+        name: value
+        for name, value in arguments.items()
+        if name not in ("self", "client", "observers")
+    }
+    options = Options.check(kind, **named)
+    return options, check_observers(arguments.get("observers", ()))
 
 
 class SemaphoreBase(Face[ClientT]):
@@ -211,10 +222,11 @@ class ReadWriteFace(Generic[ClientT]):
     _reading: Engine
     _writing: Engine
 
-    def _open(self, client: object, options: Options) -> None:
+    def _open(self, client: object, checked: Checked) -> None:
+        options, observers = checked
         store = open_readwrite_store(client, options, asynchronous=self._ASYNC)
         ttl, shield = options.default_ttl, self._ASYNC
-        observe, reads = _observing(client, options, "read")
+        observe, reads = _observing(client, options, observers, "read")
         writes = None if reads is None else Source(reads.service, "write", reads.backend)
         self._reading = Engine(
             side(store, write=False), default_ttl=ttl, shield=shield, observe=observe, source=reads

@@ -155,7 +155,7 @@ class OpenTelemetryObserver:
         self._given = (meter_provider, tracer_provider)
         self._instruments: dict[str, Any] = {}
         self._tracer: Any = None
-        self._attributes: dict[tuple[Source, str | None], dict[str, str]] = {}
+        self._attributes: dict[tuple[Source, str | None, str | None], dict[str, str]] = {}
 
     def __repr__(self) -> str:
         return f"OpenTelemetryObserver(keys={self._keys})"
@@ -188,9 +188,10 @@ class OpenTelemetryObserver:
         self._tracer = tracers.get_tracer("dmutex", __version__)
         self._found = True
 
-    def _attrs(self, source: Source, key: str) -> dict[str, str]:
+    def _attrs(self, source: Source, key: str, outcome: str | None = None) -> dict[str, str]:
+        """The attributes of a measurement, made once per source, key shown and outcome."""
         shown = key if self._keys else None
-        found = self._attributes.get((source, shown))
+        found = self._attributes.get((source, shown, outcome))
         if found is None:
             found = {
                 "dmutex.service": source.service,
@@ -199,8 +200,10 @@ class OpenTelemetryObserver:
             }
             if shown is not None:
                 found["dmutex.key"] = shown
+            if outcome is not None:
+                found["dmutex.outcome"] = outcome
             if len(self._attributes) < 10_000:  # a cache, bounded: keys may be many
-                self._attributes[(source, shown)] = found
+                self._attributes[(source, shown, outcome)] = found
         return found
 
     def __call__(self, event: Event) -> None:
@@ -219,17 +222,14 @@ class OpenTelemetryObserver:
         elif isinstance(event, Acquired):
             op = event.operation
             attrs = self._attrs(op.source, op.key)
-            count["dmutex.lock.wait.duration"].record(
-                event.waited, {**attrs, "dmutex.outcome": "acquired"}
-            )
+            wait = self._attrs(op.source, op.key, "acquired")
+            count["dmutex.lock.wait.duration"].record(event.waited, wait)
             count["dmutex.lock.held"].add(1, attrs)
             self._granted(op, event)
         elif isinstance(event, NotAcquired):
             op = event.operation
-            attrs = self._attrs(op.source, op.key)
-            count["dmutex.lock.wait.duration"].record(
-                event.waited, {**attrs, "dmutex.outcome": event.outcome}
-            )
+            wait = self._attrs(op.source, op.key, event.outcome)
+            count["dmutex.lock.wait.duration"].record(event.waited, wait)
             self._end(op, event.outcome, event.error, attempts=event.attempts)
         elif isinstance(event, Woken):
             op = event.operation
@@ -245,9 +245,8 @@ class OpenTelemetryObserver:
         elif isinstance(event, (Released, Lost)):
             attrs = self._attrs(event.source, event.key)
             outcome = "released" if isinstance(event, Released) else "lost"
-            count["dmutex.lock.hold.duration"].record(
-                event.held, {**attrs, "dmutex.outcome": outcome}
-            )
+            hold = self._attrs(event.source, event.key, outcome)
+            count["dmutex.lock.hold.duration"].record(event.held, hold)
             count["dmutex.lock.held"].add(-1, attrs)
             if isinstance(event, Lost):
                 count["dmutex.lock.lost"].add(1, attrs)

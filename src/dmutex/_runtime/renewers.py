@@ -50,7 +50,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from .._clock import Clock, ManualClock
 
-_log = logging.getLogger("dmutex")
+_log = logging.getLogger("dmutex.renewal")
 _order = itertools.count()
 # Seconds early a renewal may run to share a request with one due now.
 COALESCE = 0.02
