@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import inspect
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -137,7 +138,18 @@ def test_example_runs(where: str, block: str, monkeypatch: pytest.MonkeyPatch) -
         block = block.replace(asynchronous, "AsyncMongomockClient(mongomock.MongoClient())")
         block = block.replace("await client.close()", "client.inner.close()")
         namespace.update(mongomock=mongomock, AsyncMongomockClient=AsyncMongomockClient)
-    run(where, block, namespace)
+    # An example may configure logging, as an application does: undone after it.
+    loggers = [logging.getLogger(), *(logging.getLogger(n) for n in DMUTEX_LOGGERS)]
+    saved = [(logger, logger.level, list(logger.handlers)) for logger in loggers]
+    try:
+        run(where, block, namespace)
+    finally:
+        for logger, level, handlers in saved:
+            logger.setLevel(level)
+            logger.handlers[:] = handlers
+
+
+DMUTEX_LOGGERS = ("dmutex", "dmutex.engine", "dmutex.renewal", "dmutex.observe")
 
 
 @pytest.mark.parametrize(("where", "block"), REDIS, ids=ids(REDIS))
