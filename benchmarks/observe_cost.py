@@ -7,8 +7,9 @@ Run from the repository root (a report, not a test; about a minute)::
     .venv/bin/python benchmarks/observe_cost.py --url redis://127.0.0.1:6379/0
 
 ``DMutex.acquire`` then ``release`` of one key, on ``InMemoryBackend`` and
-on one Redis server (the newest the test harness finds, started and stopped
-here, or ``--url``'s, on which it works under its own random service names),
+on one Redis server (7.0 when the test harness finds it, else the newest it
+finds, started and stopped here; ``--redis`` names others, one after another;
+``--url`` one of your own, on which it works under its own service names),
 three contenders on each, interleaved in turns (``harness.interleave``):
 
 - ``none``: a lock without the OpenTelemetry observer, as every lock is when
@@ -122,7 +123,10 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, object]:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    return harness.main(bench, harness.parse(__doc__, argv, OPTIONS))
+    args = harness.parse(__doc__, argv, OPTIONS)
+    if not args.url and not args.redis:
+        args.redis = harness.one_redis("7.0")
+    return harness.main(bench, args)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,11 @@ Rules of this module:
    meter provider, when the observer first listens. Every measurement
    carries ``dmutex.service``, ``dmutex.kind`` and ``dmutex.backend``; the
    key (``dmutex.key``) only with ``keys=True``, since keys may be
-   unbounded in number.
+   unbounded in number. The durations are histograms, recorded as they
+   happen; the counts are asynchronous (observable) counters, kept here
+   under a lock and read by the SDK at each collection: an SDK's
+   measurement costs microseconds (its attributes cleaned and hashed each
+   time), a count here a dictionary update.
 4. Spans: one per ``acquire_with_retry``, ``run`` and ``run_with_retry``
    (``dmutex.acquire_with_retry``, ``dmutex.run``, ``dmutex.run_with_retry``),
    started as the call starts, under the caller's current span, and ended
@@ -32,7 +36,9 @@ Rules of this module:
 from __future__ import annotations
 
 import importlib.util
+import threading
 import time
+from collections.abc import Callable, Iterable
 from contextvars import Token
 from typing import TYPE_CHECKING, Any, cast
 
@@ -55,7 +61,7 @@ from .._version import __version__
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
-    from opentelemetry.metrics import MeterProvider
+    from opentelemetry.metrics import CallbackOptions, Histogram, MeterProvider, Observation
     from opentelemetry.trace import Span, TracerProvider
 
 __all__ = ["INSTRUMENTS", "OpenTelemetryObserver", "default"]
@@ -153,9 +159,11 @@ class OpenTelemetryObserver:
         self._found = False
         self._next_look = 0.0
         self._given = (meter_provider, tracer_provider)
-        self._instruments: dict[str, Any] = {}
+        self._instruments: dict[str, Histogram] = {}
         self._tracer: Any = None
         self._attributes: dict[tuple[Source, str | None, str | None], dict[str, str]] = {}
+        self._tallies: dict[str, dict[tuple[Source, str | None], int]] = {}
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"OpenTelemetryObserver(keys={self._keys})"
@@ -179,14 +187,38 @@ class OpenTelemetryObserver:
         meter = meters.get_meter("dmutex", __version__)
         for name, (kind, unit, description) in INSTRUMENTS.items():
             if kind == "histogram":
-                made: object = meter.create_histogram(name, unit=unit, description=description)
-            elif kind == "counter":
-                made = meter.create_counter(name, unit=unit, description=description)
+                made = meter.create_histogram(name, unit=unit, description=description)
+                self._instruments[name] = made
+                continue
+            self._tallies[name] = {}
+            callbacks = [self._reader(name)]
+            if kind == "counter":
+                meter.create_observable_counter(name, callbacks, unit, description)
             else:
-                made = meter.create_up_down_counter(name, unit=unit, description=description)
-            self._instruments[name] = made
+                meter.create_observable_up_down_counter(name, callbacks, unit, description)
         self._tracer = tracers.get_tracer("dmutex", __version__)
         self._found = True
+
+    def _count(self, name: str, source: Source, key: str, delta: int = 1) -> None:
+        """Add ``delta`` to the count ``name`` of (``source``, ``key``) (rule 3)."""
+        shown = key if self._keys else None
+        with self._lock:
+            tally = self._tallies[name]
+            tally[(source, shown)] = tally.get((source, shown), 0) + delta
+
+    def _reader(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        """The SDK's callback for the count ``name``: each tally with its attributes."""
+        from opentelemetry.metrics import Observation
+
+        def read(_options: CallbackOptions) -> Iterable[Observation]:
+            with self._lock:
+                counts = list(self._tallies[name].items())
+            return [
+                Observation(value, self._attrs(source, shown or ""))
+                for (source, shown), value in counts
+            ]
+
+        return read
 
     def _attrs(self, source: Source, key: str, outcome: str | None = None) -> dict[str, str]:
         """The attributes of a measurement, made once per source, key shown and outcome."""
@@ -210,30 +242,28 @@ class OpenTelemetryObserver:
         """Record ``event`` (rules 3 and 4)."""
         if not self._found:
             return
-        count = self._instruments
+        record = self._instruments
         if isinstance(event, Attempted):
             op = event.operation
-            attrs = self._attrs(op.source, op.key)
-            count["dmutex.lock.attempts"].add(1, attrs)
+            self._count("dmutex.lock.attempts", op.source, op.key)
             if not event.granted:
-                count["dmutex.lock.refusals"].add(1, attrs)
+                self._count("dmutex.lock.refusals", op.source, op.key)
         elif isinstance(event, Started):
             self._started(event.operation)
         elif isinstance(event, Acquired):
             op = event.operation
-            attrs = self._attrs(op.source, op.key)
             wait = self._attrs(op.source, op.key, "acquired")
-            count["dmutex.lock.wait.duration"].record(event.waited, wait)
-            count["dmutex.lock.held"].add(1, attrs)
+            record["dmutex.lock.wait.duration"].record(event.waited, wait)
+            self._count("dmutex.lock.held", op.source, op.key)
             self._granted(op, event)
         elif isinstance(event, NotAcquired):
             op = event.operation
             wait = self._attrs(op.source, op.key, event.outcome)
-            count["dmutex.lock.wait.duration"].record(event.waited, wait)
+            record["dmutex.lock.wait.duration"].record(event.waited, wait)
             self._end(op, event.outcome, event.error, attempts=event.attempts)
         elif isinstance(event, Woken):
             op = event.operation
-            count["dmutex.lock.handoffs"].add(1, self._attrs(op.source, op.key))
+            self._count("dmutex.lock.handoffs", op.source, op.key)
             span = cast("Span | None", op.state.get(_SPAN))  # what _started put there
             if span is not None:
                 span.add_event("dmutex.woken")
@@ -241,15 +271,14 @@ class OpenTelemetryObserver:
             self._end(event.operation, event.outcome, event.error)
         elif isinstance(event, Renewed):
             name = "dmutex.lock.renewals" if event.ok else "dmutex.lock.renewal.failures"
-            count[name].add(1, self._attrs(event.source, event.key))
+            self._count(name, event.source, event.key)
         elif isinstance(event, (Released, Lost)):
-            attrs = self._attrs(event.source, event.key)
             outcome = "released" if isinstance(event, Released) else "lost"
             hold = self._attrs(event.source, event.key, outcome)
-            count["dmutex.lock.hold.duration"].record(event.held, hold)
-            count["dmutex.lock.held"].add(-1, attrs)
+            record["dmutex.lock.hold.duration"].record(event.held, hold)
+            self._count("dmutex.lock.held", event.source, event.key, -1)
             if isinstance(event, Lost):
-                count["dmutex.lock.lost"].add(1, attrs)
+                self._count("dmutex.lock.lost", event.source, event.key)
 
     def _started(self, op: Operation) -> None:
         if op.name not in _SPANNED:
