@@ -1,6 +1,7 @@
-"""Static check: a client of the wrong face is refused by the type checker.
+"""Static check: a client of the wrong face is refused by the type checker (and a bad observer).
 
-Each line below must fail ``mypy --strict`` with ``arg-type``. The targeted
+Each line below must fail ``mypy --strict`` with ``arg-type`` (an observer
+of the wrong shape in ``observers=``: ``list-item``). The targeted
 ``type: ignore`` keeps the file clean while it does; mypy.ini turns on
 ``warn_unused_ignores``, so the day a line stops failing, CI's mypy run fails.
 ``test_typing.py`` also strips the ignores and checks that mypy reports every
@@ -27,7 +28,7 @@ import sqlalchemy
 import valkey.asyncio
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore
+from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore, InMemoryBackend
 from tests.typing.postgres_clients import PostgresClients
 
 
@@ -67,3 +68,13 @@ def not_clients() -> None:
     DMutex("svc", "redis://localhost:6379")  # type: ignore[arg-type]  # negative
     AsyncDMutex("svc", object())  # type: ignore[arg-type]  # negative
     DMutex("svc", sqlite3.connect(":memory:"))  # type: ignore[arg-type]  # negative
+
+
+def observers_of_the_wrong_shape() -> None:
+    def takes_a_string(event: str) -> None: ...
+
+    def takes_nothing() -> None: ...
+
+    backend = InMemoryBackend()
+    DMutex("svc", backend, observers=[takes_a_string])  # type: ignore[list-item]  # negative
+    DMutex("svc", backend, observers=[takes_nothing])  # type: ignore[list-item]  # negative
