@@ -249,3 +249,38 @@ def test_the_default_observer_records_once_a_global_sdk_is_set() -> None:
         "dmutex.lock.hold.duration",
         "dmutex.lock.wait.duration",
     ]
+
+
+class Counting(redis.Redis):
+    """A redis-py client that notes the name of each command it sends."""
+
+    sent: list[str]
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        self.sent.append(str(args[0]))
+        send: Any = super().execute_command  # redis-py leaves it unannotated
+        return send(*args, **options)
+
+
+def test_observing_sends_nothing_to_the_server(sdk: Sdk, redis_pool: Pool) -> None:
+    """The same calls, observed by the recording SDK or not, send the same commands."""
+    url = flushed(newest(redis_pool).url)
+    sent: dict[str, list[str]] = {}
+    # The first pass loads the scripts (EVAL, then EVALSHA): both measured passes find them.
+    for name, observers in (("warm-up", []), ("plain", []), ("observed", [sdk.observer])):
+        client = Counting(connection_pool=redis.ConnectionPool.from_url(url))
+        client.sent = []
+        try:
+            mutex = DMutex(f"{SERVICE}-{name}", client, observers=observers)
+            held = mutex.acquire("k", 10)
+            assert held is not None
+            assert mutex.acquire("k", 10) is None
+            assert held.release() is True
+            assert mutex.run("k", lambda handle: handle.fence, 10) is not None
+        finally:
+            client.close()
+            client.connection_pool.disconnect()
+        sent[name] = client.sent
+    assert sent["observed"] == sent["plain"]
+    assert sent["plain"], "commands were sent"
+    assert sdk.points(), "and the observed lock recorded"
