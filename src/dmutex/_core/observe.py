@@ -21,17 +21,20 @@ Rules of this module:
    get it, and the caller never sees the error.
 4. Durations are seconds on the instance's clock (``monotonic()``): a
    :class:`~dmutex.ManualClock` makes them exact. ``waited`` runs from the
-   call to the acquire's answer, ``held`` from the grant's answer to the
-   release's call or the loss.
+   call to the acquire's answer (durations are rounded to the nanosecond,
+   so that a ManualClock's steps read back exactly), ``held`` from the
+   grant's answer to the release's answer or the loss.
 5. Nothing is built for nobody: an instance with no observer makes no
    event. An observer may say when it listens (:class:`Switched`: the
    logging observer while its logger takes DEBUG, OpenTelemetry's while an
    SDK is configured); each operation asks once, as it starts, and makes
    its events only if one listens. A lease observed at its grant is
    observed to its end.
-6. Every lease granted ends in exactly one :class:`Released` or
-   :class:`Lost`, whichever comes first (a lease found lost by its own
+6. Every lease granted while observed ends in at most one :class:`Released`
+   or :class:`Lost`, whichever comes first (a lease found lost by its own
    release is :class:`Lost`); so "leases held now" is grants less ends.
+   A lease that is neither released nor renewed and simply expires ends
+   unseen: nothing watches it, so no event says so.
 """
 
 from __future__ import annotations
@@ -179,9 +182,9 @@ class Renewed:
 
 @dataclass(slots=True)
 class Released:
-    """A lease's release was called (first time): ``held`` seconds after its grant.
+    """A lease's release was answered (its first): ``held`` seconds after its grant.
 
-    Each lease ends in one :class:`Released` or one :class:`Lost` (rule 6).
+    Each lease ends in at most one :class:`Released` or :class:`Lost` (rule 6).
     """
 
     source: Source
