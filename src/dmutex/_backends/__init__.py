@@ -71,6 +71,29 @@ def backend_of(client: object, options: Options) -> str:
     return detect(client, options.backend)
 
 
+def _face_checked(client: object, found: str, options: Options, *, asynchronous: bool) -> None:
+    """A Redis, PostgreSQL or MySQL client's names and face, checked before any request."""
+    if found == "redis":
+        face = "execute_command" if defines(client, "execute_command") else "eval"
+    elif found == "postgresql":
+        check_postgres_names(options.table_name, options.table_origin, options.schema_name)
+        face = postgres_method(client) or "execute"
+    else:
+        check_mysql_names(options.table_name, options.table_origin, options.database_name)
+        face = mysql_face(client, asynchronous)
+    (refuse_sync if asynchronous else refuse_asyncio)(client, face, "client")
+
+
+def _collection(client: object, options: Options, needed: str, *, asynchronous: bool) -> object:
+    """The MongoDB collection of ``options``, its names and face checked; no I/O."""
+    check_db_name(options.db_name)
+    check_collection_name(options.collection_name, options.collection_origin, options.db_name)
+    database = method(client, "get_database")(options.db_name)
+    collection = method(database, "get_collection")(options.collection_name)
+    (refuse_sync if asynchronous else refuse_asyncio)(collection, needed, "collection")
+    return collection
+
+
 def open_store(client: object, options: Options, *, asynchronous: bool) -> Store:
     """The store that serves ``options``' namespace through ``client``.
 
@@ -97,9 +120,9 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
         return SQLiteStore(
             client, table, permits, clock, asynchronous=asynchronous, fencing=fencing
         )
+    if found in ("redis", "postgresql", "mysql"):
+        _face_checked(client, found, options, asynchronous=asynchronous)
     if found == "redis":
-        name = "execute_command" if defines(client, "execute_command") else "eval"
-        (refuse_sync if asynchronous else refuse_asyncio)(client, name, "client")
         prefix, permits = options.key_prefix, options.max_permits
         return RedisStore(
             client,
@@ -111,18 +134,12 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
             replicas_ms=options.replicas_timeout_ms,
         )
     if found == "postgresql":
-        check_postgres_names(options.table_name, options.table_origin, options.schema_name)
-        face = postgres_method(client) or "execute"
-        (refuse_sync if asynchronous else refuse_asyncio)(client, face, "client")
         fencing = options.fencing is not False
         table, schema, permits = options.table_name, options.schema_name, options.max_permits
         return PostgresStore(
             client, table, permits, clock, schema=schema, asynchronous=asynchronous, fencing=fencing
         )
     if found == "mysql":
-        check_mysql_names(options.table_name, options.table_origin, options.database_name)
-        face = mysql_face(client, asynchronous)
-        (refuse_sync if asynchronous else refuse_asyncio)(client, face, "client")
         table, permits = options.table_name, options.max_permits
         return MySQLStore(
             client,
@@ -133,11 +150,7 @@ def open_store(client: object, options: Options, *, asynchronous: bool) -> Store
             asynchronous=asynchronous,
             fencing=options.fencing is not False,
         )
-    check_db_name(options.db_name)
-    check_collection_name(options.collection_name, options.collection_origin, options.db_name)
-    database = method(client, "get_database")(options.db_name)
-    collection = method(database, "get_collection")(options.collection_name)
-    (refuse_sync if asynchronous else refuse_asyncio)(collection, "update_one", "collection")
+    collection = _collection(client, options, "update_one", asynchronous=asynchronous)
     return MongoStore(collection, options.max_permits, clock, fencing=options.fencing is True)
 
 
@@ -164,9 +177,9 @@ def open_readwrite_store(client: object, options: Options, *, asynchronous: bool
         return SQLiteReadWriteStore(
             client, table, readers, clock, asynchronous=asynchronous, fencing=fencing
         )
+    if found in ("redis", "postgresql", "mysql"):
+        _face_checked(client, found, options, asynchronous=asynchronous)
     if found == "redis":
-        name = "execute_command" if defines(client, "execute_command") else "eval"
-        (refuse_sync if asynchronous else refuse_asyncio)(client, name, "client")
         return RedisReadWriteStore(
             client,
             options.key_prefix,
@@ -177,17 +190,11 @@ def open_readwrite_store(client: object, options: Options, *, asynchronous: bool
             replicas_ms=options.replicas_timeout_ms,
         )
     if found == "postgresql":
-        check_postgres_names(options.table_name, options.table_origin, options.schema_name)
-        face = postgres_method(client) or "execute"
-        (refuse_sync if asynchronous else refuse_asyncio)(client, face, "client")
         table, schema, readers = options.table_name, options.schema_name, options.max_readers
         return PostgresReadWriteStore(
             client, table, readers, clock, schema=schema, asynchronous=asynchronous, fencing=fencing
         )
     if found == "mysql":
-        check_mysql_names(options.table_name, options.table_origin, options.database_name)
-        face = mysql_face(client, asynchronous)
-        (refuse_sync if asynchronous else refuse_asyncio)(client, face, "client")
         table, readers = options.table_name, options.max_readers
         return MySQLReadWriteStore(
             client,
@@ -198,12 +205,7 @@ def open_readwrite_store(client: object, options: Options, *, asynchronous: bool
             asynchronous=asynchronous,
             fencing=fencing,
         )
-    check_db_name(options.db_name)
-    check_collection_name(options.collection_name, options.collection_origin, options.db_name)
-    database = method(client, "get_database")(options.db_name)
-    collection = method(database, "get_collection")(options.collection_name)
-    face = "find_one_and_update"
-    (refuse_sync if asynchronous else refuse_asyncio)(collection, face, "collection")
+    collection = _collection(client, options, "find_one_and_update", asynchronous=asynchronous)
     readers = options.max_readers
     return MongoReadWriteStore(collection, readers, clock, fencing=fencing)
 
