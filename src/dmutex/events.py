@@ -1,8 +1,9 @@
 """What dmutex tells observers: one event per operation start, attempt, wake, grant and end.
 
-Give any callable that takes an event in ``observers=`` (every lock class
-takes it) to feed Prometheus, statsd or your own logs; OpenTelemetry's
-observer is written on the same events (:class:`dmutex.OpenTelemetryObserver`).
+Give any callable that takes an event (:class:`dmutex.Observer`) in
+``observers=`` (every lock class takes it) to feed Prometheus, statsd or
+your own logs; OpenTelemetry's observer is written on the same events
+(:class:`dmutex.OpenTelemetryObserver`).
 Observers are called synchronously where the event happens and must return
 promptly; one that raises is logged (``dmutex.observe``) and skipped. An
 object with a ``listening()`` method is asked, as each operation starts,
@@ -23,7 +24,6 @@ from ._core.observe import (
     Kind,
     Lost,
     NotAcquired,
-    Observer,
     Operation,
     OperationName,
     Released,
@@ -42,7 +42,6 @@ __all__ = [
     "Kind",
     "Lost",
     "NotAcquired",
-    "Observer",
     "Operation",
     "OperationName",
     "Released",

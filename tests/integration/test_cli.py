@@ -472,7 +472,8 @@ def test_dmutex_backend_variable_picks_the_backend(store: Store, env: dict[str, 
         ["run", "--backend", "postgresql://127.0.0.1/x?schema=" + "s" * 64, KEY, "--", "true"],
         ["run", "--backend", "http://127.0.0.1/x", KEY, "--", "true"],
         ["run", "--backend", "sqlite://host/x.db", KEY, "--", "true"],
-        ["status"],
+        ["status", "--max-keys", "1", KEY],  # a bound on the listing without KEY
+        ["status", "--watch", "0", KEY],
         ["status", "--limit", "x", KEY],
         ["run", "--ttl", "2", "--kill-grace", "0.6", KEY, "--", "true"],  # > a quarter
         ["status", "\udcff\udcfe"],  # argv bytes that are not UTF-8
@@ -718,7 +719,7 @@ def test_status_never_exits_1_for_an_error_it_does_not_know(
     def broken(*args: object, **kwargs: object) -> object:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(status_module, "read_holders", broken)
+    monkeypatch.setattr(status_module, "Reader", broken)
     path = tmp_path / "locks.sqlite3"
     SQLiteBackend(path).close()
     assert main(["status", "--backend", f"sqlite://{path}", KEY]) == 70

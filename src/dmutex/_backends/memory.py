@@ -386,6 +386,19 @@ class MemoryStore:
             fence = self._backend._fences.get(self._prefix, {}).get(key)
         return Inspection(found, fence if self._fencing else None, now)
 
+    def keys(self, limit: int) -> Steps[list[str]]:
+        """The first ``limit`` keys, sorted, with an active record in any slot (as ``holders``)."""
+        yield from ()
+        with self._backend._lock:
+            now = now_ms(self.clock)
+            records = self._backend._records.get(self._prefix, {})
+            held = (
+                key
+                for key, slots in records.items()
+                if any(now < rec.expires_ms for rec in slots.records.values())
+            )
+            return heapq.nsmallest(limit, held)
+
 
 class MemoryReadWriteStore:
     """One namespace of read-write locks in an :class:`InMemoryBackend`; a ``ReadWriteStore``.
@@ -509,3 +522,12 @@ class MemoryReadWriteStore:
             fence = self._backend._fences.get(self._prefix, {}).get(key)
         holders = [Holder(slot, token, expires) for slot, token, expires in found]
         return Inspection(holders, fence if self._fencing else None, now)
+
+    def keys(self, limit: int) -> Steps[list[str]]:
+        """The first ``limit`` keys, sorted, held by a writer or a reader now."""
+        yield from ()
+        with self._backend._lock:
+            now = now_ms(self.clock)
+            states = self._backend._rw.get(self._prefix, {})
+            held = (key for key, state in states.items() if readwrite.is_held(state, now))
+            return heapq.nsmallest(limit, held)

@@ -91,6 +91,37 @@ def _found(find: Callable[..., object], query: Mapping[str, object]) -> list[obj
     return list(cursor)
 
 
+def found_keys(
+    find: Callable[..., object],
+    query: Mapping[str, object],
+    key_of: Callable[[object], str | None],
+    limit: int,
+    most: int,
+) -> list[str]:
+    """The first ``limit`` distinct keys of the documents ``query`` finds, sorted.
+
+    The documents come by ``_id`` (only it), at most ``most`` of them, and
+    the cursor is closed once ``limit`` keys are found; ``key_of`` reads a
+    document's key from its ``_id`` (None: none).
+    """
+    cursor = find(query, {"_id": 1}, sort=[("_id", 1)], limit=most)
+    if not isinstance(cursor, Iterable):
+        raise DMutexError(f"find() gave {type(cursor).__name__}, not a cursor to read")
+    found: set[str] = set()
+    try:
+        for doc in cursor:
+            key = key_of(doc.get("_id") if isinstance(doc, Mapping) else None)
+            if key is not None:
+                found.add(key)
+                if len(found) >= limit:
+                    break
+    finally:
+        close = getattr(cursor, "close", None)
+        if callable(close):
+            close()
+    return sorted(found)
+
+
 def _fencing_method(collection: object) -> Callable[..., object]:
     try:
         return method(collection, "find_one_and_update")
@@ -107,7 +138,8 @@ class MongoStore:
     two (upsert, then ``distinct`` of the active slots) when all are held,
     else three, plus one per race lost to another caller; with
     ``fencing=True`` a successful acquire adds one (:meth:`_fence`). Release
-    and extend are one request each; ``ready()`` one, once per instance.
+    and extend are one request each, and so are ``holders`` and ``keys``;
+    ``ready()`` one, once per instance.
     """
 
     max_expiry_ms = MAX_EXPIRY_MS
@@ -292,6 +324,29 @@ class MongoStore:
                     found.append(Holder(int(name.split(":", 2)[1]), value, expires))
         return Inspection(sorted(found), fence, now)
 
+    def keys(self, limit: int) -> Steps[list[str]]:
+        """The first ``limit`` keys with an active slot document (slots 0 .. N-1): one ``find``.
+
+        By ``_id`` order (``permit:0:...`` first) and at most ``limit`` times N
+        documents: a key has at most N, so that many hold ``limit`` keys if
+        they exist. Sync collections only, as :meth:`holders`.
+        """
+        now = expiry_datetime(now_ms(self._clock))
+        slots = "|".join(str(slot) for slot in range(self._permits))
+        query = {"_id": {"$regex": f"^permit:(?:{slots}):"}, "expiredAt": {"$gt": now}}
+        find = method(self._collection, "find")
+        most = limit * self._permits
+        keys = yield Call(found_keys, (find, query, _key_of_slot, limit, most))
+        return cast("list[str]", keys)  # what found_keys() returned
+
     def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
         """Sleep: nothing here signals a release (jittered polling, ``waiting.py``)."""
         return sleep(seconds)
+
+
+def _key_of_slot(name: object) -> str | None:
+    """The key of a slot document's ``_id``, ``permit:{i}:{key}``."""
+    if not isinstance(name, str):
+        return None
+    parts = name.split(":", 2)
+    return parts[2] if len(parts) == 3 and parts[2] else None

@@ -78,7 +78,7 @@ from .._core.effects import Call, Steps
 from .._core.lease import EPOCH, MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
 from .._core.waiting import Waiter
 from .._errors import DMutexError
-from .mongo import create_ttl_index, is_duplicate_key, next_fence
+from .mongo import create_ttl_index, found_keys, is_duplicate_key, next_fence
 from .shapes import method
 
 __all__ = ["KIND", "MongoReadWriteStore"]
@@ -362,8 +362,8 @@ class MongoReadWriteStore:
     """One collection of read-write lock documents; a ``ReadWriteStore`` (rules 1-7).
 
     Requests per operation: acquire 1 (2 when two first acquires of a key
-    race to insert its document), release 1, extend 1, holders 1, a renewal
-    batch 1 per lease, ``ready()`` 1, once per instance. With
+    race to insert its document), release 1, extend 1, holders 1, keys 1, a
+    renewal batch 1 per lease, ``ready()`` 1, once per instance. With
     ``fencing=False`` the document counts fences all the same (it costs no
     request); leases and inspections show none.
     """
@@ -479,3 +479,27 @@ class MongoReadWriteStore:
             return Inspection([], None, now)
         found = [Holder(*hold) for hold in readwrite.holders(state, now)]
         return Inspection(found, state.fence if self._fencing else None, now)
+
+    def keys(self, limit: int) -> Steps[list[str]]:
+        """The first ``limit`` keys by ``_id`` held by a writer or a reader now: one ``find``.
+
+        Its filter names the kind (rule 4) and a live writer or reader, so
+        it finds no document that holds nothing. Sync collections only, as
+        :meth:`holders`.
+        """
+        now = expiry_datetime(now_ms(self._clock))
+        query = {
+            "_id": {"$regex": "^rwlock:"},
+            "kind": KIND,
+            "$or": [{"w.e": {"$gt": now}}, {"r.e": {"$gt": now}}],
+        }
+        find = method(self._collection, "find")
+        keys = yield Call(found_keys, (find, query, _key_of, limit, limit))
+        return cast("list[str]", keys)  # what found_keys() returned
+
+
+def _key_of(name: object) -> str | None:
+    """The key of a lock document's ``_id``, ``rwlock:{key}``."""
+    if not isinstance(name, str) or not name.startswith("rwlock:") or name == "rwlock:":
+        return None
+    return name[len("rwlock:") :]

@@ -42,6 +42,15 @@ Rules of this module:
    means another caller's change committed. After :data:`RACES` losses in
    a row the operation raises :class:`~dmutex.DMutexError` rather than
    spin.
+7. Listing the held keys (``keys``, for ``dmutex status``) reads the rows
+   in key order, :data:`KEYS_PAGE` a statement, each page after the last
+   key of the one before, and stops at the ``limit``-th key a writer or a
+   reader holds by the server's time. A row stays once its lock is free,
+   so the statement leaves out, by its text, every row that holds neither
+   a writer nor a reader (``"w":null,"r":{}``); what it reads beyond the
+   keys it lists is rows whose holds expired without a release (their
+   text keeps them until the key's next operation) and rows that are not
+   dmutex's, which hold nothing.
 """
 
 from __future__ import annotations
@@ -58,12 +67,17 @@ from .._core.waiting import Waiter
 from .._errors import DMutexError
 from . import rwstate
 
-__all__ = ["RACES", "SqlReadWriteStore"]
+__all__ = ["KEYS_PAGE", "RACES", "SqlReadWriteStore"]
 
 T = TypeVar("T")
 
 RACES = 1000
 """Rule 6: compare-and-sets lost in a row before an operation gives up."""
+
+KEYS_PAGE = 500
+"""Rule 7: rows per statement when listing the held keys."""
+
+_ROW = "rwlock:"
 
 
 def _wakes(before: readwrite.State, after: readwrite.State) -> bool:
@@ -122,6 +136,14 @@ class SqlReadWriteStore:
 
     def _write(self, key: str, old: object, new: str, wake: bool) -> Steps[bool]:
         """Write ``new`` over ``old`` (None: no row), notifying if ``wake``; whether it applied."""
+        raise NotImplementedError
+
+    def _page(self, after: str, size: int) -> Steps[Sequence[Sequence[object]]]:
+        """Up to ``size`` rows after the row ``after`` in byte order, each ``(key, value, now ms)``.
+
+        Rule 7: the rows of read-write locks (``rwlock:...``) whose value is
+        not that of a lock with neither writer nor reader.
+        """
         raise NotImplementedError
 
     def _woke(self, key: str) -> None:
@@ -239,3 +261,34 @@ class SqlReadWriteStore:
         found = [Holder(*hold) for hold in readwrite.holders(state, now)]
         fence = state.fence if self._fencing and state.fence else None
         return Inspection(found, fence, now)
+
+    def keys(self, limit: int) -> Steps[list[str]]:
+        """The first ``limit`` keys in byte order held by a writer or a reader (rule 7).
+
+        Reads pages of :data:`KEYS_PAGE` rows until it found ``limit`` held
+        keys or read the last row; a row that is not dmutex's is passed
+        over, as holding nothing.
+        """
+        found: list[str] = []
+        after = ""
+        while len(found) < limit:
+            rows = yield from self._page(after, KEYS_PAGE)
+            for row in rows:
+                if len(row) != 3 or not isinstance(row[2], int):
+                    raise DMutexError(f"unexpected reply from {self.server}: {row!r}")
+                name, value, now = row[0], row[1], row[2]
+                if isinstance(name, (bytes, bytearray)):  # a binary collation's answer
+                    name = bytes(name).decode()
+                if isinstance(value, (bytes, bytearray)):
+                    value = bytes(value).decode()
+                if not isinstance(name, str) or not name.startswith(_ROW):
+                    raise DMutexError(f"unexpected reply from {self.server}: {row!r}")
+                state = rwstate.decode(value, fenced=True)
+                if state is not None and readwrite.is_held(state, now):
+                    found.append(name[len(_ROW) :])
+                    if len(found) == limit:
+                        break
+                after = name
+            if len(rows) < KEYS_PAGE:
+                break
+        return found

@@ -70,6 +70,12 @@ The rules of this module:
    attempt registers its waiter and tells it when what stands in its way
    lapses at the latest (the refusal's ``clears_ms``), so that waiters in
    other processes poll no longer than that.
+9. Listing the held keys (``keys``, for ``dmutex status``) is one call and
+   one statement, a read: the mutex store's finds the distinct keys of
+   active slot rows (slots 0 to ``max_permits`` - 1, as ``holders`` reads)
+   with ``LIMIT``; the read-write store's reads the rows whose
+   ``expired_at`` is ahead in key order and stops at the ``limit``-th that
+   a writer or reader holds (a row left with an intent alone holds none).
 """
 
 from __future__ import annotations
@@ -398,6 +404,8 @@ class _Sql:
     insert: str
     update: str
     remove: str
+    keys: str
+    rows: str
 
     @classmethod
     def of(cls, table: str) -> _Sql:
@@ -458,6 +466,27 @@ class _Sql:
                 'WHERE "key" = :name AND "value" = :old'
             ),
             remove=f'DELETE FROM {t} WHERE "key" = :name AND "value" = :old',
+            # Rule 9: the held keys of slots 0 .. :permits - 1, each once. The
+            # slot is the text between "permit:" and the next ":", read as a
+            # number only where it is one as dmutex writes it (no sign, no
+            # leading zero); the key is what follows. A range of the primary
+            # key ("permit;" follows every "permit:..." byte for byte).
+            keys=(
+                'SELECT DISTINCT substr(p."key", length(p.slot) + 9) AS k FROM '
+                """(SELECT "key", substr("key", 8, instr(substr("key", 8), ':') - 1) AS slot """
+                f"""FROM {t} WHERE "key" >= 'permit:' AND "key" < 'permit;' """
+                'AND "expired_at" > :now) AS p '
+                "WHERE CAST(CAST(p.slot AS INTEGER) AS TEXT) = p.slot "
+                "AND CAST(p.slot AS INTEGER) BETWEEN 0 AND :permits - 1 "
+                'AND length(p."key") > length(p.slot) + 8 '
+                "ORDER BY k LIMIT :limit"
+            ),
+            # Rule 9: the read-write lock rows that may hold something, in key order.
+            rows=(
+                f"""SELECT "key", "value" FROM {t} WHERE "key" >= 'rwlock:' """
+                """AND "key" < 'rwlock;' AND "expired_at" > :now """
+                'ORDER BY "key"'
+            ),
         )
 
 
@@ -684,6 +713,17 @@ class SQLiteStore(_TableStore):
         inspection = yield Call(self._run, (read,))
         return cast(Inspection, inspection)  # what read() returned
 
+    def keys(self, limit: int) -> Steps[list[str]]:
+        """The first ``limit`` keys, sorted, with an active permit in slots 0 .. N-1 (rule 9)."""
+        sql, permits, clock = self._sql, self._permits, self._clock
+
+        def read(conn: Conn) -> list[str]:
+            asked = {"now": now_ms(clock), "permits": permits, "limit": limit}
+            return [str(key) for (key,) in conn.execute(sql.keys, asked).fetchall()]
+
+        found = yield Call(self._run, (read,))
+        return cast("list[str]", found)  # what read() returned
+
     def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
         """Wait for a release through this backend (rule 4), or the whole time."""
         if waiter.registered:
@@ -897,6 +937,32 @@ class SQLiteReadWriteStore(_TableStore):
 
         inspection = yield Call(self._run, (call,))
         return cast(Inspection, inspection)  # what read() returned
+
+    def keys(self, limit: int) -> Steps[list[str]]:
+        """The first ``limit`` keys, sorted, held by a writer or a reader now (rule 9).
+
+        Reads the rows in key order and stops at the ``limit``-th held one;
+        a row that is not dmutex's is passed over, as holding nothing.
+        """
+        sql, clock = self._sql, self._clock
+
+        def read(conn: Conn) -> list[str]:
+            now = now_ms(clock)
+            found: list[str] = []
+            rows = conn.execute(sql.rows, {"now": now})
+            try:
+                for name, value in rows:
+                    state = rwstate.decode(value)
+                    if state is not None and readwrite.is_held(state, now):
+                        found.append(str(name)[len("rwlock:") :])
+                        if len(found) >= limit:
+                            break
+            finally:
+                rows.close()
+            return found
+
+        found = yield Call(self._run, (read,))
+        return cast("list[str]", found)  # what read() returned
 
 
 def _transaction(body: Callable[[Conn], T]) -> Callable[[Conn], T]:

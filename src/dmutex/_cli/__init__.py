@@ -5,7 +5,8 @@ semaphore of ``--limit`` permits; with ``--read`` or ``--write``, KEY's
 read-write lock as a reader or as the writer), runs COMMAND as a child with
 the lease renewed in the background, and releases it when the child ends.
 ``dmutex status [options] KEY`` shows the active permits (``--read-write``:
-the read-write lock's writer or readers). See ``dmutex --help``.
+the read-write lock's writer or readers); without KEY, every held key of
+the service, up to ``--max-keys``. See ``dmutex --help``.
 
 The rules of the command:
 

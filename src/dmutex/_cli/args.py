@@ -8,6 +8,12 @@ of lock (:attr:`RunArgs.kind`): a mutex, a semaphore (``--limit N``) or a
 read-write lock (``run --read`` / ``--write``, ``status --read-write``),
 never two: a read-write lock with a ``--limit`` other than 1 is a usage error.
 
+``status`` without KEY lists the service's namespace: the held keys, at
+most ``--max-keys`` of them (:data:`DEFAULT_MAX_KEYS`, at most
+:data:`MOST_KEYS`); ``--max-keys`` with KEY is a usage error. ``--watch
+SECONDS`` (at least :data:`LEAST_WATCH`) reads again every SECONDS, a key's
+status or the namespace's, until interrupted.
+
 Caveats: as with ``flock(1)``, the options of ``run`` come before KEY:
 everything after KEY is the command (a first ``--`` after KEY is dropped).
 """
@@ -21,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
+from .._backends.redis.store import SCAN_COUNT
 from .._errors import ArgumentTypeError, InvalidArgumentError
 from .._options import Kind
 from .._validate import check_key
@@ -38,6 +45,11 @@ DEFAULT_KILL_GRACE = 10.0
 # few retries between the last answered renewal and the SIGTERM.
 MAX_GRACE_FRACTION = 0.25
 BACKEND_ENV = "DMUTEX_BACKEND"
+# status without KEY: the held keys listed by default, and at most (each is
+# one read of its holders), and the shortest --watch interval.
+DEFAULT_MAX_KEYS = 1000
+MOST_KEYS = 10_000
+LEAST_WATCH = 0.1
 
 _BACKEND_HELP = (
     "where the locks live: sqlite:///PATH, redis://..., rediss://..., mongodb://..., "
@@ -74,16 +86,27 @@ examples:
   dmutex run --backend 'mysql://app@db:3306/ops' report -- ./report.sh
 """
 
-_STATUS_EPILOG = """\
+_STATUS_EPILOG = f"""\
+without KEY: every key of the service that is held, one line each (its
+holders, the time left of the first lease to end, its fence), at most
+--max-keys of them (then it says that more exist): the backend lists at most
+that many keys plus one (SQL: one query with LIMIT; MongoDB: one find with a
+limit; Redis: SCAN on the service's prefix, {SCAN_COUNT} keys a request, until
+enough are found or the whole database was scanned), then each key's holders
+are read, one request each.
+
 exit status: 0 if KEY is held (any permit; with --read-write, a reader or the
-writer), 1 if it is free, 64 usage error, 69 the backend cannot be reached, 70
-an error dmutex does not know (a bug: the traceback is printed). 1 never means
-anything but free.
+writer), or without KEY if any key is; 1 if it is free (no key held); 64 usage
+error, 69 the backend cannot be reached, 70 an error dmutex does not know (a
+bug: the traceback is printed). 1 never means anything but free. With --watch:
+0 when interrupted (Ctrl-C), else as above when a read fails.
 
 examples:
   dmutex status nightly-backup
   dmutex status --json --backend redis://cache:6379/0 --limit 4 gpu
   dmutex status --read-write catalog
+  dmutex status                                    # every held mutex of the service
+  dmutex status --limit 4 --watch 2                # its semaphores of 4, every 2 s
 """
 
 _MAIN_EPILOG = """\
@@ -143,6 +166,23 @@ def _permits(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
+def _interval(text: str) -> float:
+    value = _seconds(text, zero=False)
+    if value < LEAST_WATCH:
+        raise argparse.ArgumentTypeError(f"must be at least {LEAST_WATCH:g} seconds: {text!r}")
+    return value
+
+
+def _max_keys(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= MOST_KEYS:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {MOST_KEYS}: {text!r}")
     return value
 
 
@@ -267,9 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser(
         "status",
-        help="show who holds a lock",
+        help="show who holds a lock, or which locks are held",
+        usage="dmutex status [options] [KEY]",
         description="Show the active permits of KEY: slot (with --read-write: role), expiry, "
-        "time left, fence, and a shortened token.",
+        "time left, fence,\nand a shortened token. Without KEY, list the service's held keys "
+        "(of the kind of lock\nthe options name) with their holders.",
         epilog=_STATUS_EPILOG,
         formatter_class=_Formatter,
     )
@@ -279,10 +321,33 @@ def build_parser() -> argparse.ArgumentParser:
         dest="readwrite",
         action="store_true",
         help="show KEY's read-write lock (that of run --read and --write): its writer or "
-        "its readers (not with --limit)",
+        "its readers; without KEY, list the held read-write locks (not with --limit)",
     )
-    status.add_argument("--json", action="store_true", help="print one JSON object")
-    status.add_argument("key", metavar="KEY", help="the name of the lock")
+    status.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (with --watch, one a line at each read)",
+    )
+    status.add_argument(
+        "--max-keys",
+        metavar="N",
+        type=_max_keys,
+        help="without KEY: list at most N held keys, 1 to "
+        f"{MOST_KEYS} (default: {DEFAULT_MAX_KEYS})",
+    )
+    status.add_argument(
+        "--watch",
+        metavar="SECONDS",
+        type=_interval,
+        help=f"read again every SECONDS (at least {LEAST_WATCH:g}) until interrupted; "
+        "Ctrl-C exits 0 (default: read once)",
+    )
+    status.add_argument(
+        "key",
+        metavar="KEY",
+        nargs="?",
+        help="the name of the lock (none: list the service's held keys)",
+    )
     return parser
 
 
@@ -312,15 +377,19 @@ class RunArgs:
 
 @dataclass(frozen=True)
 class StatusArgs:
-    """``dmutex status``: which key to show, and how."""
+    """``dmutex status``: which key to show (None: the namespace's held keys), and how."""
 
-    key: str
+    key: str | None
     backend: str | None
     service: str
     limit: int
     json: bool
     readwrite: bool = False
     """``--read-write``: show the key's read-write lock."""
+    max_keys: int = DEFAULT_MAX_KEYS
+    """Without a key: list at most this many held keys."""
+    watch: float | None = None
+    """``--watch``: seconds between reads until interrupted; None: read once."""
 
     @property
     def kind(self) -> Kind:
@@ -346,17 +415,17 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> RunArgs | StatusArgs:
         parser.print_usage(sys.stderr)
         raise Failure(USAGE, "a command is needed: run or status (see dmutex --help)")
     backend = ns.backend or env.get(BACKEND_ENV) or None
-    if not ns.key:
-        raise Failure(USAGE, "KEY must not be empty")
-    try:
-        # The library's rule: UTF-8 (argv bytes that are not arrive as lone
-        # surrogates), at most MAX_KEY_LENGTH characters.
-        check_key(ns.key)
-    except (InvalidArgumentError, ArgumentTypeError) as error:
-        raise Failure(USAGE, f"KEY: {one_line(error)}") from None
+    if ns.key is not None:
+        _check_key(ns.key)
     if ns.command_name == "status":
         if ns.readwrite:
             _no_limit("--read-write", ns.limit)
+        if ns.key is not None and ns.max_keys is not None:
+            raise Failure(
+                USAGE,
+                "--max-keys bounds the list of a service's held keys (dmutex status without "
+                "KEY): it takes no KEY",
+            )
         return StatusArgs(
             key=ns.key,
             backend=backend,
@@ -364,6 +433,8 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> RunArgs | StatusArgs:
             limit=ns.limit,
             json=ns.json,
             readwrite=ns.readwrite,
+            max_keys=DEFAULT_MAX_KEYS if ns.max_keys is None else ns.max_keys,
+            watch=ns.watch,
         )
     if ns.role is not None:
         _no_limit(f"--{ns.role}", ns.limit)
@@ -393,6 +464,18 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> RunArgs | StatusArgs:
         kill_grace=kill_grace,
         verbose=ns.verbose,
     )
+
+
+def _check_key(key: str) -> None:
+    """Refuse a KEY the library would: empty, not UTF-8, too long (status 64)."""
+    if not key:
+        raise Failure(USAGE, "KEY must not be empty")
+    try:
+        # The library's rule: UTF-8 (argv bytes that are not arrive as lone
+        # surrogates), at most MAX_KEY_LENGTH characters.
+        check_key(key)
+    except (InvalidArgumentError, ArgumentTypeError) as error:
+        raise Failure(USAGE, f"KEY: {one_line(error)}") from None
 
 
 def _no_limit(option: str, limit: int) -> None:

@@ -1,4 +1,4 @@
-"""``dmutex status``: the active permits of a key, as a table or as JSON.
+"""``dmutex status``: the active permits of a key, or a service's held keys, as text or JSON.
 
 Guarantee: changes no lease. Exit status 0 if any permit of the key is
 held, 1 if none is. Each permit shows its slot, expiry (UTC), time left and
@@ -10,15 +10,31 @@ place of the slot. The JSON document names its ``kind`` ("mutex",
 "semaphore", "readwrite"); a read-write lock's has ``limit`` null and a
 ``role`` per holder instead of a ``slot``.
 
-Caveats: what it shows was true when it was read. A SQLite file that does
-not exist (in a directory that does, or the default file) is reported free
-and is not created; reading an existing one, or a PostgreSQL or MySQL
-database, creates the lock table if it is missing, as any operation does.
+Without a key, the service's namespace of that kind (``holders.py``, rule
+3): a line per held key (its holders, the time left of the lease that ends
+first, its fence) and, when the store listed more than ``--max-keys``, a
+line that says more exist; as JSON, one document whose ``keys`` are the
+single-key documents of the held keys, with ``truncated``. Exit status 0 if
+any key is held, 1 if none is.
+
+``--watch SECONDS``: the same reads again every SECONDS through the same
+connection, until interrupted: on a terminal each read replaces the last
+(the screen is cleared), elsewhere each follows the last after a blank
+line; with ``--json``, one document a line. Ctrl-C (SIGINT) ends it with
+status 0; a read that fails ends it with that failure's status.
+
+Caveats: what it shows was true when it was read; a namespace's keys are
+listed, then read one by one, so each key's holders are those of its own
+read. A SQLite file that does not exist (in a directory that does, or the
+default file) is reported free and is not created; reading an existing
+one, or a PostgreSQL or MySQL database, creates the lock table if it is
+missing, as any operation does.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import TextIO
@@ -26,13 +42,15 @@ from typing import TextIO
 from .._errors import ArgumentTypeError, InvalidArgumentError, UnsupportedClientError
 from .args import StatusArgs
 from .errors import FREE, OK, USAGE, Failure, backend_errors, one_line
-from .holders import Holder, Inspection, read_holders, role_of
+from .holders import Holder, Inspection, Namespace, Reader, role_of
 from .progress import short_token, token_prefix
-from .urls import connect, parse
+from .urls import Backend, Target, connect, parse
 
-__all__ = ["render_json", "render_text", "status"]
+__all__ = ["render_json", "render_namespace_json", "render_namespace_text", "render_text", "status"]
 
 STATUS_TIMEOUT = 5.0  # seconds a request may take: status is interactive
+KEY_WIDTH = 40  # the key column of a namespace's table: wider keys push their line right
+_CLEAR = "\x1b[H\x1b[2J"  # --watch on a terminal: cursor home, screen cleared
 
 
 def _iso(ms: int) -> str:
@@ -51,18 +69,41 @@ def _holder_json(args: StatusArgs, h: Holder, now_ms: int) -> dict[str, object]:
     }
 
 
-def render_json(args: StatusArgs, found: Inspection) -> str:
-    """One JSON object: key, service, kind, limit, held, now, fence, and each holder."""
-    holders = [_holder_json(args, h, found.now_ms) for h in found.holders]
-    document = {
-        "key": args.key,
+def _document(args: StatusArgs, key: str, found: Inspection) -> dict[str, object]:
+    """A key's document: key, service, kind, limit, held, now, fence, and each holder."""
+    return {
+        "key": key,
         "service": args.service,
         "kind": args.kind,
         "limit": None if args.readwrite else args.limit,  # a read-write lock has no permits
         "held": bool(found.holders),
         "now": _iso(found.now_ms),
         "fence": found.fence,
-        "holders": holders,
+        "holders": [_holder_json(args, h, found.now_ms) for h in found.holders],
+    }
+
+
+def render_json(args: StatusArgs, found: Inspection) -> str:
+    """One JSON object: key, service, kind, limit, held, now, fence, and each holder."""
+    assert args.key is not None  # a key's status
+    return json.dumps(_document(args, args.key, found))
+
+
+def render_namespace_json(args: StatusArgs, found: Namespace) -> str:
+    """One JSON object: service, kind, limit, held, now, max_keys, truncated, and each key's.
+
+    ``keys`` holds a document per held key, as :func:`render_json` writes
+    a key's; ``truncated``: the store listed more than ``max_keys`` keys.
+    """
+    document = {
+        "service": args.service,
+        "kind": args.kind,
+        "limit": None if args.readwrite else args.limit,
+        "held": bool(found.found),
+        "now": _iso(found.now_ms),
+        "max_keys": args.max_keys,
+        "truncated": found.truncated,
+        "keys": [_document(args, key, seen) for key, seen in found.found],
     }
     return json.dumps(document)
 
@@ -99,35 +140,159 @@ def render_text(args: StatusArgs, found: Inspection) -> str:
     return "\n".join(lines)
 
 
-def status(args: StatusArgs, env: Mapping[str, str], stdout: TextIO) -> int:
-    """Print the key's permits on ``stdout``; 0 if held, 1 if free, or raise :class:`Failure`."""
-    target = parse(args.backend, env)
-    path = target.path
-    if path is not None and not path.exists() and (target.default or path.parent.is_dir()):
-        found = Inspection(holders=[], fence=None, now_ms=_now_ms())  # no file: nothing held
+def _shown_key(key: str) -> str:
+    """A key as a table shows it: as it is, or quoted if it has spaces or unprintable text."""
+    plain = key.isprintable() and not any(c.isspace() for c in key)
+    return key if plain else repr(key)
+
+
+def _holding(args: StatusArgs, found: Inspection) -> str:
+    """Who holds a key, in a few words: ``2 of 4``, ``writer``, ``3 readers``."""
+    count = len(found.holders)
+    if not args.readwrite:
+        return f"{count} of {args.limit}"
+    if role_of(found.holders[0]) == "write":
+        return "writer"
+    return f"{count} reader{'s' if count > 1 else ''}"
+
+
+def render_namespace_text(args: StatusArgs, found: Namespace) -> str:
+    """A heading line, a line per held key, and a line saying if more exist.
+
+    Each key's line: its holders, the time left of its lease that ends
+    first, and its fence counter (``-``: none kept).
+    """
+    if args.readwrite:
+        kinds = "read-write locks"
     else:
-        backend = connect(target, timeout=STATUS_TIMEOUT)
+        kinds = "mutexes" if args.limit == 1 else f"semaphores of {args.limit}"
+    count = len(found.found)
+    state = "no key held" if count == 0 else f"{count} key{'s' if count > 1 else ''} held"
+    lines = [f"service {args.service!r} ({kinds}): {state}"]
+    if found.found:
+        rows = [("key", "holders", "left", "fence")]
+        for key, seen in found.found:
+            first = min(h.expires_ms for h in seen.holders)
+            left = f"{max(0, first - seen.now_ms) / 1000:.1f} s"
+            fence = "-" if seen.fence is None else str(seen.fence)
+            rows.append((_shown_key(key), _holding(args, seen), left, fence))
+        width = min(KEY_WIDTH, max(len(row[0]) for row in rows))
+        held = max(len(row[1]) for row in rows)
+        left_width = max(len(row[2]) for row in rows)
+        for shown, holding, left, fence in rows:
+            lines.append(f"  {shown:<{width}}  {holding:<{held}}  {left:>{left_width}}  {fence}")
+    if found.truncated:
+        lines.append(f"{count} keys shown; more exist (--max-keys {args.max_keys})")
+    return "\n".join(lines)
+
+
+class _Session:
+    """The reads of one ``dmutex status``: the backend opened at the first, kept for the next."""
+
+    def __init__(self, args: StatusArgs, target: Target) -> None:
+        self._args = args
+        self._target = target
+        self._backend: Backend | None = None
+        self._reader: Reader | None = None
+
+    def _absent(self) -> bool:
+        """Whether the SQLite file is missing where the command reports it free, uncreated."""
+        path = self._target.path
+        return (
+            path is not None
+            and not path.exists()
+            and (self._target.default or path.parent.is_dir())
+        )
+
+    def read(self) -> Inspection | Namespace:
+        """The key's holders, or the namespace's held keys; raises :class:`Failure`."""
+        args = self._args
+        if self._absent():  # no file: nothing held
+            if args.key is None:
+                return Namespace(found=[], truncated=False, now_ms=_now_ms())
+            return Inspection(holders=[], fence=None, now_ms=_now_ms())
+        if self._backend is None:
+            self._backend = connect(self._target, timeout=STATUS_TIMEOUT)
+        backend = self._backend
         try:
             with backend_errors(backend):
-                found = read_holders(
-                    backend.client,
-                    service=args.service,
-                    limit=args.limit,
-                    key=args.key,
-                    db_name=backend.db_name,
-                    schema_name=target.schema,
-                    readwrite=args.readwrite,
-                )
+                if self._reader is None:
+                    self._reader = Reader(
+                        backend.client,
+                        service=args.service,
+                        limit=args.limit,
+                        db_name=backend.db_name,
+                        schema_name=self._target.schema,
+                        readwrite=args.readwrite,
+                    )
+                if args.key is None:
+                    return self._reader.namespace(args.max_keys)
+                return self._reader.holders(args.key)
         except UnsupportedClientError as error:  # a backend that serves no read-write lock
             option = "--read-write: " if args.readwrite else ""
             raise Failure(USAGE, f"{option}{one_line(error)}") from None
         except (InvalidArgumentError, ArgumentTypeError) as error:
             raise Failure(USAGE, one_line(error)) from None
-        finally:
-            backend.close()
-    stdout.write((render_json(args, found) if args.json else render_text(args, found)) + "\n")
-    stdout.flush()
-    return OK if found.holders else FREE
+
+    def close(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+
+
+def _render(args: StatusArgs, found: Inspection | Namespace) -> str:
+    if isinstance(found, Namespace):
+        if args.json:
+            return render_namespace_json(args, found)
+        return render_namespace_text(args, found)
+    return render_json(args, found) if args.json else render_text(args, found)
+
+
+def _held(found: Inspection | Namespace) -> bool:
+    return bool(found.found if isinstance(found, Namespace) else found.holders)
+
+
+def status(args: StatusArgs, env: Mapping[str, str], stdout: TextIO) -> int:
+    """Print the key's permits (or the namespace's held keys) on ``stdout``.
+
+    0 if held, 1 if free, or raise :class:`Failure`; with ``--watch``, read
+    again until interrupted, then 0.
+    """
+    session = _Session(args, parse(args.backend, env))
+    try:
+        return _show(args, session, stdout)
+    except KeyboardInterrupt:
+        if args.watch is None:
+            raise
+        return OK  # --watch ends with Ctrl-C
+    finally:
+        session.close()
+
+
+def _show(args: StatusArgs, session: _Session, stdout: TextIO) -> int:
+    watching = args.watch is not None and not args.json
+    clear = watching and _isatty(stdout)
+    reads = 0
+    while True:
+        found = session.read()
+        text = _render(args, found)
+        if watching:
+            heading = f"every {args.watch:g} s until interrupted; read at {_iso(_now_ms())}"
+            text = f"{_CLEAR if clear else ''}{heading}\n{text}"
+            if reads and not clear:
+                text = "\n" + text
+        stdout.write(text + "\n")
+        stdout.flush()
+        if args.watch is None:
+            return OK if _held(found) else FREE
+        reads += 1
+        time.sleep(args.watch)
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a closed or unusual stream: not a terminal
+        return False
 
 
 def _now_ms() -> int:

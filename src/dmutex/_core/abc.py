@@ -16,13 +16,18 @@ Rules of this module:
 3. The helpers here (:func:`sleep`, :func:`extend_each`) are what a store
    without a native mechanism answers with; like the protocol, they do no
    I/O: they only yield effects.
+4. Listing a namespace's keys (:class:`Listing`) is a capability beside the
+   protocol, not part of it: the engine never needs it, only ``dmutex
+   status`` without a key does. Every store of ``dmutex._backends`` (and
+   every read-write store) has it; a store written elsewhere (a test's) need
+   not, and whoever lists checks for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias
+from typing import Protocol, TypeAlias, runtime_checkable
 
 from .._clock import Clock
 from .effects import Sleep, Steps
@@ -126,6 +131,26 @@ class Store(Protocol):
         Answers, lease by lease, what :meth:`extend` would (its new expiry,
         or None), or the exception that the request carrying it raised: one
         failed request fails only the leases it carried. Renewal uses it.
+        """
+        ...
+
+
+@runtime_checkable
+class Listing(Protocol):
+    """A store that lists the keys of its namespace that are held (rule 4); changes nothing."""
+
+    def keys(self, limit: int) -> Steps[list[str]]:
+        """Up to ``limit`` (>= 1) keys of the namespace with an active hold, sorted.
+
+        A key is listed where :meth:`Store.holders` would show a holder of it
+        at the time of the read (a store may also list one it cannot tell
+        from held without reading it whole: a read-write lock left with a
+        waiting writer's intent alone; its holders then show none). Fewer
+        than ``limit`` keys: every such key. ``limit`` keys: more may exist,
+        and which ones are listed is the store's choice. Each store bounds
+        its requests by ``limit`` where its server can (a ``LIMIT``, a
+        cursor's limit); Redis's ``SCAN`` walks the database until it found
+        ``limit`` keys or came round.
         """
         ...
 

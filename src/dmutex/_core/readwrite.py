@@ -36,7 +36,9 @@ Rules of this module:
 A lease's ``slot`` says which kind of hold it is: :data:`WRITE_SLOT` or
 :data:`READ_SLOT`. :class:`ReadWriteStore` is what a backend implements; the
 engine, written for mutexes and semaphores, drives each side through
-:func:`side`, unchanged.
+:func:`side`, unchanged. Every read-write store of ``dmutex._backends``
+also lists its held keys (:class:`~.abc.Listing`, apart from the protocol,
+as for mutexes), deciding "held" as :func:`is_held` does.
 """
 
 from __future__ import annotations
@@ -196,6 +198,13 @@ def holders(state: State, now_ms: int) -> list[tuple[int, str, int]]:
     if state.writer is not None:
         return [(WRITE_SLOT, *state.writer)]
     return sorted((READ_SLOT, t, e) for t, e in state.readers.items())
+
+
+def is_held(state: State, now_ms: int) -> bool:
+    """Whether :func:`holders` would find a hold at ``now_ms``; ``state`` is left as it is."""
+    if state.writer is not None and state.writer[1] > now_ms:
+        return True
+    return any(expires > now_ms for expires in state.readers.values())
 
 
 class ReadWriteStore(Protocol):

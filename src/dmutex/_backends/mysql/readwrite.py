@@ -58,6 +58,21 @@ def _write(t: str) -> Statement:
     )
 
 
+# The text of a lock that holds neither a writer nor a reader (rwstate.py, rule 1),
+# as a LIKE pattern: its start.
+FREE_PATTERN = '{"dmutex":"rwlock","w":null,"r":{},%'
+
+
+def _page(t: str) -> Statement:
+    """Up to %(size)s rows after %(after)s in byte order that may hold something (listing)."""
+    return Statement(
+        f"SELECT `key`, `value`, {NOW_MS} FROM {t}\n"
+        "WHERE `key` LIKE 'rwlock:%%' AND `key` > %(after)s\n"
+        f"  AND `value` NOT LIKE '{FREE_PATTERN.replace('%', '%%')}'\n"
+        "ORDER BY `key` LIMIT %(size)s"
+    )
+
+
 class MySQLReadWriteStore(SqlReadWriteStore):
     """One table of read-write lock rows on a MySQL or MariaDB server; a ``ReadWriteStore``.
 
@@ -92,6 +107,7 @@ class MySQLReadWriteStore(SqlReadWriteStore):
         t = sql.table.replace("%", "%%")  # a driver would read "%" as a placeholder
         self._read_sql = _read(t)
         self._write_sql = _write(t)
+        self._page_sql = _page(t)
         self._run = runner(client, asynchronous=asynchronous)
         self._waiting = _waiting(client)
 
@@ -105,6 +121,9 @@ class MySQLReadWriteStore(SqlReadWriteStore):
 
     def _fetch(self, key: str) -> Steps[list[Row]]:
         return (yield from self._call(self._read_sql, {"row": f"rwlock:{key}"})).rows
+
+    def _page(self, after: str, size: int) -> Steps[list[Row]]:
+        return (yield from self._call(self._page_sql, {"after": after, "size": size})).rows
 
     def _write(self, key: str, old: object, new: str, wake: bool) -> Steps[bool]:
         params: dict[str, object] = {"row": f"rwlock:{key}", "value": new, "old": old}

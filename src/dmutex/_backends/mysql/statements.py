@@ -192,6 +192,7 @@ class Statements:
     extend: Statement
     extend_any: Statement
     holders: Statement
+    keys: Statement
 
     @classmethod
     def of(cls, table: str, database: str | None = None) -> Statements:
@@ -241,6 +242,7 @@ class Statements:
                 f"SELECT s.i, t.`value`, t.`expired_at`, {NOW_MS}\n"
                 f"FROM {joined}\nWHERE t.{active}"
             ),
+            keys=Statement(_keys(t)),
         )
 
     def create(self, flavour: str, value_type: str = "varchar(128)") -> Statement:
@@ -345,6 +347,28 @@ def _take_fenced(t: str) -> str:
         f"    {counter}),\n"
         f"  `expired_at` = IF(`key` = %(row)s,\n"
         f"    IF({_FREE}, {_EXPIRY}, `expired_at` + 0 * {_REFUSAL}), `expired_at`)"
+    )
+
+
+# A slot's number as dmutex writes it (no sign, no leading zero), below MAX_PERMITS.
+_SLOT_TEXT = "'^(0|[1-9][0-9]{0,3})$'"
+
+
+def _keys(t: str) -> str:
+    """The held keys of slots 0 .. %(permits)s - 1, each once, the first %(limit)s in order.
+
+    A row's slot is the text between ``permit:`` and the next ``:``, read as
+    a number only where it is one as dmutex writes it; the key is what
+    follows it. The key column's binary collation (rule 5) orders them byte
+    for byte and makes ``LIKE 'permit:%'`` a range of the primary key.
+    """
+    return (
+        "SELECT DISTINCT SUBSTRING(p.`key`, CHAR_LENGTH(p.slot) + 9) AS k\n"
+        "FROM (SELECT `key`, SUBSTRING_INDEX(SUBSTRING(`key`, 8), ':', 1) AS slot\n"
+        f"  FROM {t} WHERE `key` LIKE 'permit:%%' AND `expired_at` > {NOW_MS}) AS p\n"
+        f"WHERE IF(p.slot REGEXP {_SLOT_TEXT}, CAST(p.slot AS UNSIGNED), NULL) < %(permits)s\n"
+        "  AND CHAR_LENGTH(p.`key`) > CHAR_LENGTH(p.slot) + 8\n"
+        "ORDER BY k LIMIT %(limit)s"
     )
 
 

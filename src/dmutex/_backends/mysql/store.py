@@ -24,8 +24,9 @@ Rules of this module:
    (``statements.py``, rule 4). A semaphore's acquire reads the
    key's slots first (one statement, the same as ``holders``) and then
    takes a free one, so two; one when every slot is held; one more per
-   race lost to another caller between the read and the take. Release and
-   extend are one statement; a batch of up to :data:`RENEW_BATCH` renewals
+   race lost to another caller between the read and the take. Release,
+   extend, ``holders`` and ``keys`` (the held keys, with a ``LIMIT``) are
+   one statement each; a batch of up to :data:`RENEW_BATCH` renewals
    two (the update, then which rows it extended, which MySQL's OK packet
    cannot say). ``fencing=None`` keeps a fence here too, since it costs no
    statement: only a second row written in the grant's.
@@ -421,6 +422,15 @@ class MySQLStore:
             else:
                 found.append(Holder(_int(slot, "slot"), _text(value), _int(expires, "expiry")))
         return Inspection(sorted(found), fence, now)
+
+    def keys(self, limit: int) -> Steps[list[str]]:
+        """The first ``limit`` keys in byte order with an active permit in slots 0 .. N-1.
+
+        One statement, no change.
+        """
+        params = {"permits": self._permits, "limit": limit}
+        rows = (yield from self._call(self._sql.keys, params)).rows
+        return [_text(row[0]) for row in rows]
 
     def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
         """Wait for a release through this client (rule 5), or the whole time."""

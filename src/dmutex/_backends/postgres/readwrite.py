@@ -66,6 +66,22 @@ def _write(t: str, channel: str) -> Statement:
     )
 
 
+# The text of a lock that holds neither a writer nor a reader (rwstate.py, rule 1),
+# as a LIKE pattern: its start.
+FREE_PATTERN = '{"dmutex":"rwlock","w":null,"r":{},%'
+
+
+def _page(t: str) -> Statement:
+    """Up to %(size)s rows after %(after)s in byte order that may hold something (listing)."""
+    return Statement.of(
+        f'SELECT r."key", r."value", {_ms(_NOW)}\n'
+        f"FROM {t} AS r\n"
+        'WHERE r."key" LIKE \'rwlock:%%\' AND r."key" COLLATE "C" > %(after)s::text\n'
+        f"  AND r.\"value\" NOT LIKE '{_escape(FREE_PATTERN)}'\n"
+        'ORDER BY r."key" COLLATE "C" LIMIT %(size)s::int'
+    )
+
+
 def _admits(max_readers: int | None) -> Callable[[Sequence[Row]], bool]:
     """The probe's verdict (rule 3): whether the key's row would let some waiter in now.
 
@@ -131,6 +147,7 @@ class PostgresReadWriteStore(SqlReadWriteStore):
             probe=probe,
         )
         self._write_sql = _write(_escape(named), self._rows.statements.channel)
+        self._page_sql = _page(_escape(named))
         self._run = runner(client, asynchronous=asynchronous)
 
     @property
@@ -148,6 +165,9 @@ class PostgresReadWriteStore(SqlReadWriteStore):
 
     def _fetch(self, key: str) -> Steps[list[Row]]:
         return (yield from self._call(self._read_sql, {"row": f"rwlock:{key}"}))
+
+    def _page(self, after: str, size: int) -> Steps[list[Row]]:
+        return (yield from self._call(self._page_sql, {"after": after, "size": size}))
 
     def _write(self, key: str, old: object, new: str, wake: bool) -> Steps[bool]:
         params: dict[str, object] = {

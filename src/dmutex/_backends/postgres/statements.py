@@ -21,8 +21,9 @@ Rules of the statements:
    one clock, read microseconds apart.
 2. Every operation is one statement: the grant, its fence, and what a
    waiter learns of the lease in the way are common table expressions of
-   the acquire's one statement; release, extend, a batch of renewals and
-   the holders of a key are one statement each. No statement needs a
+   the acquire's one statement; release, extend, a batch of renewals,
+   the holders of a key and the table's held keys (``keys``, with a
+   ``LIMIT``) are one statement each. No statement needs a
    transaction around it, a session setting, an advisory lock or a named
    prepared statement, so any pooler (PgBouncer in transaction mode) may
    hand each one to another server connection.
@@ -227,6 +228,7 @@ class Statements:
     extend: Statement
     extend_many: Statement
     holders: Statement
+    keys: Statement
     listen: Statement
     unlisten: Statement
 
@@ -297,9 +299,32 @@ class Statements:
                 f'FROM slot JOIN {t} AS t ON t."key" = slot.name\n'
                 f'WHERE t."expired_at" > {_NOW}'
             ),
+            keys=Statement.of(_keys(t)),
             listen=Statement.of(f"LISTEN {_escape(quote(heard, 'channel'))}"),
             unlisten=Statement.of(f"UNLISTEN {_escape(quote(heard, 'channel'))}"),
         )
+
+
+# A slot's number as dmutex writes it (no sign, no leading zero), below MAX_PERMITS.
+_SLOT_TEXT = "'^(0|[1-9][0-9]{0,3})$'"
+
+
+def _keys(t: str) -> str:
+    """The held keys of slots 0 .. %(permits)s - 1, each once, the first %(limit)s in byte order.
+
+    A row's slot is the text between ``permit:`` and the next ``:``, read as
+    a number only where it is one as dmutex writes it (the ``CASE`` keeps
+    the cast from any other text); the key is what follows it.
+    """
+    return (
+        'SELECT DISTINCT substr(p."key", length(p.slot) + 9) COLLATE "C" AS k\n'
+        'FROM (SELECT "key", split_part("key", \':\', 2) AS slot FROM '
+        f"{t}\n"
+        f'  WHERE "key" LIKE \'permit:%%\' AND "expired_at" > {_NOW}) AS p\n'
+        f"WHERE CASE WHEN p.slot ~ {_SLOT_TEXT} THEN p.slot::int END < %(permits)s::int\n"
+        '  AND length(p."key") > length(p.slot) + 8\n'
+        "ORDER BY k LIMIT %(limit)s::int"
+    )
 
 
 def _acquire(t: str, fencing: bool, *, semaphore: bool) -> str:

@@ -21,10 +21,11 @@ Rules of this module:
 2. Every operation is one statement (``statements.py``, rule 2), so one
    ``Call`` of the client's runner (``runners.py``): acquire with its
    fence, release, extend, a batch of up to :data:`RENEW_BATCH` renewals,
-   the holders of a key. A semaphore acquire that lost the slot it picked
-   to another caller between its read and its upsert (``raced``) sends
-   the statement again: one more per race lost, and only when another
-   caller took a permit meanwhile.
+   the holders of a key, the table's held keys (``dmutex status``). A
+   semaphore acquire that lost the slot it picked to another caller
+   between its read and its upsert (``raced``) sends the statement again:
+   one more per race lost, and only when another caller took a permit
+   meanwhile.
 3. An acquire finds its own token first (``statements.py``, rule 3): a copy
    re-sent after a lost reply answers with the slot the first copy took
    (its expiry and fence moved on, as Redis's script does), never a second.
@@ -81,6 +82,13 @@ RENEW_BATCH = 256
 def _int(value: object, what: str) -> int:
     """An integer column of a reply; anything else is a server that does not speak this SQL."""
     if isinstance(value, bool) or not isinstance(value, int):
+        raise DMutexError(f"unexpected {what} from PostgreSQL: {value!r}")
+    return value
+
+
+def _str(value: object, what: str) -> str:
+    """A text column of a reply; anything else is a server that does not speak this SQL."""
+    if not isinstance(value, str):
         raise DMutexError(f"unexpected {what} from PostgreSQL: {value!r}")
     return value
 
@@ -296,6 +304,15 @@ class PostgresStore:
             else:
                 found.append(Holder(_int(slot, "slot"), str(value), _int(expires, "expiry")))
         return Inspection(sorted(found), fence, now)
+
+    def keys(self, limit: int) -> Steps[list[str]]:
+        """The first ``limit`` keys in byte order with an active permit in slots 0 .. N-1.
+
+        One statement, no change (``statements.py``, rule 2).
+        """
+        params = {"permits": self._permits, "limit": limit}
+        rows = yield from self._call(self._sql.keys, params)
+        return [_str(row[0], "key") for row in rows]
 
     @property
     def listens(self) -> bool:

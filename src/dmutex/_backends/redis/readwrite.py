@@ -66,7 +66,15 @@ from .scripts import (
     RW_RELEASE,
     RW_RENEW,
 )
-from .store import AheadAttempt, RedisRequests, _answered, _as_int, _foreign, _is_noscript
+from .store import (
+    AheadAttempt,
+    RedisRequests,
+    _answered,
+    _as_int,
+    _foreign,
+    _is_noscript,
+    glob_escape,
+)
 
 __all__ = ["RedisReadWriteStore"]
 
@@ -386,3 +394,19 @@ class RedisReadWriteStore(RedisRequests):
                 state.readers[token] = _as_int(value, 0, MAX_EXPIRY_MS)
         found = [Holder(*hold) for hold in readwrite.holders(state, now)]
         return Inspection(found, fence if self._fencing else None, now)
+
+    def keys(self, limit: int) -> Steps[list[str]]:
+        """The keys with a lock hash, by ``SCAN MATCH`` on the prefix; at most ``limit``, sorted.
+
+        A hash lives while a hold or an intent in it does (rule 1), so a key
+        is listed while a writer or reader holds it, and also while only a
+        waiting writer's intent is left (its holders then show none). One
+        server only (``store.RedisRequests._scan``).
+        """
+        start = f"{self._prefix}rwlock:"
+
+        def key_of(name: str) -> str | None:
+            key = name[len(start) :]
+            return key if name.startswith(start) and key else None
+
+        return self._scan(glob_escape(start) + "*", key_of, limit)

@@ -22,6 +22,13 @@ expired and was taken over cannot touch the new holder's key. Every script
 declares, in ``KEYS``, every key it touches, and writes only slot keys that
 are absent or hold the caller's own token (and the records above).
 
+Listing the held keys (``keys``, for ``dmutex status``) is the one operation
+of more than one request: ``SCAN`` with ``MATCH`` on the prefix and ``COUNT``
+:data:`SCAN_COUNT`, request after request, until it found as many keys as
+asked or the cursor came round, so a database with many other keys takes
+many requests (each one short on the server). One server only: a cluster
+client's keys are spread over its primaries, and it is refused.
+
 An acquire is idempotent: the token is fixed before the first send, and a
 script that finds the token already in a slot returns that slot. So when a
 client re-sends an acquire whose reply was lost (redis-py and valkey-py do,
@@ -50,6 +57,7 @@ Limits:
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
@@ -77,7 +85,7 @@ from .scripts import (
 )
 from .waits import MIN_BLOCK, TICK, block_budget
 
-__all__ = ["RedisStore"]
+__all__ = ["SCAN_COUNT", "RedisStore", "glob_escape"]
 
 # An attempt goes ahead with a block (waiting rule 6) only while the block is
 # at most this share of the lease's TTL: the grant's deadline counts from
@@ -154,6 +162,26 @@ def _waited_pipeline(client: object, cluster: bool) -> Callable[..., _Pipeline]:
             f"node; {type(client).__name__} has none"
         )
     return cast("Callable[..., _Pipeline]", pipeline)
+
+
+# Keys a SCAN request asks the server to look at (listing a namespace's keys).
+SCAN_COUNT = 1000
+_GLOB = re.compile(r"([\\*?\[\]])")
+
+
+def glob_escape(text: str) -> str:
+    r"""``text`` as a literal in a ``SCAN MATCH`` pattern: ``\ * ? [ ]`` escaped."""
+    return _GLOB.sub(r"\\\1", text)
+
+
+def _scanned(reply: object) -> tuple[int, list[object]]:
+    """A ``SCAN`` reply's next cursor and names, however the client decoded it."""
+    if not isinstance(reply, (list, tuple)) or len(reply) != 2:
+        raise DMutexError(f"unexpected reply from Redis: {reply!r}")
+    cursor, names = reply
+    if not isinstance(names, (list, tuple)):
+        raise DMutexError(f"unexpected reply from Redis: {reply!r}")
+    return _as_int(cursor, 0, 2**64 - 1), list(names)
 
 
 def _answered(ahead: Ahead, waiter: Waiter) -> Steps[Lease | None]:
@@ -353,6 +381,53 @@ class RedisRequests:
     def ready(self) -> Steps[None]:
         """Nothing to prepare: Redis needs no index."""
         yield from ()
+
+    def _scan(
+        self, pattern: str, key_of: Callable[[str], str | None], limit: int
+    ) -> Steps[list[str]]:
+        """The first ``limit`` keys, sorted, of the names ``SCAN MATCH pattern`` finds.
+
+        :data:`SCAN_COUNT` names looked at per request, until ``limit`` keys
+        are found or the cursor comes round (``SCAN`` may name a key twice:
+        each counts once). ``key_of`` reads a name's key (None: not one). On
+        one server only: raises :class:`UnsupportedClientError` for a cluster
+        client (each primary holds its own part of the keys) and for a
+        client without ``execute_command`` (the ``set`` + ``eval`` shape),
+        when called, before any request.
+        """
+        if self._cluster:
+            raise UnsupportedClientError(
+                "listing a namespace's keys scans one Redis server; a cluster client's "
+                "keys are spread over its primaries"
+            )
+        if self._execute is None:
+            raise UnsupportedClientError(
+                "listing a namespace's keys needs a Redis client with execute_command (SCAN)"
+            )
+        return self._scanning(self._execute, pattern, key_of, limit)
+
+    @staticmethod
+    def _scanning(
+        execute: Callable[..., object],
+        pattern: str,
+        key_of: Callable[[str], str | None],
+        limit: int,
+    ) -> Steps[list[str]]:
+        found: set[str] = set()
+        cursor = 0
+        while True:
+            reply = yield Call(execute, ("SCAN", cursor, "MATCH", pattern, "COUNT", SCAN_COUNT))
+            cursor, names = _scanned(reply)
+            for name in names:
+                try:
+                    text = name.decode() if isinstance(name, bytes) else str(name)
+                except UnicodeDecodeError:
+                    continue  # not a name dmutex writes
+                key = key_of(text)
+                if key is not None:
+                    found.add(key)
+            if cursor == 0 or len(found) >= limit:
+                return sorted(found)[:limit]
 
     def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
         """Block on ``key``'s signal list (``BLPOP``) for up to ``seconds``, else sleep.
@@ -840,6 +915,29 @@ class RedisStore(RedisRequests):
                 found.append(Holder(first + _as_int(position, 0, len(group)), shown, expires))
             first += len(group)
         return Inspection(found, fence, now)
+
+    def keys(self, limit: int) -> Steps[list[str]]:
+        """The held keys: their slot keys (slots 0 .. N-1) by ``SCAN MATCH`` on the prefix.
+
+        At most ``limit``, sorted; which ones when there are more is the
+        order ``SCAN`` meets them in. A slot key exists only while its lease
+        is active (Redis expires it), so what is found is held. One server
+        only (:meth:`_scan`).
+        """
+        start = f"{self._prefix}permit:"
+        permits = self._permits
+
+        def key_of(name: str) -> str | None:
+            if not name.startswith(start):
+                return None
+            slot, colon, key = name[len(start) :].partition(":")
+            if not (colon and key and slot.isascii() and slot.isdigit()):
+                return None
+            if str(int(slot)) != slot or int(slot) >= permits:
+                return None
+            return key
+
+        return self._scan(glob_escape(start) + "*", key_of, limit)
 
     def _renew(
         self, chunk: list[int], leases: Sequence[Lease], names: list[str]
