@@ -24,7 +24,7 @@ from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -272,3 +272,12 @@ def postgres_store(server_url: str, schema: str) -> Store:
     for prefix in ("_dmutex_", "_dsemaphore_"):
         client.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(store._table(SERVICE, prefix)))
     return store
+
+
+def mongo_url(server_url: str, db_name: str) -> str:
+    """The command's URL for a MongoDB test server: the test database in its path.
+
+    The command takes its ``db_name`` from there.
+    """
+    parts = urlsplit(server_url)
+    return urlunsplit((parts.scheme, parts.netloc, f"/{db_name}", parts.query, ""))

@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote
 
 import psycopg
 import psycopg_pool
@@ -571,9 +571,7 @@ def test_mongodb_interoperates_with_the_library_and_fences_its_grants(
     mongo_session: mongo_servers.Session, env: dict[str, str], tmp_path: Path
 ) -> None:
     server = mongo_session.server()
-    # The test database goes in the URL's path: the command's db_name comes from there.
-    parts = urlsplit(server.url)
-    url = urlunsplit((parts.scheme, parts.netloc, f"/{server.db_name}", parts.query, ""))
+    url = cli.mongo_url(server.url, server.db_name)
     service = f"cli-{tmp_path.name}"  # a collection of this test's own
     client = server.client()
     try:

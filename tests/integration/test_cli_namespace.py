@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -97,9 +96,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
     else:
         session: mongo_servers.Session = request.getfixturevalue("mongo_session")
         mongo = session.server()
-        # The test database goes in the URL's path: the command's db_name comes from there.
-        parts = urlsplit(mongo.url)
-        url = urlunsplit((parts.scheme, parts.netloc, f"/{mongo.db_name}", parts.query, ""))
+        url = cli.mongo_url(mongo.url, mongo.db_name)
         client = mongo.client()
         found = Backend("mongodb", url, service, client, mongo.db_name)
         close = client.close

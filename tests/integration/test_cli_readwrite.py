@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -96,9 +95,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
     else:
         session: mongo_servers.Session = request.getfixturevalue("mongo_session")
         server = session.server()
-        # The test database goes in the URL's path: the command's db_name comes from there.
-        parts = urlsplit(server.url)
-        url = urlunsplit((parts.scheme, parts.netloc, f"/{server.db_name}", parts.query, ""))
+        url = cli.mongo_url(server.url, server.db_name)
         service = f"cli-rw-{tmp_path.name}"  # a collection of this test's own
         client = server.client()
         lock = DReadWriteLock(service, client, db_name=server.db_name)
