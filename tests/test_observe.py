@@ -351,3 +351,35 @@ def test_observers_are_checked_before_any_request(value: Any, message: str) -> N
     with pytest.raises(TypeError, match=message):
         DMutex("svc", backend, observers=value)
     assert backend.snapshot() == {}
+
+
+def test_a_failed_renewal_is_an_event_and_a_warning(
+    clock: ManualClock, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renewal whose request raises: Renewed(ok=False), a WARNING; the next succeeds."""
+    seen = Recorder()
+    mutex = DMutex("svc", InMemoryBackend(clock=clock), observers=[seen])
+    held = mutex.acquire("k", 3, auto_renew=True)
+    assert held is not None
+    store: Any = mutex._engine._store
+    working = store.extend_many
+    calls = 0
+
+    def failing_once(leases: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise ConnectionError("the server went away")
+        return (yield from working(leases))
+
+    monkeypatch.setattr(store, "extend_many", failing_once)
+    seen.take()
+    with caplog.at_level(logging.WARNING, logger="dmutex.renewal"):
+        clock.advance(1.1)  # the first renewal fails
+        clock.advance(0.5)  # its retry (a fraction of the interval later) succeeds
+    assert summary(seen.take()) == [("Renewed", "k", False), ("Renewed", "k", True)]
+    (warned,) = [r for r in caplog.records if r.name == "dmutex.renewal"]
+    assert "renewing the lease on 'k' failed (ConnectionError)" in warned.getMessage()
+    assert warned.__dict__["dmutex_token"] == held.token[:8]
+    assert held.lost is False
+    assert held.release() is True
