@@ -29,7 +29,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from dmutex import ManualClock
 from tests._support.faces import FaceName, LoopThread
-from tests._support.mysql_servers import Session, connect_args, without_tls
+from tests._support.mysql_servers import Session, aiomysql_connection, connect_args, without_tls
 from tests._support.rwrows import hold_expired
 
 Runner = Callable[[Awaitable[object]], object]
@@ -164,15 +164,7 @@ class MySQL:
             self._async_closers.append(engine.dispose)
             return engine
         if self.variant == "aiomysql":
-            made = await aiomysql.connect(
-                host=a["host"],
-                port=a["port"],
-                user=a["user"],
-                password=a["password"],
-                db=a["database"],
-                charset="utf8mb4",
-                autocommit=True,
-            )
+            made = await aiomysql_connection(self.url, a["database"])
         elif self.variant == "asyncmy":
             made = await asyncmy.connect(**a, charset="utf8mb4", autocommit=True)
         elif self.variant in ("aiomysql-pool", "asyncmy-pool"):

@@ -57,7 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Protocol, TypedDict
+from typing import TYPE_CHECKING, Protocol, TypedDict
 from urllib.parse import quote, unquote, urlsplit
 
 import pymysql
@@ -66,6 +66,9 @@ from pymysql.connections import Connection
 from pymysql.cursors import Cursor
 
 from tests._support import servers
+
+if TYPE_CHECKING:
+    import aiomysql
 from tests._support.servers import LOOPBACK, Src, docker_answers
 
 START_TIMEOUT = 30.0
@@ -757,3 +760,22 @@ class Session(servers.Pool[Source, Server]):
 def new_session() -> Session:
     """A new session over the discovery made once per run, checked against the requirement."""
     return Session(check_required(_discovered_once()))
+
+
+async def aiomysql_connection(url: str, database: str | None = None) -> aiomysql.Connection:
+    """An aiomysql connection to the server of ``url``, in ``database`` (else the URL's).
+
+    utf8mb4, in autocommit: as every test's aiomysql client is made.
+    """
+    import aiomysql
+
+    args = connect_args(url)
+    return await aiomysql.connect(
+        host=args["host"],
+        port=args["port"],
+        user=args["user"],
+        password=args["password"],
+        db=database if database is not None else args.get("database"),
+        charset="utf8mb4",
+        autocommit=True,
+    )

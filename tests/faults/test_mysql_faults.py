@@ -103,6 +103,7 @@ from tests._support.mysql_servers import (
     Restartable,
     Server,
     Session,
+    aiomysql_connection,
     connect_args,
 )
 from tests._support.sampling import process_state, until
@@ -254,15 +255,7 @@ async def async_connection(driver: str, server: Server) -> Any:
     """A single aiomysql or asyncmy connection in ``server``'s database, in autocommit."""
     args = connect_args(server.url)
     if driver == "aiomysql":
-        return await aiomysql.connect(
-            host=args["host"],
-            port=args["port"],
-            user=args["user"],
-            password=args["password"],
-            db=server.database,
-            charset="utf8mb4",
-            autocommit=True,
-        )
+        return await aiomysql_connection(server.url, server.database)
     return await asyncmy.connect(
         host=args["host"],
         port=args["port"],

@@ -35,7 +35,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import aiomysql
 import pytest
 from pymysql.connections import Connection
 from pymysql.cursors import Cursor
@@ -46,6 +45,7 @@ from tests._support.mysql_servers import (
     CONNECT_TIMEOUT,
     Server,
     Session,
+    aiomysql_connection,
     connect_args,
     without_tls,
 )
@@ -214,20 +214,7 @@ def _open(face: str, server: Server, env: Env) -> None:
         env.closing.append(conn.close)
         return
     loop = env.loop = LoopThread()
-    args = connect_args(server.url)
-
-    async def open_client() -> aiomysql.Connection:
-        return await aiomysql.connect(
-            host=args["host"],
-            port=args["port"],
-            user=args["user"],
-            password=args["password"],
-            db=server.database,
-            charset="utf8mb4",
-            autocommit=True,
-        )
-
-    made = loop.run(open_client())
+    made = loop.run(aiomysql_connection(server.url, server.database))
     env.client = made
 
     async def close() -> None:

@@ -57,7 +57,6 @@ from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import aiomysql
 import asyncmy
 import pymysql
 import pytest
@@ -73,7 +72,7 @@ from dmutex import (
 )
 from dmutex._backends.mysql.statements import COLLATIONS, FOREVER, NOW_MS
 from dmutex._cli.holders import read_holders
-from tests._support.mysql_servers import Server, Session, connect_args
+from tests._support.mysql_servers import Server, Session, aiomysql_connection, connect_args
 from tests._support.sampling import until
 from tests._support.typescript import PythonSide, TypeScriptSemaphore
 
@@ -286,17 +285,7 @@ class Python(PythonSide):
         if kind == "pymysql":
             self.client = connect(server)
         elif kind == "aiomysql":
-            self.client = self.run(
-                aiomysql.connect(
-                    host=args["host"],
-                    port=args["port"],
-                    user=args["user"],
-                    password=args["password"],
-                    db=server.database,
-                    charset="utf8mb4",
-                    autocommit=True,
-                )
-            )
+            self.client = self.run(aiomysql_connection(server.url, server.database))
         else:
             self.client = self.run(
                 asyncmy.connect(

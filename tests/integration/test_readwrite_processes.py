@@ -35,7 +35,7 @@ import redis
 from dmutex import AsyncDReadWriteLock, DReadWriteLock
 from tests._support import processes
 from tests._support.mysql_servers import Session as MySQLSession
-from tests._support.mysql_servers import connect_args
+from tests._support.mysql_servers import aiomysql_connection, connect_args
 from tests._support.redis_servers import Pool, flushed, newest
 
 KEY = "model"
@@ -151,18 +151,7 @@ async def _async_client(where: Where) -> Any:
 
         return await asyncpg.connect(where.lock_url)
     if where.kind == "mysql":
-        import aiomysql
-
-        args = connect_args(where.lock_url)
-        return await aiomysql.connect(
-            host=args["host"],
-            port=args["port"],
-            user=args["user"],
-            password=args["password"],
-            db=args.get("database"),
-            autocommit=True,
-            charset="utf8mb4",
-        )
+        return await aiomysql_connection(where.lock_url)
     import redis.asyncio
 
     return redis.asyncio.Redis.from_url(where.lock_url)
