@@ -60,7 +60,7 @@ from typing import TypeVar
 
 from .._clock import Clock
 from .._core import readwrite
-from .._core.abc import Holder, Inspection, Renewed
+from .._core.abc import Holder, Inspection, Renewed, extend_each
 from .._core.effects import Steps
 from .._core.lease import MAX_EXPIRY_MS, Lease
 from .._core.waiting import Waiter
@@ -240,19 +240,8 @@ class SqlReadWriteStore:
         return expires
 
     def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
-        """Extend each lease in turn; a failure is that lease's answer alone."""
-        answers: list[Renewed] = []
-        for lease in leases:
-            if lease.ended:
-                answers.append(None)
-                continue
-            try:
-                answers.append(
-                    (yield from self.extend(lease.key, lease.token, lease.slot, lease.ttl_ms))
-                )
-            except Exception as error:  # noqa: BLE001 - this lease's answer
-                answers.append(error)
-        return answers
+        """Extend each lease in turn (``abc.extend_each``): a failure is its answer alone."""
+        return extend_each(self, leases)
 
     def holders(self, key: str) -> Steps[Inspection]:
         """The active holds of ``key`` and its fence counter: the read alone."""
