@@ -479,6 +479,15 @@ def test_dmutex_backend_variable_picks_the_backend(store: Store, env: dict[str, 
         ["status", "\udcff\udcfe"],  # argv bytes that are not UTF-8
         ["run", "\udcff", "--", "true"],
         ["status", "--backend", "mongodb://127.0.0.1:99999/", KEY],  # a port out of range
+        ["run", "--ttl", "1e-9", KEY, "--", "true"],  # below the command's least TTL
+        ["run", "--ttl", "0.5", KEY, "--", "true"],
+        ["run", "--service", "", KEY, "--", "true"],
+        ["status", "--service", "", KEY],
+        ["status", "--limit", "5000", KEY],  # more permits than a semaphore has
+        ["run", "--backend", "redis://127.0.0.1:1/abc", KEY, "--", "true"],  # not database 0
+        ["status", "--backend", "rediss://127.0.0.1:1/?db=x", KEY],
+        ["status", "--backend", "postgresql://127.0.0.1:1/x?sslmode=bogus", KEY],
+        ["run", "--backend", "postgresql://127.0.0.1:1/x?connect_timeout=abc", KEY, "--", "true"],
         ["run", "--backend", "mongodb://127.0.0.1:99999/", KEY, "--", "true"],
     ],
 )
@@ -488,6 +497,23 @@ def test_usage_errors_exit_64(env: dict[str, str], args: list[str]) -> None:
     assert done.status == 64, done.stderr
     assert "Traceback" not in done.stderr
     assert done.stderr.strip(), "it says why"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["run", "--service", "", KEY, "--", "true"],
+        ["run", "--ttl", "1e-9", KEY, "--", "true"],
+        ["status", "--service", "", KEY],
+        ["status", "--limit", "5000", KEY],
+    ],
+)
+def test_usage_errors_create_no_file(env: dict[str, str], args: list[str]) -> None:
+    """Refused before the default SQLite file (or its folder) is made."""
+    state = Path(env["XDG_STATE_HOME"])
+    done = cli.run(args, env)
+    assert done.status == 64, done.stderr
+    assert not state.exists() or not any(state.rglob("*")), sorted(state.rglob("*"))
 
 
 def test_mongodb_urls_get_timeouts_that_fit_the_ttl_unless_they_set_their_own() -> None:

@@ -30,7 +30,7 @@ from typing import NoReturn
 from .._backends.redis.store import SCAN_COUNT
 from .._errors import ArgumentTypeError, InvalidArgumentError
 from .._options import Kind
-from .._validate import check_key
+from .._validate import MAX_PERMITS, check_key, check_str
 from .._version import __version__
 from .errors import CONFLICT, USAGE, Failure, one_line
 from .holders import Role
@@ -44,6 +44,11 @@ DEFAULT_KILL_GRACE = 10.0
 # before it: a grace of at most a quarter of the TTL leaves a renewal and a
 # few retries between the last answered renewal and the SIGTERM.
 MAX_GRACE_FRACTION = 0.25
+# The shortest --ttl: the holder's deadline comes at least 0.2 s before the
+# lease can lapse (dmutex._core.renewal.margin_ms), renewals every third of
+# the TTL, and a command to start and stop within it; a shorter lease would
+# be lost before its command got to run (the library itself takes shorter).
+MIN_TTL = 1.0
 BACKEND_ENV = "DMUTEX_BACKEND"
 # status without KEY: the held keys listed by default, and at most (each is
 # one read of its holders), and the shortest --watch interval.
@@ -151,12 +156,18 @@ def _seconds(text: str, *, zero: bool) -> float:
     return value
 
 
-def _positive_seconds(text: str) -> float:
-    return _seconds(text, zero=False)
-
-
 def _seconds_or_zero(text: str) -> float:
     return _seconds(text, zero=True)
+
+
+def _ttl(text: str) -> float:
+    value = _seconds(text, zero=False)
+    if value < MIN_TTL:
+        raise argparse.ArgumentTypeError(
+            f"must be at least {MIN_TTL:g} s (a shorter lease would lapse before its "
+            f"command ran): {text!r}"
+        )
+    return value
 
 
 def _permits(text: str) -> int:
@@ -164,9 +175,17 @@ def _permits(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    if not 1 <= value <= MAX_PERMITS:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_PERMITS}: {text!r}")
     return value
+
+
+def _service(text: str) -> str:
+    """``--service``, checked as the library checks a ``service_name``, before any I/O."""
+    try:
+        return check_str("the service name", text)
+    except (InvalidArgumentError, ArgumentTypeError) as error:
+        raise argparse.ArgumentTypeError(one_line(error)) from None
 
 
 def _interval(text: str) -> float:
@@ -201,6 +220,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--service",
         metavar="NAME",
+        type=_service,
         default=DEFAULT_SERVICE,
         help="the namespace of the keys, as the library's service_name (default: %(default)s)",
     )
@@ -241,10 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--ttl",
         metavar="SECONDS",
-        type=_positive_seconds,
+        type=_ttl,
         default=DEFAULT_TTL,
         help="the lease length, renewed every third of it while COMMAND runs; a dmutex "
-        "that dies leaves the lock held this long at most (default: %(default)g)",
+        "that dies leaves the lock held this long at most; 1 or more (default: %(default)g)",
     )
     waiting = run.add_mutually_exclusive_group()
     waiting.add_argument(

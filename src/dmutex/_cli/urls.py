@@ -51,7 +51,12 @@ MySQL and MariaDB (``mysql://`` or ``mariadb://``, the same):
 Caveats: ``sqlite:`` URLs follow ``file:`` URLs, not SQLAlchemy's:
 ``sqlite:///var/x.db`` is the absolute path ``/var/x.db``; a relative path
 is written ``sqlite:x.db``. Redis and MongoDB URLs are passed to their
-client packages as given, which validate them. A ``mysql:`` URL takes no
+client packages as given, which validate them, except a Redis database
+(the path, or ``?db=``) that is not a number, which redis-py would read as
+database 0: :func:`parse` refuses it. libpq checks some parameters' values
+only as it connects; ``sslmode``, ``gssencmode``, ``target_session_attrs``
+and the whole-number ones (``connect_timeout``, ``keepalives*``,
+``tcp_user_timeout``) are checked before, status 64. A ``mysql:`` URL takes no
 client certificate, and no other PyMySQL option. A PostgreSQL server that
 accepts a request and never answers it (a paused server) holds it until it
 answers: libpq has no reply timeout. ``run`` still stops the command by the
@@ -198,9 +203,31 @@ def parse(url: str | None, env: Mapping[str, str]) -> Target:
         database = _mysql_address(url)["database"]
         assert isinstance(database, str)  # _mysql_address refuses a URL without one
         return Target("mysql", url, redact(url), database=database)
+    if kind == "redis":
+        _check_redis_database(url)
     if kind != "sqlite":
         return Target(kind, url, redact(url))
     return Target("sqlite", url, url, _sqlite_path(url))
+
+
+def _check_redis_database(url: str) -> None:
+    """Refuse a ``redis://`` URL whose database (its path, or ``?db=``) is not a number.
+
+    redis-py reads a path it cannot parse as database 0, and would lock there.
+    """
+    parts = urlsplit(url)
+    named = [("its path", unquote(parts.path[1:]))] if parts.path not in ("", "/") else []
+    for item in parts.query.split("&") if parts.query else []:
+        name, _, value = item.partition("=")
+        if unquote(name) == "db":
+            named.append(("db=", unquote(value)))
+    for where, database in named:
+        if not (database.isascii() and database.isdigit()):
+            raise Failure(
+                USAGE,
+                f"bad Redis URL {redact(url)}: {where} names the database by its number "
+                f"(0, 1, ...), not {database!r}",
+            )
 
 
 def _postgres_target(url: str) -> Target:
@@ -450,6 +477,44 @@ def _scrubbed(text: str, url: str) -> str:
     return text
 
 
+# libpq parameters whose values it checks only when it connects (then status
+# 69, as if the server were unreachable): the command checks them first.
+_LIBPQ_CHOICES = {
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "gssencmode": ("disable", "prefer", "require"),
+    "target_session_attrs": (
+        "any",
+        "read-write",
+        "read-only",
+        "primary",
+        "standby",
+        "prefer-standby",
+    ),
+}
+_LIBPQ_INTEGERS = (
+    "connect_timeout",
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+    "tcp_user_timeout",
+)
+_LIBPQ_INTEGER = re.compile(r"\s*[-+]?[0-9]+\s*")
+
+
+def _libpq_value(params: Mapping[str, str]) -> str | None:
+    """Why one of ``params`` is a value libpq would refuse at connect time, or None."""
+    for name, choices in _LIBPQ_CHOICES.items():
+        value = params.get(name)
+        if value is not None and value not in choices:
+            return f"{name}={value!r} is not one of {', '.join(choices)}"
+    for name in _LIBPQ_INTEGERS:
+        value = params.get(name)
+        if value is not None and not _LIBPQ_INTEGER.fullmatch(value):
+            return f"{name}={value!r} is not a whole number"
+    return None
+
+
 def _ports(params: Mapping[str, str]) -> str | None:
     """The first port of ``params`` (one per host, comma-separated) outside 1-65535."""
     for port in params.get("port", "").split(","):
@@ -473,6 +538,9 @@ def _connect_postgres(target: Target, timeout: float, waits: bool) -> Backend:
     port = _ports(params)
     if port is not None:
         raise Failure(USAGE, f"bad PostgreSQL URL {target.shown}: port {port!r} is not 1-65535")
+    wrong = _libpq_value(params)
+    if wrong is not None:
+        raise Failure(USAGE, f"bad PostgreSQL URL {target.shown}: {wrong}")
     conninfo = psycopg.conninfo.make_conninfo(
         target.url, **postgres_timeouts(params, timeout, os.environ)
     )
