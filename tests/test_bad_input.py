@@ -16,6 +16,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import fakeredis
 import psycopg_pool
 import pytest
 
@@ -23,9 +24,11 @@ from dmutex import (
     MAX_PERMITS,
     AmbiguousClientError,
     AsyncDMutex,
+    AsyncDReadWriteLock,
     AsyncDSemaphore,
     DMutex,
     DMutexError,
+    DReadWriteLock,
     DSemaphore,
     InMemoryBackend,
     InvalidArgumentError,
@@ -33,6 +36,7 @@ from dmutex import (
     SQLiteBackend,
     UnsupportedClientError,
 )
+from dmutex._cli.holders import Reader
 from tests._support.doubles import (
     AnsweringRedis,
     AsyncAnsweringRedis,
@@ -594,3 +598,110 @@ def test_mongodb_names_are_not_judged_for_other_backends(cls: Any) -> None:
     made = make(cls, client, db_name="", collection_name="a$b", collection_prefix="system.")
     assert isinstance(made, cls)
     assert client.calls == []
+
+
+# --- NUL on PostgreSQL ------------------------------------------------------------
+
+RW_CLASSES: list[Any] = [DReadWriteLock, AsyncDReadWriteLock]
+
+
+def postgres_clients(cls: Any) -> list[Any]:
+    """PostgreSQL doubles of ``cls``'s face that record every call and answer none."""
+    if cls in (*ASYNC_CLASSES, AsyncDReadWriteLock):
+        return [AsyncRecordingPsycopg(), RecordingAsyncpg()]
+    return [RecordingPsycopg()]
+
+
+def key_operations(cls: Any, target: Any, key: str, token: str) -> dict[str, Callable[[], object]]:
+    """Every public operation of ``cls`` that sends ``key`` (and ``token``, where one is given)."""
+    if cls in RW_CLASSES:
+        return {
+            "acquire_read": lambda: target.acquire_read(key),
+            "acquire_write": lambda: target.acquire_write(key),
+            "acquire_read_with_retry": lambda: target.acquire_read_with_retry(key, timeout=0),
+            "acquire_write_with_retry": lambda: target.acquire_write_with_retry(key, timeout=0),
+            "run_read": lambda: target.run_read(key, print),
+            "run_write": lambda: target.run_write(key, print),
+            "run_read_with_retry": lambda: target.run_read_with_retry(key, print, timeout=0),
+            "run_write_with_retry": lambda: target.run_write_with_retry(key, print, timeout=0),
+            "release": lambda: target.release(key, token),
+            "extend": lambda: target.extend(key, token),
+        }
+    ops = operations(target, key=key)
+    ops["extend"] = lambda: target.extend(key, token)
+    if cls in (DMutex, AsyncDMutex):
+        ops["unlock"] = lambda: target.unlock(key, token)
+    else:
+        ops["release"] = lambda: target.release(key, token)
+    return ops
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("cls", [*CLASSES, *RW_CLASSES])
+@pytest.mark.parametrize("key", ["a\x00b", "\x00", "k\x00"])
+def test_a_key_with_nul_is_refused_on_postgresql_before_any_call(cls: Any, key: str) -> None:
+    """PostgreSQL text holds no NUL: psycopg and asyncpg failed at the send, the table made."""
+    for client in postgres_clients(cls):
+        target = make(cls, client)
+        token = "00000000-0000-4000-8000-000000000000"
+        for name, call in key_operations(cls, target, key, token).items():
+            with pytest.raises(InvalidArgumentError, match="NUL character") as raised:
+                resolve(call())
+            assert "PostgreSQL" in str(raised.value), name
+            assert client.calls == [], f"{name}: a call reached {type(client).__name__}"
+
+
+def token_operations(cls: Any, target: Any, token: str) -> list[Callable[[], object]]:
+    """Extend and release (``unlock``, DMutex's only one) by ``token``."""
+    calls: list[Callable[[], object]] = [lambda: target.extend("k", token)]
+    if cls in (DMutex, AsyncDMutex):
+        calls.append(lambda: target.unlock("k", token))
+    else:
+        calls.append(lambda: target.release("k", token))
+    return calls
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("cls", [*CLASSES, *RW_CLASSES])
+def test_a_token_with_nul_is_refused_on_postgresql_before_any_call(cls: Any) -> None:
+    """Release and extend by token send the token as text: refused as a key is."""
+    for client in postgres_clients(cls):
+        for call in token_operations(cls, make(cls, client), "t\x00"):
+            with pytest.raises(InvalidArgumentError, match="token 't\\\\x00' contains a NUL"):
+                resolve(call())
+            assert client.calls == []
+
+
+def test_the_status_reader_refuses_a_key_with_nul_on_postgresql_before_any_call() -> None:
+    for readwrite in (False, True):
+        client = RecordingPsycopg()
+        reader = Reader(client, service="svc", limit=1, readwrite=readwrite)
+        with pytest.raises(InvalidArgumentError, match="NUL character"):
+            reader.holders("a\x00b")
+        assert client.calls == []
+
+
+@pytest.mark.parametrize("cls", [DMutex, DSemaphore, DReadWriteLock])
+def test_a_key_with_nul_is_a_lock_of_its_own_where_the_server_holds_it(
+    cls: Any, tmp_path: Path
+) -> None:
+    """SQLite, Redis (fakeredis) and InMemoryBackend hold NUL: the key is not refused there.
+
+    MySQL and MariaDB too (``tests/integration/test_mysql_store.py``); MongoDB
+    keeps keys as BSON strings, which may hold NUL.
+    """
+    sqlite = SQLiteBackend(tmp_path / "locks.sqlite3")
+    redis_client = fakeredis.FakeRedis()
+    try:
+        for client in (sqlite, redis_client, InMemoryBackend()):
+            lock = make(cls, client)
+            take = lock.acquire_write if cls is DReadWriteLock else lock.acquire
+            first, second = take("a\x00b"), take("ab")
+            assert first is not None, type(client).__name__
+            assert second is not None, "another lock"
+            assert first.key == "a\x00b"
+            assert first.release() is True
+            assert second.release() is True
+    finally:
+        sqlite.close()
+        redis_client.close()

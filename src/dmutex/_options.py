@@ -3,7 +3,7 @@
 Both faces' constructors build one :class:`Options` and hand it, with the
 client, to store opening (``dmutex._backends.open_store``). Nothing here
 looks at the client: checks that depend on which backend it is (MongoDB's
-naming rules) run when the store is opened.
+naming rules, Redis's key prefixes) run when the store is opened.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ class Options:
     """Where :attr:`collection_name` came from, for error messages."""
     key_prefix: str
     """The Redis key prefix: ``key_prefix``, else ``f"{kind's prefix}{service_name}:"``."""
+    key_origin: str
+    """Where :attr:`key_prefix` came from, for error messages."""
     clock: Clock | None
     fencing: bool | None
     """``fencing=``: None keeps a fence where it costs no request (Redis, SQLite, memory)."""
@@ -118,8 +120,10 @@ class Options:
             origin = "collection_name"
         if key_prefix is None:
             keys = f"{DEFAULT_PREFIX[kind]}{service}:"
+            key_origin = f"service_name {service!r} (key_prefix {keys!r})"
         else:
             keys = check_str("key_prefix", key_prefix, allow_empty=True)
+            key_origin = f"key_prefix {keys!r}"
         if table_name is None:
             table_start = check_str("table_prefix", table_prefix, allow_empty=True)
             table = table_start + service
@@ -144,6 +148,7 @@ class Options:
             collection_name=collection,
             collection_origin=origin,
             key_prefix=keys,
+            key_origin=key_origin,
             clock=check_clock(clock),
             fencing=None if fencing is None else check_flag("fencing", fencing),
             table_name=table,

@@ -499,6 +499,42 @@ def test_usage_errors_exit_64(env: dict[str, str], args: list[str]) -> None:
     assert done.stderr.strip(), "it says why"
 
 
+# Nothing listens on port 1: a request would exit 69, not 64.
+UNREACHABLE_REDIS = "redis://127.0.0.1:1"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["run", "--service", "x:permit:0", KEY, "--", "true"],
+        ["run", "--service", "x:fence", "--limit", "3", KEY, "--", "true"],
+        ["run", "--service", "y:rwlock", "--write", KEY, "--", "true"],
+        ["status", "--service", "x:permit:0", KEY],
+        ["status", "--service", "x:waiters", "--read-write", KEY],
+        ["status", "--service", "x:signal"],  # the namespace's listing
+    ],
+)
+def test_a_redis_service_name_that_could_reach_another_services_keys_exits_64(
+    env: dict[str, str], args: list[str]
+) -> None:
+    """Refused as the library refuses it (``_validate.check_redis_prefix``), before any request.
+
+    ``x:permit:0``'s key ``k`` would be ``x``'s key ``permit:0:k``; the
+    server is unreachable, so reaching it would be status 69.
+    """
+    done = cli.run([args[0], "--backend", UNREACHABLE_REDIS, *args[1:]], env)
+    assert done.status == 64, done.stderr
+    assert "Redis key layout" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in done.stderr
+
+
+def test_a_service_name_refused_on_redis_serves_on_sqlite(env: dict[str, str]) -> None:
+    """The rule is Redis's layout's: a table-per-service backend takes the name."""
+    done = cli.run(["run", "--service", "x:permit:0", KEY, "--", "true"], env)
+    assert done.status == 0, done.stderr
+
+
 @pytest.mark.parametrize(
     "args",
     [

@@ -220,6 +220,37 @@ def test_a_held_key_conflicts_and_a_waiter_polls_until_the_release(
     assert mysql.is_free()
 
 
+def test_a_refused_run_leaves_no_fence_and_status_shows_none_for_a_key_never_granted(
+    mysql: MySQLCli, env: dict[str, str]
+) -> None:
+    """Only a grant makes the key's counter row (statements rule 4): a refusal makes none.
+
+    The slot is held by another program, as a TypeScript client's grant
+    leaves it (the slot's row, no counter); ``dmutex run -n`` is refused,
+    and ``dmutex status`` shows the holder and no fence line.
+    """
+    mysql.mutex().ready()
+    with mysql.conn.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO `_dmutex_{mysql.service}` VALUES (%s, 'theirs-token', "
+            "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6)) DIV 1000) + 60000)",
+            (f"permit:0:{KEY}",),
+        )
+    no_wait = cli.run(mysql.args("run", "-n", KEY, "--", "true"), env)
+    assert no_wait.status == 75, no_wait.stderr
+    assert mysql.mutex().acquire(KEY, 5) is None
+    assert [name for name, _, _ in mysql.rows()] == [f"permit:0:{KEY}"], "no fence row"
+
+    shown = cli.run(mysql.args("status", KEY), env)
+    assert shown.status == 0, shown.stderr
+    assert "held (1 of 1)" in shown.stdout
+    assert "theirs..." in shown.stdout, "the token, shortened"
+    assert "fence" not in shown.stdout, shown.stdout
+    as_json = cli.run(mysql.args("status", "--json", KEY), env)
+    assert as_json.status == 0, as_json.stderr
+    assert json.loads(as_json.stdout)["fence"] is None
+
+
 def test_limit_makes_a_semaphore(mysql: MySQLCli, env: dict[str, str], tmp_path: Path) -> None:
     base = mysql.args("run", "--ttl", "3", "--limit", "2", KEY, "--")
     children = [child_folder(tmp_path, f"child{i}") for i in range(2)]

@@ -48,7 +48,8 @@ from dmutex import (
 from dmutex._backends.clients import MySQLConnectionLike
 from dmutex._backends.mysql import MySQLStore
 from dmutex._backends.mysql.runners import DEADLOCK_TRIES, Outcome, runner
-from dmutex._backends.mysql.statements import FOREVER, LISTED, Statement, granted
+from dmutex._backends.mysql.statements import FOREVER, LISTED, Statement, granted, refused
+from dmutex._cli.holders import read_holders
 from dmutex._clock import SYSTEM_CLOCK
 from dmutex._runtime.drivers import SyncDriver
 from tests._support import mysql_servers
@@ -406,6 +407,65 @@ def test_a_counter_the_grant_cannot_answer_for_is_advanced_apart(
     assert rows(raw, table) == {"fence:job": (stored, FOREVER)}, "left as it was, no slot held"
 
 
+def test_a_refused_take_writes_no_fence_row_and_shows_no_fence(
+    conn: Counting, raw: _Connection
+) -> None:
+    """Only a grant makes the counter: a key never granted has no fence (statements rule 4).
+
+    Its slot held by another program (as a TypeScript client's grant leaves
+    it: the slot's row and no counter), the refused take is one statement
+    that leaves the table as it was, so ``read_holders`` (``dmutex status``)
+    shows the holder and no fence. The grant after it makes the counter at
+    its own fence.
+    """
+    service = f"s{secrets.token_hex(4)}"
+    table = f"_dmutex_{service}"
+    try:
+        mutex = DMutex(service, client(conn))
+        mutex.ready()
+        ends = server_ms(raw) + 60_000
+        fetch(raw, f"INSERT INTO {quoted(table)} VALUES ('permit:0:job', 'theirs', %s)", (ends,))
+        conn.taken()
+        assert mutex.acquire("job", ttl=30) is None
+        assert conn.taken() == ["INSERT"], "one statement, refused"
+        assert rows(raw, table) == {"permit:0:job": ("theirs", ends)}, "no counter row made"
+        seen = read_holders(client(conn), service=service, limit=1, key="job")
+        assert [h.token for h in seen.holders] == ["theirs"]
+        assert seen.fence is None, "never granted: no fence to show"
+        expire(raw, table, "permit:0:job")
+        lock = mutex.acquire("job", ttl=30)
+        assert lock is not None
+        assert lock.fence is not None
+        assert rows(raw, table)["fence:job"] == (str(lock.fence), FOREVER), "made by the grant"
+        assert read_holders(client(conn), service=service, limit=1, key="job").fence == lock.fence
+        assert lock.release() is True
+    finally:
+        fetch(raw, f"DROP TABLE IF EXISTS {quoted(table)}")
+
+
+def test_the_fenced_take_refused_neither_makes_nor_moves_the_counter(
+    conn: Counting, raw: _Connection, table: str
+) -> None:
+    """The statement itself, as a semaphore's take that lost its slot sends it (slot 2)."""
+    store = MySQLStore(conn, table, 4, SYSTEM_CLOCK, asynchronous=False)
+    store_driver(store)
+    run = runner(conn, asynchronous=False)
+    take = store.statements.take_fenced
+    params = {"row": "permit:2:k", "fence": "fence:k", "ttl": 10_000}
+    held = cast(Outcome, run(take, {**params, "token": "first"})).answer
+    assert granted(held) is not None
+    before = rows(raw, table)
+    assert set(before) == {"permit:2:k", "fence:k"}
+    refusal = cast(Outcome, run(take, {**params, "token": "second"})).answer
+    assert granted(refusal) is None
+    assert 0 < refused(refusal) <= 10_000, "the ms until the lease in the way ends"
+    assert rows(raw, table) == before, "the counter is where the grant left it"
+    fetch(raw, f"DELETE FROM {quoted(table)} WHERE `key` = 'fence:k'")
+    again = cast(Outcome, run(take, {**params, "token": "third"})).answer
+    assert granted(again) is None
+    assert set(rows(raw, table)) == {"permit:2:k"}, "a missing counter is not made"
+
+
 def test_table_prefix_and_table_name_name_the_table(conn: Counting, raw: _Connection) -> None:
     service = f"s{secrets.token_hex(4)}"
     made = [f"_dmutex_{service}", f"_dsemaphore_{service}", f"p_{service}", f"n_{service}"]
@@ -682,6 +742,18 @@ def test_keys_that_differ_in_trailing_spaces_are_distinct_locks(
     spaced = mutex.acquire("k ")
     assert spaced is not None, "'k ' is another key than 'k'"
     assert set(permits(raw, table)) == {"permit:0:k", "permit:0:k "}
+
+
+def test_keys_with_a_nul_character_are_distinct_locks(
+    conn: Counting, raw: _Connection, table: str
+) -> None:
+    """MySQL's text holds NUL, unlike PostgreSQL's: such a key is stored as sent, not refused."""
+    mutex = DMutex("svc", client(conn), table_name=table)
+    held = [mutex.acquire(key) for key in ("k", "k\x00", "k\x00x")]
+    assert all(lock is not None for lock in held), "three locks"
+    assert set(permits(raw, table)) == {"permit:0:k", "permit:0:k\x00", "permit:0:k\x00x"}
+    assert mutex.acquire("k\x00") is None, "and held"
+    assert all(lock is not None and lock.release() for lock in held)
 
 
 @pytest.mark.parametrize("key", ["x" * 501, "\U0001d518" * 501])

@@ -26,7 +26,15 @@ import psycopg
 import psycopg_pool
 import pytest
 
-from dmutex import DMutexError, InvalidArgumentError, ManualClock
+from dmutex import (
+    AsyncDMutex,
+    AsyncDReadWriteLock,
+    DMutex,
+    DMutexError,
+    DReadWriteLock,
+    InvalidArgumentError,
+    ManualClock,
+)
 from dmutex._backends.postgres import PostgresStore
 from dmutex._backends.postgres.statements import FOREVER, Statements
 from dmutex._clock import SYSTEM_CLOCK, Clock
@@ -296,6 +304,42 @@ def test_bad_identifiers_are_refused_before_any_statement() -> None:
         Statements.of("")
     with pytest.raises(InvalidArgumentError, match="schema_name"):
         Statements.of("t", "a\0b")
+
+
+def _tables_named(raw: psycopg.Connection[Any], name: str) -> int:
+    found = raw.execute("SELECT count(*) FROM pg_tables WHERE tablename = %s", (name,)).fetchone()
+    assert found is not None
+    return int(found[0])
+
+
+def test_a_key_with_nul_is_refused_before_the_table_is_made(
+    postgres_server: str, raw: psycopg.Connection[Any]
+) -> None:
+    """PostgreSQL text holds no NUL: psycopg's DataError and asyncpg's came after ready()."""
+    service = f"nul{uuid.uuid4().hex[:8]}"
+    tables = [f"_dmutex_{service}", f"_drwlock_{service}"]
+    try:
+        with psycopg.connect(postgres_server, autocommit=True) as conn:
+            with pytest.raises(InvalidArgumentError, match="NUL character"):
+                DMutex(service, conn).acquire("a\x00b")
+            with pytest.raises(InvalidArgumentError, match="NUL character"):
+                DReadWriteLock(service, conn).acquire_write("a\x00b")
+
+        async def main() -> None:
+            conn = await asyncpg.connect(postgres_server)
+            try:
+                with pytest.raises(InvalidArgumentError, match="NUL character"):
+                    await AsyncDMutex(service, conn).acquire("a\x00b")
+                with pytest.raises(InvalidArgumentError, match="NUL character"):
+                    await AsyncDReadWriteLock(service, conn).acquire_read("\x00")
+            finally:
+                await conn.close()
+
+        asyncio.run(main())
+        assert [_tables_named(raw, name) for name in tables] == [0, 0], "nothing was sent"
+    finally:
+        for name in tables:
+            raw.execute(f'DROP TABLE IF EXISTS "{name}"')
 
 
 def test_each_driver_gets_its_placeholders_from_one_text() -> None:

@@ -65,9 +65,10 @@ def test_holders_the_index_never_saw_are_found_in_the_slot_keys(server: redis.Re
 def test_a_record_dmutex_did_not_write_at_the_index_name_is_left_alone(
     server: redis.Redis, kind: str
 ) -> None:
-    """Key prefixes are free-form: ``_dsemaphore_svc:holders:api`` is also slot
-    ``api`` of ``DSemaphore("svc:holders")``... or anything someone stored there.
-    The semaphore still works, by its slot keys; the record keeps its value and expiry.
+    """``_dsemaphore_svc:holders:api`` may hold anything someone stored there.
+
+    (No other namespace of dmutex's names it: ``check_redis_prefix``.) The
+    semaphore still works, by its slot keys; the record keeps its value and expiry.
     """
     if kind == "string":
         server.set(HOLDERS, "a token", px=90_000)

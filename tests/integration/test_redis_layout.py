@@ -221,16 +221,17 @@ def test_a_fence_counter_name_holding_another_value_is_never_written(
     server: redis.Redis, foreign: str
 ) -> None:
     """Lock ``"permit:0:job"`` of ``DSemaphore("s")`` counts fences at
-    ``_dsemaphore_s:fence:permit:0:job``, which is slot 0 of ``DSemaphore("s:fence")``'s
-    lock ``"job"`` (or any value someone else stored there). The acquire raises,
-    and writes nothing: no slot taken, the other value unchanged.
+    ``_dsemaphore_s:fence:permit:0:job``, where someone else may have stored a value:
+    a token, as slot 0 of ``DSemaphore("s:fence")``'s lock ``"job"`` would hold (a
+    service name refused now, ``check_redis_prefix``, but a server may keep what an
+    earlier version wrote). The acquire raises, and writes nothing: no slot taken,
+    the other value unchanged.
     """
     name = "_dsemaphore_s:fence:permit:0:job"
     with redis.Redis.from_url(_url(server)) as client:
         if foreign == "a token":
-            held = DSemaphore("s:fence", client, max_permits=1, fencing=False).acquire("job")
-            assert held is not None
-            foreign = held.token
+            foreign = str(uuid.uuid4())
+            server.set(name, foreign, px=60_000)
         elif foreign == "list":
             server.rpush(name, "x")
         else:

@@ -23,6 +23,7 @@ from .._validate import (
     check_db_name,
     check_mysql_names,
     check_postgres_names,
+    check_redis_prefix,
 )
 from .memory import InMemoryBackend, MemoryReadWriteStore, MemoryStore
 from .mongo import MongoStore
@@ -74,6 +75,7 @@ def backend_of(client: object, options: Options) -> str:
 def _face_checked(client: object, found: str, options: Options, *, asynchronous: bool) -> None:
     """A Redis, PostgreSQL or MySQL client's names and face, checked before any request."""
     if found == "redis":
+        check_redis_prefix(options.key_prefix, options.key_origin)
         face = "execute_command" if defines(client, "execute_command") else "eval"
     elif found == "postgresql":
         check_postgres_names(options.table_name, options.table_origin, options.schema_name)

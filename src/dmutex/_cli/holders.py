@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .._backends import open_readwrite_store, open_store
-from .._core.abc import Holder, Inspection, Listing, Store
+from .._core.abc import Holder, Inspection, Listing, Store, text_rule
 from .._core.effects import Steps
 from .._core.lease import now_ms
 from .._core.readwrite import WRITE_SLOT, ReadWriteStore
@@ -119,6 +119,7 @@ class Reader:
             options = _options("readwrite", service, 1, db_name, schema_name, None)
             store = open_readwrite_store(client, options, asynchronous=False)
         self._clock = store.clock
+        self._refuse = text_rule(store)
         self._drive = SyncDriver(store.clock, store.ready)
         self._holders: Callable[[str], Steps[Inspection]] = store.holders
         self._keys: Callable[[int], Steps[list[str]]] | None = (
@@ -126,8 +127,15 @@ class Reader:
         )
 
     def holders(self, key: str) -> Inspection:
-        """The active permits of ``key`` and its fence; raises what the client raises."""
-        return self._drive(self._holders(check_key(key)))
+        """The active permits of ``key`` and its fence; raises what the client raises.
+
+        A key the library refuses, or this store's server cannot hold (a NUL
+        on PostgreSQL), raises :class:`~dmutex.InvalidArgumentError` first.
+        """
+        key = check_key(key)
+        if self._refuse is not None:
+            self._refuse("key", key)
+        return self._drive(self._holders(key))
 
     def namespace(self, max_keys: int) -> Namespace:
         """The first ``max_keys`` held keys with their holders (rule 3).

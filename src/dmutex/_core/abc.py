@@ -21,11 +21,16 @@ Rules of this module:
    status`` without a key does. Every store of ``dmutex._backends`` (and
    every read-write store) has it; a store written elsewhere (a test's) need
    not, and whoever lists checks for it.
+5. A store whose server cannot hold every key or token that the engine's
+   own checks accept (PostgreSQL's text holds no NUL) says so as a
+   capability too (:class:`TextRule`): the engine asks it when an
+   operation is asked for, before the steps exist, so that no request
+   (not even the store's preparation) is sent for a text that would fail.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias, runtime_checkable
 
@@ -153,6 +158,23 @@ class Listing(Protocol):
         ``limit`` keys or came round.
         """
         ...
+
+
+@runtime_checkable
+class TextRule(Protocol):
+    """A store that cannot hold every key or token the engine accepts (rule 5); no I/O."""
+
+    def refuse_text(self, what: str, text: str) -> None:
+        """Raise :class:`~dmutex.InvalidArgumentError` if ``text`` cannot be held.
+
+        ``what`` names it in the message: ``"key"`` or ``"token"``.
+        """
+        ...
+
+
+def text_rule(store: object) -> Callable[[str, str], None] | None:
+    """``store``'s :meth:`TextRule.refuse_text`, or None: it holds every text the engine accepts."""
+    return store.refuse_text if isinstance(store, TextRule) else None
 
 
 def sleep(seconds: float) -> Steps[None]:

@@ -8,7 +8,8 @@ Rules of this module:
    of effects (``effects.py``) that a driver carries out.
 3. Bad input raises when the operation is asked for, before its generator
    exists: a driver never starts a request for an operation that will fail
-   its checks.
+   its checks. A key or token is checked by ``dmutex._validate`` and then
+   by the store's own rule where it has one (``abc.TextRule``).
 4. Preparing the store (``ready``) is the driver's policy, not the engine's:
    :meth:`Engine.prepare` only hands out the steps.
 5. No lock is ever held across a ``yield``. The one lock here guards the
@@ -60,7 +61,7 @@ from .._validate import (
 )
 from . import renewal, waiting
 from .abc import Renewed as Answer
-from .abc import Store
+from .abc import Store, text_rule
 from .effects import Callback, Steps, completing
 from .lease import Lease, new_token, now_ms, ttl_to_ms
 from .observe import (
@@ -107,6 +108,8 @@ class Engine:
     ) -> None:
         self._store = store
         self._shield = shield
+        # Rule 3: the store's own rule for keys and tokens, if it has one.
+        self._refuse = text_rule(store)
         # Rule 10: who is told, and what they are told the events come from.
         self._observe = observe if source is not None else None
         self._source = source
@@ -131,9 +134,22 @@ class Engine:
         """The store's one-time preparation (MongoDB: its TTL index)."""
         return self._store.ready()
 
+    def _key(self, key: object) -> str:
+        """``key`` checked (rule 3): as every backend's, then as this store's own rule says."""
+        checked = check_key(key)
+        if self._refuse is not None:
+            self._refuse("key", checked)
+        return checked
+
+    def _token(self, token: object) -> None:
+        """Refuse a bad ``token`` (rule 3), as :meth:`_key` refuses a key."""
+        checked = check_token(token)
+        if self._refuse is not None:
+            self._refuse("token", checked)
+
     def acquire(self, key: str, ttl: float | None) -> Steps[Lease | None]:
         """Try once to take a permit; None only when all permits are active."""
-        key = check_key(key)
+        key = self._key(key)
         request = self._request(key, self.ttl_ms(ttl))
         if not self._listened():
             return self._attempt(*request)
@@ -248,7 +264,7 @@ class Engine:
         past the deadline, and makes one last attempt at the deadline. Time
         is monotonic.
         """
-        key = check_key(key)
+        key = self._key(key)
         ttl_ms = self.ttl_ms(ttl)
         timeout, retry_delay = check_timeout(timeout), check_retry_delay(retry_delay)
         waiter = waiting.waiter(retry_delay) if timeout > 0 else None
@@ -327,7 +343,7 @@ class Engine:
         if key is None or not self._listened():
             return self._run(acquisition, callback, wrap, renewing)
         name: OperationName = "run_with_retry" if retrying else "run"
-        operation = self._operation(name, check_key(key))
+        operation = self._operation(name, self._key(key))
         return self._run(acquisition, callback, wrap, renewing, operation)
 
     def _ended(
@@ -475,14 +491,14 @@ class Engine:
 
     def release_token(self, key: str, token: str) -> Steps[bool]:
         """Release the active permit of ``key`` that holds ``token``."""
-        key = check_key(key)
-        check_token(token)
+        key = self._key(key)
+        self._token(token)
         return self._finishing(self._store.release(key, token, None))
 
     def extend_token(self, key: str, token: str, ttl: float | None) -> Steps[bool]:
         """Extend the active permit of ``key`` that holds ``token``."""
-        key = check_key(key)
-        check_token(token)
+        key = self._key(key)
+        self._token(token)
         return self._extend_token(key, token, self.ttl_ms(ttl))
 
     def _extend_token(self, key: str, token: str, ttl_ms: int) -> Steps[bool]:
@@ -506,7 +522,7 @@ class Engine:
         With no token given and none remembered, returns False without I/O:
         there is nothing this instance may release.
         """
-        key = check_key(key)
+        key = self._key(key)
         if token is None:
             with self._remembered_lock:
                 token = self._remembered.get(key)

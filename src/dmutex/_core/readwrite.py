@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .._clock import Clock
-from .abc import Inspection, Renewed, Store
+from .abc import Inspection, Renewed, Store, text_rule
 from .effects import Steps
 from .fences import next_fence
 from .lease import Lease
@@ -259,11 +259,17 @@ class ReadWriteStore(Protocol):
 class _Side:
     """One side of a :class:`ReadWriteStore`, as the :class:`~.abc.Store` an engine drives."""
 
-    __slots__ = ("_store", "_write")
+    __slots__ = ("_refuse", "_store", "_write")
 
     def __init__(self, store: ReadWriteStore, write: bool) -> None:
         self._store = store
         self._write = write
+        self._refuse = text_rule(store)
+
+    def refuse_text(self, what: str, text: str) -> None:
+        """The store's own rule for keys and tokens (``abc.TextRule``), if it has one."""
+        if self._refuse is not None:
+            self._refuse(what, text)
 
     @property
     def clock(self) -> Clock:

@@ -39,6 +39,8 @@ Rules of the statements:
    clock: a clock that stepped back, or 16,383 grants in one ms) or the
    row is not dmutex's does the store send a second statement (``fence``),
    which advances it alone, and answers 0 for a row dmutex did not write.
+   Only a grant writes the counter's row: a refused take neither makes nor
+   moves it (:func:`_take_fenced`), so a key never granted has none.
 5. Keys and values compare byte for byte: dmutex creates both columns
    ``utf8mb4`` with a binary collation that does not pad (MariaDB's
    ``utf8mb4_nopad_bin``, MySQL 8's ``utf8mb4_0900_bin``: :data:`COLLATIONS`),
@@ -325,9 +327,15 @@ def _take_fenced(t: str) -> str:
     (odd: granted), which the slot's row set in this statement. A granted
     take adds the fence's offset to the answer; a counter that is not
     dmutex's, or an offset that does not fit, leaves it unmoved and adds
-    :data:`UNKNOWN_FENCE`: the store then advances it apart (``fence``). A
-    refused take leaves the counter as it is (it makes it, at the clock's
-    value, if it is missing: a counter that starts higher than it had to).
+    :data:`UNKNOWN_FENCE`: the store then advances it apart (``fence``).
+
+    A refused take writes no counter: its second row is named
+    ``IF(granted, %(fence)s, %(row)s)``, so that after a refusal it is the
+    slot's own row again, which exists (it refused), and meets the slot's
+    update a second time, which changes nothing and answers the same
+    refusal. So only a grant makes the counter (at the clock's value, its
+    fence) or moves it; a key never granted has none, and ``dmutex
+    status`` shows it no fence.
     """
     granted_here = "LAST_INSERT_ID() & 1 = 1"
     offset = f"{_NEXT} - {_CLOCK_US}"
@@ -341,7 +349,7 @@ def _take_fenced(t: str) -> str:
     return (
         f"INSERT INTO {t} (`key`, `value`, `expired_at`)\n"
         f"VALUES (%(row)s, %(token)s, {_EXPIRY}),\n"
-        f"  (%(fence)s, {_CLOCK_US}, {FOREVER})\n"
+        f"  (IF({granted_here}, %(fence)s, %(row)s), {_CLOCK_US}, {FOREVER})\n"
         "ON DUPLICATE KEY UPDATE\n"
         f"  `value` = IF(`key` = %(row)s, IF({_FREE}, %(token)s, `value`),\n"
         f"    {counter}),\n"

@@ -24,6 +24,9 @@ the ``_drwlock_`` table. What is PostgreSQL's here:
    a place under ``max_readers``); else it waits for the notification or
    its time. So no release between the refused attempt and the ``LISTEN``
    is missed where it let someone in.
+4. A key or token with a NUL character is refused before any request, as
+   the mutex store refuses it (``store.py``, rule 6): PostgreSQL's
+   ``text`` cannot hold one.
 """
 
 from __future__ import annotations
@@ -154,6 +157,10 @@ class PostgresReadWriteStore(SqlReadWriteStore):
     def listens(self) -> bool:
         """Whether its waiters listen for releases (rule 3); else they poll."""
         return self._rows.listens
+
+    def refuse_text(self, what: str, text: str) -> None:
+        """Refuse a key or token with a NUL character, before any request (rule 4)."""
+        self._rows.refuse_text(what, text)
 
     def ready(self) -> Steps[None]:
         """The mutex store's ``ready()``: create the table and index, refuse another shape."""

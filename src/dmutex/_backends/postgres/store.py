@@ -55,6 +55,11 @@ Rules of this module:
    nobody. A wait that fails (the connection, the budget of lent
    connections) sleeps the rest; a woken waiter that then lost the race
    pauses before it listens again (``waiting.py``, rule 4).
+6. PostgreSQL's ``text`` holds no NUL character: a key or token with one
+   is refused (``InvalidArgumentError``) when the operation is asked for,
+   before any request, the table's creation included
+   (``dmutex._core.abc.TextRule``). Table and schema names with one are
+   refused at construction (``dmutex._validate``).
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ from ..._core.effects import Call, Sleep, Steps
 from ..._core.lease import MAX_EXPIRY_MS, Lease
 from ..._core.waiting import Waiter, lost_pause
 from ..._errors import DMutexError
+from ..._validate import refuse_nul
 from ..blocking import REFRESH
 from .listening import POOLED, Probe, listener
 from .runners import Params, Row, runner
@@ -146,6 +152,10 @@ class PostgresStore:
     @property
     def clock(self) -> Clock:
         return self._clock
+
+    def refuse_text(self, what: str, text: str) -> None:
+        """Refuse a key or token with a NUL character, before any request (rule 6)."""
+        refuse_nul(what, text, "PostgreSQL")
 
     @property
     def statements(self) -> Statements:

@@ -16,6 +16,9 @@ Rules of this module:
    hash expires (``PEXPIREAT``) with its latest hold or intent, and is
    deleted when none is left: its fence goes with it, and the next one
    starts from ``TIME`` in microseconds (``fences`` rule 2), above it.
+   Its name, as every record's here, is ``key_prefix`` + a word of the
+   layout + ``:``, under the prefix rule of ``store.py`` ("Names"), so no
+   other namespace's record bears it.
 2. A key of that name that is not a hash holding the mark is not
    dmutex's: every operation on it raises :class:`DMutexError` and
    changes nothing.

@@ -15,6 +15,16 @@ semaphore's holders index (``scripts.py``: a hint that spares reading every
 slot key, never trusted for safety) and, while someone waits, its waiting
 records.
 
+Names: every record, here and in ``readwrite.py``, is ``key_prefix`` + a
+word of ``dmutex._validate.REDIS_KINDS`` (``permit``, ``fence``,
+``holders``, ``waiters``, ``signal``, ``rwlock``) + ``:`` + the key (a slot
+key: ``{slot}:{key}``). Opening a store refuses a prefix with a
+``:``-separated part, other than its last, that is one of those words
+(``check_redis_prefix``: for the default prefix, a service name such as
+``x:permit:0``, whose key ``k`` would be service ``x``'s ``permit:0:k``),
+so that between prefixes that are empty or end in ``:`` no record name is
+two namespaces' records.
+
 Guarantees, on one Redis server: at most ``max_permits`` keys of a lock exist
 at any instant, because each is created only by ``SET ... NX``; release and
 extend compare the token and act in one atomic script, so a holder whose lease
