@@ -19,7 +19,13 @@ test picks one outcome per client chunk (:class:`Fault`):
   connections closed: the server executed the request, the client sees a
   connection error, and a client that retries sends it again;
 - ``DELAY``: held for a few milliseconds, then forwarded (later chunks of the
-  same connection wait behind it, so the order holds);
+  same connection wait behind it, so the order holds). A client that closes
+  its connection meanwhile has what was held dropped with it, unless the
+  proxy is made with ``deliver_late=True``: then it is forwarded when its
+  delay ends, and the connection closed after it, as bytes a client sent
+  before it closed still reach the server over a network, and the FIN
+  behind them (``tests/faults/test_cancellation.py``: a statement a
+  cancellation cut reaches the server late);
 - ``CUT``: the connection is torn mid-message, then both sides closed: half
   the time the server gets a prefix of the request (and never executes it),
   the other time the request goes through and the client gets a prefix of
@@ -128,6 +134,7 @@ class _Pair:
     tear_reply: bool = False  # CUT on the reply side
     closed: bool = False
     sunk: bool = False  # blackholed: bytes either way are read and dropped
+    ending: bool = False  # the client closed while a chunk was held (deliver_late)
     watching: dict[int, int] = field(default_factory=dict)  # fd -> selector events
 
     def sockets(self) -> list[socket.socket]:
@@ -152,8 +159,10 @@ class FaultProxy:
         spare: Callable[[bytes], bool] | None = None,
         calm_after_fault: int = 0,
         lifetime: float = 300.0,
+        deliver_late: bool = False,
     ) -> None:
         self.upstream = upstream
+        self._deliver_late = deliver_late
         self.rates = rates
         self.host = "127.0.0.1"
         self._rng = random.Random(seed)
@@ -433,7 +442,7 @@ class FaultProxy:
             pair.server = None
 
     def _recv(self, pair: _Pair, sock: socket.socket) -> bytes | None:
-        """Bytes read, or None when the peer closed (the pair is then closed)."""
+        """Bytes read, or None when the peer closed (the pair is then closed, or ending)."""
         try:
             data = sock.recv(CHUNK)
         except BlockingIOError:
@@ -441,9 +450,19 @@ class FaultProxy:
         except OSError:
             data = b""
         if not data:
-            self._close(pair)
+            if sock is pair.client and pair.holding and self._deliver_late:
+                self._end_late(pair)
+            else:
+                self._close(pair)
             return None
         return data
+
+    def _end_late(self, pair: _Pair) -> None:
+        """The client closed while a chunk was held: forward it when due, then close."""
+        pair.ending = True
+        pair.to_client.clear()
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(pair.client)
 
     def _decide(self, data: bytes) -> Fault:
         with self._lock:
@@ -496,6 +515,8 @@ class FaultProxy:
         data = self._recv(pair, pair.server)
         if not data:
             return
+        if pair.ending:
+            return  # the client is gone: nobody to answer
         if pair.swallow_reply:
             self._close(pair)
         elif pair.tear_reply:
@@ -522,6 +543,10 @@ class FaultProxy:
             pair.to_server += pair.held
             pair.held.clear()
             self._flush(pair)
+            if pair.ending and not pair.closed:
+                assert pair.server is not None  # only a sunk pair loses its server side
+                self._send_now(pair.server, pair.to_server)
+                self._close(pair)  # the client's FIN, behind its last bytes
 
     @staticmethod
     def _send_now(sock: socket.socket, buffer: bytearray) -> None:
@@ -534,7 +559,7 @@ class FaultProxy:
     def _flush(self, pair: _Pair) -> None:
         """Send what is buffered each way; watch for writability while some is left."""
         for sock, buffer in ((pair.server, pair.to_server), (pair.client, pair.to_client)):
-            if sock is None:
+            if sock is None or (pair.ending and sock is pair.client):
                 continue
             if buffer:
                 try:

@@ -34,6 +34,32 @@ by a plain psycopg connection. On an asyncpg pool this suite found two
 swallowed cancellations in a listening wait, both fixed and pinned in
 ``test_holes.py``.
 
+On a real MariaDB server the same trials run over an aiomysql pool, an
+asyncmy pool and one connection of each, wrapped as PostgreSQL's are
+(``test_mysql_faults.Intercepted``, its statements sent through
+:class:`Phases`), and through a :class:`FaultProxy` that delays a fifth of
+what a client sends by 1-6 ms and delivers it even after the client closed
+(``deliver_late``), as a network does. aiomysql and asyncmy close a
+connection when a task is cancelled while they await its reply; the
+statement may not have reached the server yet, and before the fix the
+acquire's clean-up release, on the pool's next connection, could run first:
+the row the take then wrote was held by nobody. Before the fix, in five runs
+of the four: 3 such rows behind the aiomysql pool each time (all cancelled
+in flight), 0-2 behind asyncmy's, 0-2 on one connection of either, where
+568-1,892 trials a run raised ``InterfaceError`` (every call after the first
+cut). The delays around each statement alone hide the race (the clean-up
+waits its own delay); the proxy's late delivery shows it. Now the runner opens the cut connection
+again and ends its old session on the server before the cancellation goes on
+(``mysql/runners.py``, rule 7); ``test_mysql_faults.py`` (scene 6) pins it
+without randomness. The storage read is every active ``permit:`` row of the
+test's two tables, by a plain PyMySQL connection. asyncmy's pool opens a
+connection through ``asyncio.wait_for``, which on Python <= 3.11 swallows a
+cancellation that arrives as it connects (CPython gh-86296; 7-9 of about 400
+cancellations that landed in its ``acquire()`` with no dmutex involved, 0 on
+Python 3.12; before the fix, 0-1 a run here, none with 3.12's ``wait_for``),
+so its pool is opened full: dmutex gives back open the connections a
+cancellation cut, and the pool never connects during the trials.
+
 After each batch, once every task of the event loop has finished, the test
 reads storage directly (Redis: every ``*permit:*`` key, with a clean client;
 InMemoryBackend: ``snapshot()``). Every permit left must belong to a task
@@ -60,7 +86,8 @@ import asyncio
 import random
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import asyncpg
 import psycopg
@@ -91,6 +118,8 @@ from tests._support.cancellation import (
     run_trials,
 )
 from tests._support.fault_clients import PHASES, DelayingRedis
+from tests._support.fault_proxy import FaultProxy, Rates
+from tests._support.mysql_servers import Server, Session, connect_args
 from tests._support.postgres_clients import (
     InterceptedAsyncpg,
     InterceptedAsyncpgPool,
@@ -101,6 +130,16 @@ from tests._support.postgres_clients import (
     drop_permits,
 )
 from tests._support.redis_servers import Pool, flushed, newest
+from tests.faults.test_mysql_faults import (
+    Intercepted,
+    InterceptedPool,
+    Table,
+    async_connection,
+    async_pool,
+    close_pool,
+)
+
+T = TypeVar("T")
 
 PERMITS = 3
 KEYS = ("job-a", "job-b")
@@ -138,6 +177,12 @@ POSTGRES = plan("postgresql", batches=120, cancel_after=0.015, spread=(1, 2, 4))
 # with 16 most cancellations land in a task's wait for its turn, few in a release.
 POSTGRES_ONE = plan("postgresql", batches=480, cancel_after=0.015, spread=(1, 2, 4), batch=4)
 POSTGRES_LEAST = 960
+# The same on MariaDB: at most; stops once every phase of both stages was hit and 960 ran.
+MYSQL = plan("mysql", batches=120, cancel_after=0.015, spread=(1, 2, 4))
+# One aiomysql or asyncmy connection: dmutex's statements take turns on it (4 a batch).
+MYSQL_ONE = plan("mysql", batches=480, cancel_after=0.015, spread=(1, 2, 4), batch=4)
+MYSQL_LEAST = 960
+MYSQL_BOUND = 120.0  # seconds, a MySQL client's trials at most (they take 2-10 s here)
 STAGE_PHASES = [f"{stage}/{phase}" for stage in ("acquire", "release") for phase in PHASES]
 POOL_SIZE = 8  # the asyncpg pool's connections: half of a batch's tasks wait for one
 # The psycopg pool's, all opened first: more than a batch's tasks ever hold, so
@@ -147,6 +192,15 @@ POOL_SIZE = 8  # the asyncpg pool's connections: half of a batch's tasks wait fo
 # 39 of the 335 cancellations that landed there in one run returned normally,
 # the pool's fault.
 PSYCOPG_POOL_SIZE = 20
+# The MySQL pools': half of a batch's tasks wait for a connection. asyncmy's is opened
+# full: it connects through asyncio.wait_for, which on Python <= 3.11 swallows a
+# cancellation that arrives as it connects (CPython gh-86296), as psycopg_pool's wait does.
+MYSQL_POOL_SIZE = 8
+# The network between the MySQL clients and the server: a fifth of the chunks a client sends
+# reach the server 1-6 ms late, and still do if the client closed meanwhile (as a statement
+# sent before a cancellation closed its connection would): the race rule 7 of
+# mysql/runners.py is about, which the delays around each statement alone hide.
+MYSQL_NETWORK = Rates(delay=0.2, delay_seconds=(0.001, 0.006))
 
 
 def in_request(phase: str | None) -> None:
@@ -335,6 +389,108 @@ def test_real_postgresql(
     summary = judge(tally)
     for where in STAGE_PHASES:
         assert tally.landed[where] > 0, summary
+
+
+MYSQL_CLIENTS = ("aiomysql pool", "asyncmy pool", "aiomysql connection", "asyncmy connection")
+
+
+class Delaying:
+    """``test_mysql_faults``' sender through :class:`Phases`: each statement delayed before it
+    is sent and after its reply, its phases noted, its parameters' values seen by ``on_send``."""
+
+    def __init__(self, phases: Phases) -> None:
+        self.phases = phases
+
+    async def send(
+        self, conn: Intercepted, query: str, args: object, request: Callable[[], Awaitable[T]]
+    ) -> T:
+        values = tuple(args.values()) if isinstance(args, Mapping) else ()
+        return await self.phases.send(values, request)
+
+
+async def mysql_client(
+    name: str, server: Server, proxy: FaultProxy, sender: Delaying
+) -> tuple[Any, Closer]:
+    """The delaying wrapper of client ``name`` on ``server``'s database through ``proxy``, and
+    how to close it."""
+    driver, kind = name.split()
+    if kind == "pool":
+        size = MYSQL_POOL_SIZE
+        least = size if driver == "asyncmy" else 1  # asyncmy's opened full: see MYSQL_POOL_SIZE
+        pool = await async_pool(driver, server, proxy.host, proxy.port, size, least)
+        return InterceptedPool(pool, sender), lambda: close_pool(pool)
+    conn = await async_connection(driver, server, proxy.host, proxy.port)
+
+    async def close() -> None:
+        conn.close()
+
+    return Intercepted(conn, sender), close
+
+
+@pytest.mark.parametrize("name", MYSQL_CLIENTS)
+def test_real_mysql(mysql_session: Session, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real MariaDB server behind a delaying client: cancellations in every phase of a
+    statement, none swallowed, no permit row left that no task holds."""
+    note_retry_waits(monkeypatch)
+    server = mysql_session.server()
+    rng = random.Random(SEED)
+    owners = Owners()
+    service = f"cancel-{uuid.uuid4().hex[:8]}"
+    calls: Counter[str] = Counter()
+
+    def sent(values: tuple[object, ...]) -> None:
+        owners.sent(values)
+        trial = current()
+        if trial is not None:
+            calls[trial.stage] += 1
+
+    def enough(tally: Tally) -> bool:
+        ran = sum(tally.trials.values())
+        return ran >= MYSQL_LEAST and all(tally.landed[where] for where in STAGE_PHASES)
+
+    phases = Phases(rng, MAX_DELAY, on_send=sent, on_phase=in_request)
+    inspector = server.connect()
+    tables = [Table(inspector, f"_{kind}_{service}") for kind in ("dmutex", "dsemaphore")]
+
+    def permits() -> dict[str, str]:
+        return {f"{t.name}/{key}": token for t in tables for key, token in t.live().items()}
+
+    def clear() -> None:
+        for table in tables:
+            table.clear_permits()
+
+    async def main(proxy: FaultProxy) -> Tally:
+        client, close = await mysql_client(name, server, proxy, Delaying(phases))
+        clock = NotingClock()
+        faces: dict[str, Face] = {
+            "mutex": AsyncDMutex(service, client, clock=clock),
+            "semaphore": AsyncDSemaphore(service, client, max_permits=PERMITS, clock=clock),
+        }
+        try:
+            for face in faces.values():
+                await face.ready()
+            storage = Storage(permits, clear, owner=owners.of)
+            chosen = MYSQL_ONE if name.endswith("connection") else MYSQL
+            return await run_trials(chosen, faces, storage, rng, enough)
+        finally:
+            await close()
+
+    args = connect_args(server.url)
+    proxy = FaultProxy(
+        (args["host"], args["port"]), MYSQL_NETWORK, seed=SEED, lifetime=120, deliver_late=True
+    )
+    try:
+        with proxy, proxy.faults():
+            tally = asyncio.run(asyncio.wait_for(main(proxy), MYSQL_BOUND))
+    finally:
+        for table in tables:
+            table.drop()
+        inspector.close()
+    tally.calls = calls
+    summary = judge(tally)
+    for where in STAGE_PHASES:
+        assert tally.landed[where] > 0, summary
+    assert not proxy.errors, proxy.errors
 
 
 def test_one_asyncpg_connection_serves_concurrent_tasks_and_a_renewal(

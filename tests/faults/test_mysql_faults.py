@@ -52,6 +52,16 @@ lease and stays).
    has expired; the lease stays lost); a direct second client is granted
    the key only after the telling; the old holder's release answers False
    and leaves the new row as it was.
+6. **Late take** (aiomysql and asyncmy, a pool and a single connection): a
+   proxy holds the take 0.3 s, and still delivers it after the client
+   closed (``deliver_late``), as a network delivers what was sent before a
+   close. The acquire is cancelled while the driver awaits the take's
+   reply, so the driver closes the connection. The runner ends that
+   connection's session on the server before the clean-up (``runners.py``,
+   rule 7): no row, then or once the take has arrived, and the next
+   acquire through the same client is granted. Before, the clean-up ran
+   first, the late take wrote its row for good, and a single connection
+   raised ``InterfaceError`` ever after.
 
 Times are ``time.monotonic()`` readings compared with each other, and for
 scene 5 ``time.time()`` against the server's ``expired_at`` (one host, one
@@ -105,6 +115,7 @@ from tests._support.mysql_servers import (
     Session,
     aiomysql_connection,
     connect_args,
+    url_of,
 )
 from tests._support.sampling import process_state, until
 from tests.faults import test_deadlines
@@ -186,6 +197,10 @@ class Table:
         found = self._fetch(f"SELECT `key` FROM {self.quoted} WHERE `value` = %s", (token,))
         return sorted(str(key) for (key,) in found)
 
+    def clear_permits(self) -> None:
+        """Delete every permit row (a fenced key's counter row stays)."""
+        self._fetch(f"DELETE FROM {self.quoted} WHERE `key` LIKE 'permit:%%'")
+
     def drop(self) -> None:
         self._fetch(f"DROP TABLE IF EXISTS {self.quoted}")
 
@@ -223,8 +238,11 @@ def pymysql_args(server: Server, host: str, port: int) -> dict[str, Any]:
     }
 
 
-async def async_pool(driver: str, server: Server, host: str, port: int, size: int) -> Any:
-    """An aiomysql or asyncmy pool on ``server``'s database at ``host:port``, in autocommit."""
+async def async_pool(
+    driver: str, server: Server, host: str, port: int, size: int, least: int = 1
+) -> Any:
+    """An aiomysql or asyncmy pool on ``server``'s database at ``host:port``, in autocommit;
+    ``least`` connections opened first and kept, ``size`` at most."""
     args = connect_args(server.url)
     common: dict[str, Any] = {
         "host": host,
@@ -233,7 +251,7 @@ async def async_pool(driver: str, server: Server, host: str, port: int, size: in
         "password": args["password"],
         "charset": "utf8mb4",
         "autocommit": True,
-        "minsize": 1,
+        "minsize": least,
         "maxsize": size,
     }
     if driver == "aiomysql":
@@ -251,14 +269,19 @@ async def close_pool(pool: Any) -> None:
         await pool.wait_closed()
 
 
-async def async_connection(driver: str, server: Server) -> Any:
-    """A single aiomysql or asyncmy connection in ``server``'s database, in autocommit."""
+async def async_connection(
+    driver: str, server: Server, host: str | None = None, port: int | None = None
+) -> Any:
+    """A single aiomysql or asyncmy connection in ``server``'s database, in autocommit; at
+    ``host:port`` if given (a proxy's), else the server's own."""
     args = connect_args(server.url)
+    host, port = host or args["host"], port or args["port"]
     if driver == "aiomysql":
-        return await aiomysql_connection(server.url, server.database)
+        url = url_of(host, port, args["user"], args["password"])
+        return await aiomysql_connection(url, server.database)
     return await asyncmy.connect(
-        host=args["host"],
-        port=args["port"],
+        host=host,
+        port=port,
         user=args["user"],
         password=args["password"],
         database=server.database,
@@ -392,7 +415,9 @@ class Sender(Protocol):
 class Intercepted:
     """An aiomysql or asyncmy connection whose statements go through a :class:`Sender`.
 
-    It has what dmutex reads of a connection (``runners.py``), and no more.
+    It has what dmutex reads of a connection (``runners.py``), and no more:
+    after a cancellation (its rule 7) whether the driver closed it, its
+    thread id, and ``ping`` to open it again.
     """
 
     def __init__(self, inner: Any, sender: Sender) -> None:
@@ -402,6 +427,17 @@ class Intercepted:
     @property
     def server_status(self) -> int:
         return int(self.inner.server_status)
+
+    @property
+    def closed(self) -> bool:
+        closed = getattr(self.inner, "closed", None)  # aiomysql's; asyncmy says connected
+        return closed if isinstance(closed, bool) else not self.inner.connected
+
+    def thread_id(self) -> int:
+        return int(self.inner.thread_id())
+
+    async def ping(self, reconnect: bool = True) -> None:
+        await self.inner.ping(reconnect=reconnect)
 
     def get_autocommit(self) -> bool:
         return bool(self.inner.get_autocommit())
@@ -862,6 +898,79 @@ def test_a_take_sent_again_after_its_reply_was_lost_answers_the_same_slot(
     resent = spy.find("sent", "INSERT", since=lost.at)
     assert len(resent) == 1
     assert resent[0].conn != lost.conn, "sent again on a fresh connection of the pool"
+
+
+# --- 6. a take cut by a cancellation, which reaches the server late -----------------------------
+
+LATE = 0.3  # seconds the proxy holds a take before the server gets it
+
+
+def late_take_proxy(server: Server) -> FaultProxy:
+    """A proxy to ``server`` that, while faults are on, holds each take :data:`LATE` s, and
+    still delivers it if the client closed meanwhile (other chunks are spared)."""
+    args = connect_args(server.url)
+    return FaultProxy(
+        (args["host"], args["port"]),
+        Rates(delay=1.0, delay_seconds=(LATE, LATE)),
+        seed=SEED,
+        spare=lambda chunk: TAKE not in chunk,
+        lifetime=60,
+        deliver_late=True,
+    )
+
+
+@pytest.mark.parametrize("kind", ["pool", "connection"])
+@pytest.mark.parametrize("driver", ASYNC_DRIVERS)
+def test_a_take_cut_by_a_cancellation_that_reaches_the_server_late_leaves_no_row(
+    driver: str, kind: str, server: Server, table: Table
+) -> None:
+    """The acquire is cancelled while its take is on its way; the driver closes the connection,
+    and the take reaches the server after that. Its session is ended before the clean-up runs
+    (``runners.py``, rule 7): no row then, nor once the take has arrived; and the client serves
+    the next call (before: the row stayed, and a single connection raised InterfaceError)."""
+
+    async def main() -> tuple[float, dict[str, tuple[str, int]], bool]:
+        with late_take_proxy(server) as proxy:
+            closing: Callable[[], Awaitable[None]]
+            if kind == "pool":
+                pool = await async_pool(driver, server, proxy.host, proxy.port, 2)
+                client: Any = pool
+
+                async def closing() -> None:
+                    await close_pool(pool)
+
+            else:
+                client = await async_connection(driver, server, proxy.host, proxy.port)
+
+                async def closing() -> None:
+                    client.close()
+
+            try:
+                lock = async_lock(client, table, 1)
+                await lock.ready()
+                with proxy.faults():
+                    task = asyncio.create_task(lock.acquire("k", ttl=60))
+                    await until_async(
+                        lambda: proxy.counts[Fault.DELAY] == 1, "the take held", STEP_TIMEOUT
+                    )
+                    cancelled = time.monotonic()
+                    task.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+                    took = time.monotonic() - cancelled
+                    await asyncio.sleep(2 * LATE)  # the take has reached the server by now
+                left = await asyncio.to_thread(table.permits)
+                again = await lock.acquire("k", ttl=60)
+                released = again is not None and await again.release()
+            finally:
+                await closing()
+            assert proxy.errors == []
+        return took, left, released
+
+    took, left, released = asyncio.run(asyncio.wait_for(main(), SCENE_TIMEOUT))
+    print(f"[mysql-late-take {driver} {kind}] the cancellation took {took * 1000:.1f} ms")
+    assert left == {}, "no row left by the take that reached the server late"
+    assert released, "the next acquire was granted and released"
 
 
 # --- 3. a blackholed holder is told by its own deadline ------------------------------------------

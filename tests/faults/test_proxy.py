@@ -47,14 +47,15 @@ its duration. Everything is bounded: no round starts after 20 s, a round
 has a deadline, the proxy stops by itself, sockets time out after a few
 seconds. ``DMUTEX_FAULT_SEED`` changes the seed (the interleaving of the
 workers still varies from run to run). A first test checks the proxy
-itself: one INCR through each fault, as the client and the server see it.
-Then its blackhole, on raw sockets: a connection open when it starts, and
-one accepted during it, get no byte back (within 0.3 s) and are not closed,
-even when the server closes its side; the server never sees their requests;
-after the blackhole new connections are forwarded again while the old one
-stays dead; stopping the proxy ends every one of them (EOF or reset), and a
-redis-py client hung on one without a socket timeout gets its
-``ConnectionError``.
+itself: one INCR through each fault, as the client and the server see it,
+and an INCR held by a delay when its client closes: dropped, or with
+``deliver_late`` delivered when the delay ends. Then its blackhole, on raw
+sockets: a connection open when it starts, and one accepted during it, get
+no byte back (within 0.3 s) and are not closed, even when the server
+closes its side; the server never sees their requests; after the blackhole
+new connections are forwarded again while the old one stays dead; stopping
+the proxy ends every one of them (EOF or reset), and a redis-py client hung
+on one without a socket timeout gets its ``ConnectionError``.
 """
 
 from __future__ import annotations
@@ -533,6 +534,38 @@ def test_the_proxy_injects_each_fault(redis_target_server: Server, fault: Fault)
         assert int(clean.get("counter") or 0) in executed
         assert client.ping() is True  # faults off: a new connection goes through
         assert proxy.injected == (0 if fault is Fault.PASS else 1)
+        assert proxy.errors == []
+
+
+HELD = 0.2  # seconds a delayed command is held
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["dropped", "delivered-late"])
+def test_a_delayed_command_whose_client_closed_is_dropped_or_delivered_late(
+    redis_target_server: Server, late: bool
+) -> None:
+    """A client closes while its INCR is held by a delay: by default the INCR is dropped with
+    the connection; with ``deliver_late`` the server gets it when the delay ends, as a network
+    delivers what was sent before a close."""
+    server = redis_target_server
+    if server.password:
+        pytest.skip("raw inline commands need a server without a password")
+    rates = Rates(delay=1.0, delay_seconds=(HELD, HELD))
+    with (
+        FaultProxy((server.host, server.port), rates, seed=SEED, deliver_late=late) as proxy,
+        redis.Redis(host=server.host, port=server.port) as clean,
+    ):
+        sock = raw_connection(proxy)
+        assert ask(sock, b"PING") == b"+PONG\r\n"  # connected, faults off
+        with proxy.faults():
+            sock.sendall(b"INCR counter\r\n")
+            deadline = time.monotonic() + GONE_WITHIN
+            while proxy.counts[Fault.DELAY] == 0:
+                assert time.monotonic() < deadline, "the INCR never reached the proxy"
+                time.sleep(0.005)
+            sock.close()
+            time.sleep(3 * HELD)
+        assert counter(clean) == (1 if late else 0)
         assert proxy.errors == []
 
 

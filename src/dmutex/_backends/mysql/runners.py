@@ -45,6 +45,22 @@ Rules of this module:
    and the pool's reset on return sends a ``ROLLBACK`` unless it says
    ``pool_reset_on_return=None``: three round trips per statement by
    default, one with both (counted on MariaDB with PyMySQL).
+7. A statement that a cancellation cut short is over on the server before
+   the cancellation goes on. aiomysql and asyncmy close the connection when
+   a task is cancelled while they await a reply, and the server may not
+   have run the statement yet: the store's clean-up, a release by token
+   on the pool's next connection, could run before it, and the row it
+   then took would be held by nobody (``engine.py``, rule 6). So a runner
+   whose statement raised ``CancelledError`` with its connection closed,
+   and shielded from further cancellations, opens that connection again
+   (the driver's ``ping(reconnect=True)``: a single connection serves the
+   next call instead of failing it, a pool's goes back to the pool open)
+   and ends the old session from it (``KILL CONNECTION`` of its thread id,
+   sent again until the server knows the thread no more: a statement it
+   ran has committed or rolled back by then); then raises the cancellation.
+   That waits for the server, as the clean-up does. A connection the driver
+   did not close had its reply read, or sent nothing; one it cannot open
+   again is left closed, and the cancellation goes on at once.
 """
 
 from __future__ import annotations
@@ -81,6 +97,9 @@ Runner: TypeAlias = Callable[[Statement, Params], object]
 
 DEADLOCK_TRIES = 3
 _DEADLOCK = 1213  # ER_LOCK_DEADLOCK
+# Rule 7: between two KILLs of a session still ending, seconds (doubled each time, to the cap).
+_ENDING_PAUSE = 0.001
+_ENDING_PAUSE_CAP = 0.05
 _IN_TRANS = 0x0001  # SERVER_STATUS_IN_TRANS
 
 
@@ -208,6 +227,66 @@ def _aturn(conn: object) -> contextlib.AbstractAsyncContextManager[object]:
     return turn
 
 
+def _closed(conn: object) -> bool:
+    """Whether the driver reports ``conn`` closed.
+
+    PyMySQL's ``open``, aiomysql's ``closed``, asyncmy's ``connected``,
+    mysql-connector's ``is_connected()``.
+    """
+    opened = getattr(conn, "open", None)
+    if isinstance(opened, bool):
+        return not opened
+    closed = getattr(conn, "closed", None)
+    if isinstance(closed, bool):
+        return closed
+    connected = getattr(conn, "connected", None)
+    if isinstance(connected, bool):
+        return not connected
+    is_connected = getattr(conn, "is_connected", None)
+    return callable(is_connected) and not is_connected()
+
+
+async def _to_the_end(work: Awaitable[None]) -> None:
+    """Await ``work`` as a task of its own to its end, whatever cancellations arrive meanwhile.
+
+    The caller raises the cancellation it is handling once this returns (rule 7).
+    """
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait((task,))
+
+
+async def _end_session(
+    conn: object, once: Callable[[Statement, Params], Awaitable[Outcome]]
+) -> None:
+    """Open ``conn`` again and end its old session on the server (rule 7).
+
+    ``once`` sends a statement on ``conn``. Nothing is raised: a connection
+    that cannot be opened again, or a ``KILL`` refused, ends the wait (the
+    cancellation this runs for is raised after it).
+    """
+    thread_id, ping = getattr(conn, "thread_id", None), getattr(conn, "ping", None)
+    if not callable(thread_id) or not callable(ping):
+        return
+    try:
+        ended = int(thread_id())
+        await ping(reconnect=True)  # a new session: ``ended`` is not this one any more
+    except Exception:  # noqa: BLE001 - not opened again: the cancellation goes on
+        return
+    kill = Statement(f"KILL CONNECTION {ended}", takes_params=False)
+    pause = _ENDING_PAUSE
+    while True:
+        try:
+            await once(kill, {})
+        except Exception:  # noqa: BLE001 - the answer, not a failure to report
+            # ER_NO_SUCH_THREAD (1094): the server knows the thread no more, so what it
+            # ran has committed or rolled back. Another refusal cannot tell: no wait then.
+            return
+        await asyncio.sleep(pause)  # killed, and still ending: ask again
+        pause = min(pause * 2, _ENDING_PAUSE_CAP)
+
+
 def _connection(client: object, lent: bool = False) -> Callable[[Statement, Params], Outcome]:
     """A runner on a sync DB-API connection (PyMySQL, mysqlclient, mysql-connector).
 
@@ -273,19 +352,24 @@ def _connection_async(
         async with turn:
             if not lent:
                 _outside_transaction(conn)
-            for attempt in range(1, DEADLOCK_TRIES + 1):
-                try:
-                    outcome = await once(statement, params)
-                except Exception as error:
+            try:
+                for attempt in range(1, DEADLOCK_TRIES + 1):
+                    try:
+                        outcome = await once(statement, params)
+                    except Exception as error:
+                        if _opened(conn):
+                            with contextlib.suppress(Exception):
+                                await conn.rollback()
+                        if _code(error) != _DEADLOCK or attempt == DEADLOCK_TRIES:
+                            raise
+                        continue
                     if _opened(conn):
-                        with contextlib.suppress(Exception):
-                            await conn.rollback()
-                    if _code(error) != _DEADLOCK or attempt == DEADLOCK_TRIES:
-                        raise
-                    continue
-                if _opened(conn):
-                    await conn.commit()
-                return outcome
+                        await conn.commit()
+                    return outcome
+            except asyncio.CancelledError:
+                if _closed(conn):  # cut while it awaited the server (rule 7)
+                    await _to_the_end(_end_session(conn, once))
+                raise
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
     return run
@@ -335,18 +419,6 @@ def _engine_driver(engine: object, asynchronous: bool) -> str:
             f"statements on the driver's connection, and a {kind}'s must be {drivers}"
         )
     return str(driver)
-
-
-def _closed(conn: object) -> bool:
-    """Whether the driver reports ``conn`` closed (PyMySQL's ``open``, aiomysql's ``closed``)."""
-    opened = getattr(conn, "open", None)
-    if isinstance(opened, bool):
-        return not opened
-    closed = getattr(conn, "closed", None)
-    if isinstance(closed, bool):
-        return closed
-    connected = getattr(conn, "is_connected", None)
-    return callable(connected) and not connected()
 
 
 def runner(client: object, *, asynchronous: bool) -> Runner:
