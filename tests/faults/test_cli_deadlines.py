@@ -50,7 +50,6 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -61,6 +60,7 @@ from tests._support.deadlines import Trial
 from tests._support.fault_proxy import FaultProxy, Rates
 from tests._support.redis_servers import Pool, Server
 from tests._support.sampling import until
+from tests._support.stamps import FIRST, SECOND, Stamps
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="dmutex run is POSIX only")
 
@@ -71,72 +71,6 @@ RENEWAL_RISE_MS = 100  # a PTTL that went up by this much: the lease was renewed
 POLL = 0.02
 STARTED_TIMEOUT = 30.0  # for FIRST to run: two Python start-ups on a loaded machine
 RENEWED_TIMEOUT = 15.0
-
-# FIRST: writes its pid, stamps "alive" every 20 ms; on SIGTERM stamps "term",
-# then exits ("polite") or goes on ("stubborn"). Exits 99 after 60 s whatever.
-FIRST = r"""
-import os, signal, sys, time
-folder, mode, every = sys.argv[1], sys.argv[2], float(sys.argv[3])
-log = os.open(os.path.join(folder, "first.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-def stamp(what):
-    os.write(log, f"{what} {time.monotonic():.6f}\n".encode())
-def on_term(signum, frame):
-    stamp("term")
-    if mode == "polite":
-        os._exit(0)
-signal.signal(signal.SIGTERM, on_term)
-with open(os.path.join(folder, "first.tmp"), "w") as out:
-    out.write(str(os.getpid()))
-os.replace(os.path.join(folder, "first.tmp"), os.path.join(folder, "first.pid"))
-deadline = time.monotonic() + 60
-while time.monotonic() < deadline:
-    stamp("alive")
-    time.sleep(every)
-sys.exit(99)
-"""
-
-# SECOND: notes when it started and whether FIRST's pid still runs, then exits.
-SECOND = r"""
-import json, os, sys, time
-start = time.monotonic()
-folder, pid = sys.argv[1], int(sys.argv[2])
-try:
-    with open(f"/proc/{pid}/stat") as stat:
-        state = stat.read().rpartition(")")[2].split()[0]
-except FileNotFoundError:
-    state = "gone"
-try:
-    os.kill(pid, 0)
-    signalable = True
-except ProcessLookupError:
-    signalable = False
-report = {"start": start, "state": state, "kill0": signalable}
-with open(os.path.join(folder, "second.tmp"), "w") as out:
-    json.dump(report, out)
-os.replace(os.path.join(folder, "second.tmp"), os.path.join(folder, "second.json"))
-"""
-
-
-@dataclass(frozen=True)
-class Stamps:
-    """FIRST's log: its stamps in order, ``(what, monotonic seconds)``."""
-
-    lines: list[tuple[str, float]]
-
-    @classmethod
-    def read(cls, path: Path) -> Stamps:
-        found: list[tuple[str, float]] = []
-        for line in path.read_text().splitlines() if path.exists() else []:
-            what, _, moment = line.partition(" ")
-            with contextlib.suppress(ValueError):  # a line torn by SIGKILL
-                found.append((what, float(moment)))
-        return cls(found)
-
-    def last(self) -> float | None:
-        return self.lines[-1][1] if self.lines else None
-
-    def term(self) -> float | None:
-        return next((moment for what, moment in self.lines if what == "term"), None)
 
 
 @pytest.fixture

@@ -23,9 +23,10 @@ with the lease held to its end.
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, TextIO
 
@@ -256,10 +257,32 @@ def _supervised(
     if lost.is_set():  # gone already (a stop longer than the TTL): do not start it unprotected
         _say(stderr, f"lost the lease on {args.key!r} before {args.command[0]} started")
         return LOST
-    child = sup.start(args.command, _child_env(env, handle))
-    signals.attach(child)
+    watchdog = sup.Watchdog(grace=args.kill_grace, deadline=time.monotonic() + handle.time_left)
+    child: subprocess.Popen[bytes] | None = None
+    try:
+        child = sup.start(args.command, _child_env(env, handle), watchdog.group)
+        command = watchdog.watch(child)
+        signals.attach(child)
+        return sup.supervise(
+            child,
+            lost,
+            wake,
+            kill_grace=args.kill_grace,
+            time_left=lambda: handle.time_left,
+            on_lost=_stopping(args, stderr, child.pid),
+            watchdog=watchdog,
+            command=command,
+            # Often enough that a renewal reaches the watchdog long before its SIGTERM would.
+            report_every=min(args.ttl / 10, 1.0),
+        )
+    finally:  # supervise() closed it, unless the command did not start or an error came
+        watchdog.close(done=child is None or child.poll() is not None, wait=args.kill_grace + 1.0)
 
-    def stopping(left: float) -> None:
+
+def _stopping(args: RunArgs, stderr: TextIO, pid: int) -> Callable[[float], None]:
+    """What dmutex says as it stops the command (pid ``pid``) for the lease."""
+
+    def say(left: float) -> None:
         grace = f"{min(args.kill_grace, left) if left > 0 else args.kill_grace:g} s"
         why = (
             f"could not renew the lease on {args.key!r} ({left:.1f} s before it may lapse)"
@@ -267,18 +290,10 @@ def _supervised(
             else f"lost the lease on {args.key!r}"
         )
         _say(
-            stderr,
-            f"{why}: stopping {args.command[0]} (pid {child.pid}: SIGTERM, SIGKILL after {grace})",
+            stderr, f"{why}: stopping {args.command[0]} (pid {pid}: SIGTERM, SIGKILL after {grace})"
         )
 
-    return sup.supervise(
-        child,
-        lost,
-        wake,
-        kill_grace=args.kill_grace,
-        time_left=lambda: handle.time_left,
-        on_lost=stopping,
-    )
+    return say
 
 
 def _release(handle: Handle, backend: Backend, stderr: TextIO) -> bool:

@@ -8,13 +8,18 @@ deadline (``time_left`` of the handle: the holder's own clock, so a renewal
 that hangs delays nothing) or as soon as the lease is found lost, and
 SIGKILL ``kill_grace`` seconds later or at the deadline, whichever comes
 first; the result is then :data:`~dmutex._cli.errors.LOST`. Otherwise it is
-the child's exit status, 128+N if signal N ended it.
+the child's exit status, 128+N if signal N ended it. Those signals go to
+the child and what it started (:class:`~dmutex._cli.watchdog.Command`).
 
-Caveats: POSIX only (signals, process groups). The child runs in
-``dmutex``'s own process group, as under ``flock(1)``, so that it stays in
-the terminal's foreground and can read from it; a ``dmutex`` killed with
-SIGKILL cannot stop its child, which then runs on while the lease lapses
-within one TTL. File descriptors ``dmutex`` inherited are passed on to
+The same holds when ``dmutex`` itself is killed, stopped or starved: a
+:class:`Watchdog` process, told the deadline as renewals move it, stops the
+command by that deadline (the rules are in :mod:`dmutex._cli.watchdog`).
+
+Caveats: POSIX only (signals, process groups). When ``dmutex`` is in its
+terminal's foreground, the child stays in ``dmutex``'s process group, as
+under ``flock(1)``, so that it can read from the terminal and gets Ctrl-C;
+otherwise (a script, a service, a background job) it runs in the
+watchdog's group. File descriptors ``dmutex`` inherited are passed on to
 the child (as ``flock(1)`` does); dmutex's own are close-on-exec.
 """
 
@@ -23,15 +28,26 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 
-from .errors import LOST, NOT_EXECUTABLE, NOT_FOUND, Failure
+from .errors import BROKEN, LOST, NOT_EXECUTABLE, NOT_FOUND, Failure
+from .watchdog import Command
 
-__all__ = ["FORWARDED", "Interrupted", "Signals", "exit_status", "supervise"]
+__all__ = [
+    "FORWARDED",
+    "Interrupted",
+    "Signals",
+    "Watchdog",
+    "exit_status",
+    "start",
+    "supervise",
+]
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -123,10 +139,65 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def start(command: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
-    """Start ``command`` (no shell); a command that cannot run raises Failure 127 or 126."""
+def _spawn(
+    argv: Sequence[str],
+    group: int | None,
+    *,
+    env: Mapping[str, str] | None = None,
+    pass_fds: Sequence[int] = (),
+    quiet: bool = False,
+) -> subprocess.Popen[bytes]:
+    """``Popen(argv)``, in process group ``group`` if given (0: a new one it leads).
+
+    ``env`` given: the command's run (every inherited descriptor passed on);
+    ``quiet``: standard streams on ``/dev/null``.
+    """
+    close_fds = env is None
+    stdio = subprocess.DEVNULL if quiet else None
+    environment = None if env is None else dict(env)
+    if group is None:
+        return subprocess.Popen(
+            list(argv),
+            env=environment,
+            close_fds=close_fds,
+            pass_fds=pass_fds,
+            stdin=stdio,
+            stdout=stdio,
+            stderr=stdio,
+        )
+    if sys.version_info >= (3, 11):
+        return subprocess.Popen(
+            list(argv),
+            env=environment,
+            close_fds=close_fds,
+            pass_fds=pass_fds,
+            stdin=stdio,
+            stdout=stdio,
+            stderr=stdio,
+            process_group=group,
+        )
+    # 3.10 has no process_group: setpgid between fork and exec, a bare system call.
+    return subprocess.Popen(  # pragma: no cover - 3.10
+        list(argv),
+        env=environment,
+        close_fds=close_fds,
+        pass_fds=pass_fds,
+        stdin=stdio,
+        stdout=stdio,
+        stderr=stdio,
+        preexec_fn=lambda: os.setpgid(0, group),
+    )
+
+
+def start(
+    command: Sequence[str], env: Mapping[str, str], group: int | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``command`` (no shell), in process ``group`` if given.
+
+    A command that cannot run raises Failure 127 or 126.
+    """
     try:
-        return subprocess.Popen(list(command), env=dict(env), close_fds=False)
+        return _spawn(command, group, env=env)
     except FileNotFoundError:
         raise Failure(NOT_FOUND, f"{command[0]}: command not found") from None
     except PermissionError:
@@ -134,6 +205,91 @@ def start(command: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[by
     except OSError as error:  # exec format error, not a directory, too long...
         reason = error.strerror or str(error)
         raise Failure(NOT_EXECUTABLE, f"{command[0]}: cannot execute: {reason}") from None
+
+
+class Watchdog:
+    """dmutex's end of the command's watchdog, a process of its own (:mod:`.watchdog`).
+
+    Guarantee: once started, it stops the command by the last deadline it was
+    told, whatever happens to ``dmutex``: killed (it sees its socket close),
+    stopped or starved (it keeps time itself). :attr:`group` is the process
+    group the command is started in (the watchdog's), or None when
+    ``dmutex`` is in its terminal's foreground and the command stays in
+    ``dmutex``'s group.
+
+    Caveats: messages are sent without waiting; once the watchdog is gone
+    they are dropped, and the command runs on under ``dmutex`` alone.
+    """
+
+    def __init__(self, *, grace: float, deadline: float) -> None:
+        foreground = _in_terminal_foreground()
+        # Message boundaries, and a pidfd beside its message, where the platform has them.
+        kind = socket.SOCK_SEQPACKET if sys.platform == "linux" else socket.SOCK_STREAM
+        ours, theirs = socket.socketpair(socket.AF_UNIX, kind)
+        argv = [sys.executable, "-I", "-S", _WATCHDOG, str(theirs.fileno()), repr(grace)]
+        argv.append("tree" if foreground else "group")
+        try:
+            with theirs:
+                self.process = _spawn(argv, 0, pass_fds=(theirs.fileno(),), quiet=True)
+        except OSError as error:
+            ours.close()
+            raise Failure(
+                BROKEN, f"cannot start the command's watchdog ({error}): the command did not start"
+            ) from None
+        self.group = None if foreground else self.process.pid
+        self._channel = ours
+        self._deadline = deadline
+        self._pidfd: int | None = None
+        self._closed = False
+        self._tell(f"deadline {deadline!r}")
+
+    def watch(self, child: subprocess.Popen[bytes]) -> Command:
+        """Tell the watchdog the command; returns what dmutex signals to stop it."""
+        command = Command(group=self.group)
+        command.pid = child.pid
+        with contextlib.suppress(OSError, AttributeError):  # no pidfds: by pid
+            self._pidfd = os.pidfd_open(child.pid)
+        command.pidfd = self._pidfd
+        self._tell(f"child {child.pid}", [] if self._pidfd is None else [self._pidfd])
+        return command
+
+    def deadline(self, deadline: float) -> None:
+        """Tell the lease's deadline (``time.monotonic()``) if it moved by a millisecond or more."""
+        if abs(deadline - self._deadline) >= 0.001:
+            self._deadline = deadline
+            self._tell(f"deadline {deadline!r}")
+
+    def stopping(self, kill_at: float) -> None:
+        """Tell that dmutex stops the command itself (SIGTERM now), SIGKILL by ``kill_at``."""
+        self._deadline = kill_at
+        self._tell(f"deadline {kill_at!r}\nstopping")
+
+    def close(self, *, done: bool, wait: float) -> None:
+        """Let the watchdog go: it exits (``done``) or stops what is left of the command.
+
+        Then waits up to ``wait`` seconds for it to exit, and kills it after.
+        Calls after the first do nothing.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if done:
+            self._tell("done")
+        self._channel.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+        try:
+            self.process.wait(wait)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def _tell(self, text: str, fds: Sequence[int] = ()) -> None:
+        with contextlib.suppress(OSError):  # the watchdog is gone: nothing to tell
+            socket.send_fds(self._channel, [f"{text}\n".encode()], list(fds))
+
+
+_WATCHDOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "watchdog.py")
 
 
 def supervise(
@@ -144,6 +300,9 @@ def supervise(
     kill_grace: float,
     time_left: Callable[[], float],
     on_lost: Callable[[float], None],
+    watchdog: Watchdog,
+    command: Command,
+    report_every: float,
 ) -> int:
     """Wait for ``child`` to end; stop it before the lease can lapse. Returns the exit status.
 
@@ -151,7 +310,9 @@ def supervise(
     lost). ``wake`` is set by whoever sets ``lost`` (the renewal thread); a
     thread of this function sets it when the child ends. ``on_lost(left)``
     is called once, before the child is sent SIGTERM, with the seconds left
-    until the deadline (0 if the lease was found lost).
+    until the deadline (0 if the lease was found lost). The deadline goes to
+    ``watchdog`` at least every ``report_every`` seconds; ``command`` is
+    what is signalled. The watchdog is closed before this returns.
     """
     ended = threading.Event()
 
@@ -175,25 +336,24 @@ def supervise(
             left = 0.0 if lost.is_set() else time_left()
             if left > 0:
                 deadline = now + left  # moves on with each answered renewal
+                watchdog.deadline(deadline)
             if left <= kill_grace:
                 on_lost(left)
                 # SIGKILL by the deadline, even when the loss came earlier.
                 kill_at = min(now + kill_grace, max(now, deadline))
-                _send(child, signal.SIGTERM)
+                watchdog.stopping(kill_at)
+                command.signal(signal.SIGTERM)
             else:
-                timeout = left - kill_grace
+                timeout = min(left - kill_grace, report_every)
         if kill_at is not None and not killed:
             timeout = kill_at - time.monotonic()
             if timeout <= 0:
-                _send(child, signal.SIGKILL)
+                command.signal(signal.SIGKILL)
                 killed = True
                 timeout = None
         wake.wait(timeout)
     returncode = child.returncode
     assert returncode is not None  # reap() set ended after wait() returned
+    # Stopped for the lease: the watchdog sweeps up what the command left in its group.
+    watchdog.close(done=kill_at is None, wait=kill_grace + 1.0)
     return LOST if kill_at is not None else exit_status(returncode)
-
-
-def _send(child: subprocess.Popen[bytes], signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
-        child.send_signal(signum)
