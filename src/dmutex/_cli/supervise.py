@@ -140,52 +140,16 @@ def exit_status(returncode: int) -> int:
 
 
 def _spawn(
-    argv: Sequence[str],
-    group: int | None,
-    *,
-    env: Mapping[str, str] | None = None,
-    pass_fds: Sequence[int] = (),
-    quiet: bool = False,
+    argv: Sequence[str], env: Mapping[str, str], group: int | None
 ) -> subprocess.Popen[bytes]:
-    """``Popen(argv)``, in process group ``group`` if given (0: a new one it leads).
-
-    ``env`` given: the command's run (every inherited descriptor passed on);
-    ``quiet``: standard streams on ``/dev/null``.
-    """
-    close_fds = env is None
-    stdio = subprocess.DEVNULL if quiet else None
-    environment = None if env is None else dict(env)
+    """``Popen(argv)`` with every inherited descriptor, in process ``group`` if given."""
     if group is None:
-        return subprocess.Popen(
-            list(argv),
-            env=environment,
-            close_fds=close_fds,
-            pass_fds=pass_fds,
-            stdin=stdio,
-            stdout=stdio,
-            stderr=stdio,
-        )
+        return subprocess.Popen(list(argv), env=dict(env), close_fds=False)
     if sys.version_info >= (3, 11):
-        return subprocess.Popen(
-            list(argv),
-            env=environment,
-            close_fds=close_fds,
-            pass_fds=pass_fds,
-            stdin=stdio,
-            stdout=stdio,
-            stderr=stdio,
-            process_group=group,
-        )
+        return subprocess.Popen(list(argv), env=dict(env), close_fds=False, process_group=group)
     # 3.10 has no process_group: setpgid between fork and exec, a bare system call.
     return subprocess.Popen(  # pragma: no cover - 3.10
-        list(argv),
-        env=environment,
-        close_fds=close_fds,
-        pass_fds=pass_fds,
-        stdin=stdio,
-        stdout=stdio,
-        stderr=stdio,
-        preexec_fn=lambda: os.setpgid(0, group),
+        list(argv), env=dict(env), close_fds=False, preexec_fn=lambda: os.setpgid(0, group)
     )
 
 
@@ -197,7 +161,7 @@ def start(
     A command that cannot run raises Failure 127 or 126.
     """
     try:
-        return _spawn(command, group, env=env)
+        return _spawn(command, env, group)
     except FileNotFoundError:
         raise Failure(NOT_FOUND, f"{command[0]}: command not found") from None
     except PermissionError:
@@ -230,13 +194,26 @@ class Watchdog:
         argv.append("tree" if foreground else "group")
         try:
             with theirs:
-                self.process = _spawn(argv, 0, pass_fds=(theirs.fileno(),), quiet=True)
+                os.set_inheritable(theirs.fileno(), True)
+                # posix_spawn, not Popen: dmutex need not reap it once it is told "done"
+                # (it exits by itself within its start-up), which would cost every run.
+                self.pid = os.posix_spawn(
+                    sys.executable,
+                    argv,
+                    {},
+                    file_actions=[
+                        (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDWR, 0),
+                        (os.POSIX_SPAWN_DUP2, 0, 1),
+                        (os.POSIX_SPAWN_DUP2, 0, 2),
+                    ],
+                    setpgroup=0,
+                )
         except OSError as error:
             ours.close()
             raise Failure(
                 BROKEN, f"cannot start the command's watchdog ({error}): the command did not start"
             ) from None
-        self.group = None if foreground else self.process.pid
+        self.group = None if foreground else self.pid
         self._channel = ours
         self._deadline = deadline
         self._pidfd: int | None = None
@@ -267,8 +244,8 @@ class Watchdog:
     def close(self, *, done: bool, wait: float) -> None:
         """Let the watchdog go: it exits (``done``) or stops what is left of the command.
 
-        Then waits up to ``wait`` seconds for it to exit, and kills it after.
-        Calls after the first do nothing.
+        Not ``done``, waits up to ``wait`` seconds for it to exit, and kills it
+        after. Calls after the first do nothing.
         """
         if self._closed:
             return
@@ -278,11 +255,16 @@ class Watchdog:
         self._channel.close()
         if self._pidfd is not None:
             os.close(self._pidfd)
-        try:
-            self.process.wait(wait)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if done:
+            return  # it exits as it reads "done"; an unreaped pid is gone when dmutex exits
+        ends = time.monotonic() + wait
+        with contextlib.suppress(ChildProcessError):  # reaped already
+            while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+                if time.monotonic() >= ends:
+                    os.kill(self.pid, signal.SIGKILL)
+                    os.waitpid(self.pid, 0)
+                    return
+                time.sleep(0.01)
 
     def _tell(self, text: str, fds: Sequence[int] = ()) -> None:
         with contextlib.suppress(OSError):  # the watchdog is gone: nothing to tell
