@@ -25,7 +25,8 @@ times compare. For every trial:
 - FIRST stamped after the cut (it was not stopped before), and its last
   stamp comes less than T after the cut (every renewal answered was sent
   before the cut, so the lease expires by then);
-- the first ``dmutex`` exits with status 70, the second with 0.
+- the first ``dmutex`` exits with status 70, having said one line on
+  stderr (the loss), the second with 0.
 
 Trials run at once, each with its own key, proxy and folder: 20 at
 ``--ttl 2``, then 20 at ``--ttl 5``. After SECOND ran, the proxy stops, so that
@@ -164,6 +165,9 @@ def one_trial(server: Server, env: dict[str, str], folder: Path, ttl: float, ind
     trial.lost_at_end = True  # a command has no handle: its dmutex's status says it (below)
     if done_first.status != 70:
         trial.note(f"the first dmutex exited {done_first.status}, not 70: {done_first.stderr!r}")
+    said = [line for line in done_first.stderr.splitlines() if line.startswith("dmutex:")]
+    if len(said) != 1:  # the docs promise one line: the loss, not the failed release after it
+        trial.note(f"the first dmutex said {len(said)} lines, not 1: {said!r}")
     if done_second.status != 0:
         trial.note(f"the second dmutex exited {done_second.status}: {done_second.stderr!r}")
     if report["state"] not in ("gone", "Z", "X"):

@@ -33,8 +33,13 @@ The rules of the command:
    ``DReadWriteLock``'s readers / writer) of the same service name on the
    same backend guard the same keys.
 
+6. The command never outlives the lease, even when ``dmutex`` is killed or
+   stopped: a watchdog process stops it by the deadline
+   (:mod:`dmutex._cli.watchdog`).
+
 Caveats: POSIX only (signals, process groups). The child stays in
-``dmutex``'s process group, as under ``flock(1)``.
+``dmutex``'s process group, as under ``flock(1)``, when ``dmutex`` is in its
+terminal's foreground; elsewhere it runs in its watchdog's.
 """
 
 from __future__ import annotations

@@ -230,10 +230,12 @@ def _run(
     fence = "" if handle.fence is None else f" (fence {handle.fence})"
     taken = {None: "", "read": " to read", "write": " to write"}[args.role]
     progress.say(f"acquired {args.key!r}{taken}{fence} after {time.monotonic() - started:.1f} s")
+    status: int | None = None
     try:
         status = _supervised(args, env, stderr, handle, signals)
     finally:
-        released = _release(handle, backend, stderr)
+        # A lease already reported lost needs no second line when its release fails too.
+        released = _release(handle, backend, None if status == LOST else stderr)
     if not released and handle.lost and status != LOST:
         _say(stderr, f"the lease on {args.key!r} was found lost when it was released")
         return LOST
@@ -283,7 +285,7 @@ def _stopping(args: RunArgs, stderr: TextIO, pid: int) -> Callable[[float], None
     """What dmutex says as it stops the command (pid ``pid``) for the lease."""
 
     def say(left: float) -> None:
-        grace = f"{min(args.kill_grace, left) if left > 0 else args.kill_grace:g} s"
+        grace = f"{min(args.kill_grace, left) if left > 0 else args.kill_grace:.3g} s"
         why = (
             f"could not renew the lease on {args.key!r} ({left:.1f} s before it may lapse)"
             if left > 0
@@ -296,15 +298,19 @@ def _stopping(args: RunArgs, stderr: TextIO, pid: int) -> Callable[[float], None
     return say
 
 
-def _release(handle: Handle, backend: Backend, stderr: TextIO) -> bool:
-    """Release ``handle``; True if it was, False if it was gone or the backend failed."""
+def _release(handle: Handle, backend: Backend, stderr: TextIO | None) -> bool:
+    """Release ``handle``; True if it was, False if it was gone or the backend failed.
+
+    A failure is said on ``stderr`` (None: not said).
+    """
     try:
         return handle.release()
     except backend.errors as error:
-        _say(
-            stderr,
-            f"could not release {handle.key!r} ({one_line(error)}): it lapses within its TTL",
-        )
+        if stderr is not None:
+            _say(
+                stderr,
+                f"could not release {handle.key!r} ({one_line(error)}): it lapses within its TTL",
+            )
         return True  # not lost: the command ran to its end with the lease renewed
 
 
