@@ -25,7 +25,8 @@ is killed at once (the stamps it makes after it continues are counted and
 bounded), and ``dmutex`` exits 70. And the terminal's foreground, where the
 command stays in ``dmutex``'s process group: ``dmutex`` run by a shell that
 owns a pseudo-terminal, killed or stopped; its watchdog signals the command
-and its descendants.
+and its descendants. Last, a watchdog killed under a running command: ``dmutex``
+says so, once, and the command runs to its end.
 """
 
 from __future__ import annotations
@@ -305,3 +306,25 @@ def _grandchildren_left(folder: Path, cut: float) -> bool:
     time.sleep(5 * STAMP_EVERY)
     after = Stamps.read(folder / "first.log").last()
     return after is not None and before is not None and after > before and after > cut
+
+
+# Kills its watchdog (the leader of its process group, outside a terminal),
+# then runs on long enough for dmutex to look.
+KILLS_ITS_WATCHDOG = r"""
+import os, signal, time
+os.kill(os.getpgrp(), signal.SIGKILL)
+time.sleep(1.0)
+"""
+
+
+def test_a_watchdog_that_ends_before_the_command_is_said_and_the_command_runs_on(
+    tmp_path: Path,
+) -> None:
+    env = cli.environment(tmp_path)
+    command = [sys.executable, "-c", KILLS_ITS_WATCHDOG]
+    done = cli.run(["run", "--ttl", f"{TTL:g}", "unwatched", "--", *command], env)
+    assert done.status == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith("dmutex:")]
+    assert len(said) == 1, said
+    assert "watchdog" in said[0]
+    assert "status -9" in said[0]

@@ -272,6 +272,11 @@ def _supervised(
             kill_grace=args.kill_grace,
             time_left=lambda: handle.time_left,
             on_lost=_stopping(args, stderr, child.pid),
+            on_unwatched=lambda status: _say(
+                stderr,
+                f"the watchdog of {args.command[0]} ended (status {status}): it runs on "
+                "unguarded should dmutex be killed or stopped",
+            ),
             watchdog=watchdog,
             command=command,
             # Often enough that a renewal reaches the watchdog long before its SIGTERM would.

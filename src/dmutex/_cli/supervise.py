@@ -200,7 +200,7 @@ class Watchdog:
                 self.pid = os.posix_spawn(
                     sys.executable,
                     argv,
-                    {},
+                    os.environ,  # -I: Python ignores its PYTHON* variables, not its loader's
                     file_actions=[
                         (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDWR, 0),
                         (os.POSIX_SPAWN_DUP2, 0, 1),
@@ -214,10 +214,14 @@ class Watchdog:
                 BROKEN, f"cannot start the command's watchdog ({error}): the command did not start"
             ) from None
         self.group = None if foreground else self.pid
+        # A watchdog that is stopped too never fills dmutex up: what it cannot take is dropped
+        # (a deadline it misses only makes it act earlier).
+        ours.setblocking(False)
         self._channel = ours
         self._deadline = deadline
         self._pidfd: int | None = None
         self._closed = False
+        self._ended: int | None = None
         self._tell(f"deadline {deadline!r}")
 
     def watch(self, child: subprocess.Popen[bytes]) -> Command:
@@ -229,6 +233,15 @@ class Watchdog:
         command.pidfd = self._pidfd
         self._tell(f"child {child.pid}", [] if self._pidfd is None else [self._pidfd])
         return command
+
+    def ended(self) -> int | None:
+        """The watchdog's exit status if it has ended (it should not before ``done``), else None."""
+        if self._ended is None:
+            with contextlib.suppress(ChildProcessError):
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid != 0:
+                    self._ended = os.waitstatus_to_exitcode(status)
+        return self._ended
 
     def deadline(self, deadline: float) -> None:
         """Tell the lease's deadline (``time.monotonic()``) if it moved by a millisecond or more."""
@@ -259,7 +272,7 @@ class Watchdog:
             return  # it exits as it reads "done"; an unreaped pid is gone when dmutex exits
         ends = time.monotonic() + wait
         with contextlib.suppress(ChildProcessError):  # reaped already
-            while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+            while self.ended() is None:
                 if time.monotonic() >= ends:
                     os.kill(self.pid, signal.SIGKILL)
                     os.waitpid(self.pid, 0)
@@ -282,6 +295,7 @@ def supervise(
     kill_grace: float,
     time_left: Callable[[], float],
     on_lost: Callable[[float], None],
+    on_unwatched: Callable[[int], None],
     watchdog: Watchdog,
     command: Command,
     report_every: float,
@@ -292,7 +306,8 @@ def supervise(
     lost). ``wake`` is set by whoever sets ``lost`` (the renewal thread); a
     thread of this function sets it when the child ends. ``on_lost(left)``
     is called once, before the child is sent SIGTERM, with the seconds left
-    until the deadline (0 if the lease was found lost). The deadline goes to
+    until the deadline (0 if the lease was found lost). ``on_unwatched(status)``
+    is called once if the watchdog ends before the command. The deadline goes to
     ``watchdog`` at least every ``report_every`` seconds; ``command`` is
     what is signalled. The watchdog is closed before this returns.
     """
@@ -306,6 +321,7 @@ def supervise(
     threading.Thread(target=reap, name="dmutex-child", daemon=True).start()
     kill_at: float | None = None
     killed = False
+    unwatched = False
     deadline = time.monotonic() + time_left()
     while True:
         # Cleared before the checks, so a set() after them wakes the wait below.
@@ -319,6 +335,9 @@ def supervise(
             if left > 0:
                 deadline = now + left  # moves on with each answered renewal
                 watchdog.deadline(deadline)
+            if not unwatched and watchdog.ended() is not None:
+                unwatched = True
+                on_unwatched(watchdog.ended() or 0)
             if left <= kill_grace:
                 on_lost(left)
                 # SIGKILL by the deadline, even when the loss came earlier.
