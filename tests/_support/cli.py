@@ -130,8 +130,27 @@ def finish(
     except subprocess.TimeoutExpired:
         process.kill()
         out, err = process.communicate()
-        pytest.fail(f"dmutex still running after {timeout} s; stderr: {err!r}")
+        pytest.fail(f"dmutex still running after {timeout} s; stdout: {out!r}; stderr: {err!r}")
     return Finished(process.returncode, out or "", err or "", time.monotonic() - started)
+
+
+def account(process: subprocess.Popen[str], stderr: Path | None = None) -> str:
+    """What ``process`` did, for a failed wait's message: its exit status and output.
+
+    A process still running is killed first (the test fails anyway), so that
+    what it printed can be read; ``stderr``: the file its stderr went to, if any.
+    """
+    state = "exited"
+    if process.poll() is None:
+        process.kill()
+        state = "was still running (killed now)"
+    try:
+        out, err = process.communicate(timeout=10)
+    except (subprocess.TimeoutExpired, ValueError):  # ValueError: its pipes were read already
+        out, err = "", ""
+    if stderr is not None and stderr.exists():
+        err = stderr.read_text()
+    return f"dmutex {state}, status {process.returncode}; stdout: {out!r}; stderr: {err!r}"
 
 
 def run(args: Sequence[str], env: Mapping[str, str], *, module: bool = False) -> Finished:
@@ -147,14 +166,21 @@ def child_command(folder: Path, mode: str) -> list[str]:
 
 @dataclass
 class Child:
-    """What the child reported, read from its folder."""
+    """What the child reported, read from its folder.
+
+    ``process``: the ``dmutex`` that runs it, if the test started one, so that
+    a wait that fails says what that process printed and how it ended.
+    """
 
     folder: Path
+    process: subprocess.Popen[str] | None = None
 
     def wait_ready(self, timeout: float = RUN_TIMEOUT) -> dict[str, object]:
         """The child's ready report, once it is written (its signal handlers are in place)."""
         ready = self.folder / "ready.json"
-        until(ready.exists, "the child started", timeout, poll=0.02)
+        process = self.process
+        why = None if process is None else lambda: account(process)
+        until(ready.exists, "the child started", timeout, poll=0.02, why=why)
         report: dict[str, object] = json.loads(ready.read_text())
         return report
 

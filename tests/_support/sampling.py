@@ -46,12 +46,23 @@ def sampling(sample: Callable[[], None], every: float, name: str) -> Iterator[No
     assert not errors, f"the sampler {name} raised: {errors!r}"
 
 
-def until(condition: Callable[[], bool], what: str, timeout: float, *, poll: float = 0.005) -> None:
-    """Poll ``condition()`` every ``poll`` s until it holds; fail the test after ``timeout`` s."""
+def until(
+    condition: Callable[[], bool],
+    what: str,
+    timeout: float,
+    *,
+    poll: float = 0.005,
+    why: Callable[[], str] | None = None,
+) -> None:
+    """Poll ``condition()`` every ``poll`` s until it holds; fail the test after ``timeout`` s.
+
+    ``why``: called once on failure, for what the message should add (say, what
+    the process that was to make the condition hold printed, and its exit status).
+    """
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not after {timeout} s")
+            pytest.fail(f"{what}: not after {timeout} s" + (f"; {why()}" if why else ""))
         time.sleep(poll)
 
 

@@ -133,7 +133,14 @@ def one_trial(server: Server, env: dict[str, str], folder: Path, ttl: float, ind
         try:
             with stopping(first):
                 pid_file = folder / "first.pid"
-                until(pid_file.exists, f"{key}: FIRST started", STARTED_TIMEOUT, poll=POLL)
+                account = lambda: cli.account(first)  # noqa: E731 - said only if the wait fails
+                until(
+                    pid_file.exists,
+                    f"{key}: FIRST started",
+                    STARTED_TIMEOUT,
+                    poll=POLL,
+                    why=account,
+                )
                 first_pid = int(pid_file.read_text())
                 wait_renewed(observer, lease_name(key), RENEWED_TIMEOUT)
                 stopped = first.poll() is not None

@@ -112,14 +112,20 @@ def first_command(folder: Path, index: int) -> list[str]:
     return [sys.executable, "-c", FIRST, str(folder), mode, str(STAMP_EVERY), "fork"]
 
 
-def wait_stamping(folder: Path, name: str) -> tuple[int, int]:
-    """FIRST's pid and process group, once it and its grandchild both stamp."""
+def wait_stamping(
+    folder: Path, name: str, dmutex: subprocess.Popen[str] | None = None
+) -> tuple[int, int]:
+    """FIRST's pid and process group, once it and its grandchild both stamp.
+
+    ``dmutex``: the process that runs FIRST, said with its output if the wait fails.
+    """
 
     def both() -> bool:
         whats = {what for what, _ in Stamps.read(folder / "first.log").lines}
         return (folder / "first.pid").exists() and {"alive", "grand"} <= whats
 
-    until(both, f"{name}: FIRST and its grandchild stamping", STARTED_TIMEOUT, poll=0.02)
+    why = None if dmutex is None else lambda: cli.account(dmutex)
+    until(both, f"{name}: FIRST and its grandchild stamping", STARTED_TIMEOUT, poll=0.02, why=why)
     pid = int((folder / "first.pid").read_text())
     return pid, os.getpgid(pid)
 
@@ -134,7 +140,7 @@ def one_trial(url: str, env: dict[str, str], folder: Path, signum: int, index: i
     first = cli.start([*args, key, "--", *first_command(folder, index)], env)
     with contextlib.ExitStack() as stack:
         stack.enter_context(reaped(first.pid))
-        pid, group = wait_stamping(folder, name)
+        pid, group = wait_stamping(folder, name, first)
         stack.enter_context(reaped(pid, group))
         cut = time.monotonic()
         os.kill(first.pid, signum)
@@ -204,7 +210,7 @@ def test_a_whole_pause_past_the_lease_ends_with_the_command_killed_as_it_continu
     first = cli.start(["run", "--ttl", f"{TTL:g}", "pause", "--", *first_command(folder, 1)], env)
     with contextlib.ExitStack() as stack:
         stack.enter_context(reaped(first.pid))
-        pid, group = wait_stamping(folder, "pause")
+        pid, group = wait_stamping(folder, "pause", first)
         stack.enter_context(reaped(pid, group))
         for each in (first.pid, group):  # dmutex leads a group of its own; the watchdog another
             os.killpg(each, signal.SIGSTOP)

@@ -112,6 +112,7 @@ def run_child(
     child = child_folder(tmp_path)
     args = ["run", "--backend", url, "--ttl", TTL, *options, KEY, "--"]
     process = cli.start([*args, *cli.child_command(child.folder, mode)], env)
+    child.process = process
     return child, process, time.monotonic()
 
 
@@ -347,6 +348,8 @@ def test_limit_makes_a_semaphore(store: Store, env: dict[str, str], tmp_path: Pa
     base = ["run", "--backend", store.url, "--ttl", "3", "--limit", "2", KEY, "--"]
     children = [child_folder(tmp_path, f"child{i}") for i in range(2)]
     processes = [cli.start([*base, *cli.child_command(c.folder, "plain")], env) for c in children]
+    for child, process in zip(children, processes, strict=True):
+        child.process = process
     started = time.monotonic()
     tokens = set()
     slots = set()

@@ -127,6 +127,7 @@ def start_child(
     """Start ``dmutex ARGS KEY -- <the test child in mode>``: the child, the process, its start."""
     child = child_folder(tmp_path)
     process = cli.start([*args, KEY, "--", *cli.child_command(child.folder, mode)], env)
+    child.process = process
     return child, process, time.monotonic()
 
 
@@ -255,6 +256,8 @@ def test_limit_makes_a_semaphore(mysql: MySQLCli, env: dict[str, str], tmp_path:
     base = mysql.args("run", "--ttl", "3", "--limit", "2", KEY, "--")
     children = [child_folder(tmp_path, f"child{i}") for i in range(2)]
     processes = [cli.start([*base, *cli.child_command(c.folder, "plain")], env) for c in children]
+    for child, process in zip(children, processes, strict=True):
+        child.process = process
     started = time.monotonic()
     tokens, slots = set(), set()
     for child in children:

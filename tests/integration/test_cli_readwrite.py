@@ -129,10 +129,11 @@ def start_child(
     return cli.start([*args, *command], env, stderr=stderr), time.monotonic()
 
 
-def report(folder: Path, me: str) -> dict[str, str]:
-    """What child ``me`` reported, once it runs under its lock."""
+def report(folder: Path, me: str, process: subprocess.Popen[str]) -> dict[str, str]:
+    """What child ``me`` (run by ``process``) reported, once it runs under its lock."""
     path = folder / f"{me}.json"
-    until(path.exists, f"child {me} runs", cli.RUN_TIMEOUT, poll=0.02)
+    why = lambda: cli.account(process)  # noqa: E731 - said only if the wait fails
+    until(path.exists, f"child {me} runs", cli.RUN_TIMEOUT, poll=0.02, why=why)
     found: dict[str, str] = json.loads(path.read_text())
     return found
 
@@ -155,7 +156,7 @@ def test_readers_share_the_key_and_a_writer_is_refused_meanwhile(
     folder.mkdir()
     a, a_started = start_child(backend, env, folder, "read", "a", other="b")
     b, b_started = start_child(backend, env, folder, "read", "b", other="a")
-    readers = {name: report(folder, name) for name in ("a", "b")}
+    readers = {name: report(folder, name, p) for name, p in (("a", a), ("b", b))}
     for name, variables in readers.items():
         assert variables["DMUTEX_KEY"] == KEY
         assert variables["DMUTEX_SLOT"] == "0", name
@@ -164,7 +165,8 @@ def test_readers_share_the_key_and_a_writer_is_refused_meanwhile(
     assert len(tokens) == 2
 
     # Each child waits for the other's report: both ran under their read locks at once.
-    until(lambda: (folder / "a.json").exists() and (folder / "b.json").exists(), "both", 5)
+    both = lambda: (folder / "a.json").exists() and (folder / "b.json").exists()  # noqa: E731
+    until(both, "both", 5, why=lambda: f"{cli.account(a)}; {cli.account(b)}")
 
     held = status(backend, env, "--read-write")
     assert held.status == 0, held.stderr
@@ -213,7 +215,13 @@ def test_a_waiting_writer_keeps_new_readers_out_and_gets_in_after_the_readers(
     log = tmp_path / "writer.txt"
     options = ("-v", "-w", "25")
     writer, started = start_child(backend, env, folder, "write", "w", options=options, stderr=log)
-    until(lambda: "waiting for" in log.read_text(), "the writer says it waits", cli.RUN_TIMEOUT)
+    said = lambda: cli.account(writer, log)  # noqa: E731 - said only if a wait fails
+    until(
+        lambda: "waiting for" in log.read_text(),
+        "the writer says it waits",
+        cli.RUN_TIMEOUT,
+        why=said,
+    )
 
     def reader_refused() -> bool:
         extra = backend.lock.acquire_read(KEY, 5)
@@ -223,7 +231,9 @@ def test_a_waiting_writer_keeps_new_readers_out_and_gets_in_after_the_readers(
         return False
 
     # Writer preference: its intent, left by its first waiting attempt, keeps new readers out.
-    until(reader_refused, "the waiting writer keeps readers out", cli.RUN_TIMEOUT, poll=0.05)
+    until(
+        reader_refused, "the waiting writer keeps readers out", cli.RUN_TIMEOUT, poll=0.05, why=said
+    )
     assert read_now(backend, env) == 75
     assert writer.poll() is None
     text = log.read_text()
@@ -231,7 +241,7 @@ def test_a_waiting_writer_keeps_new_readers_out_and_gets_in_after_the_readers(
     assert reader.token not in text  # ... never the whole token
 
     assert reader.release()  # the last reader leaves: the writer gets in
-    variables = report(folder, "w")
+    variables = report(folder, "w", writer)
     assert variables["DMUTEX_SLOT"] == "0"
     assert reader.fence is not None
     assert int(variables["DMUTEX_FENCE"]) > reader.fence  # above every fence before it
