@@ -10,16 +10,23 @@
   that a failing run reports it too; :func:`summary_line` turns them into
   the line ``tests/faults/conftest.py`` prints in the terminal summary
   ("deadline margins: redis-sync min 0.093 s (ttl 1 s) over 20 trials, ...");
+- :class:`Scheduling`: how late the machine ran this process while a case
+  ran (a thread that sleeps 10 ms at a time and notes how much later it woke)
+  and the share of that time some task waited for a CPU
+  (``/proc/pressure/cpu``), so that a reader tells a starved machine from a
+  library that told its holder late;
 - :func:`judge`: every problem of a case's trials in one failure message,
-  which starts with the case's margin.
+  which starts with the case's margin and how the machine scheduled it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import redis
@@ -115,6 +122,69 @@ class Trial:
         return found
 
 
+PRESSURE = Path("/proc/pressure/cpu")  # Linux 4.20+ with PSI; absent elsewhere
+NAP = 0.010  # the sampler's sleep
+
+
+def _stalled_microseconds() -> int | None:
+    """``/proc/pressure/cpu``'s "some" total: microseconds some task waited for a CPU."""
+    try:
+        first = PRESSURE.read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    fields = dict(part.split("=", 1) for part in first.split()[1:])
+    return int(fields["total"]) if "total" in fields else None
+
+
+@dataclass
+class Scheduling:
+    """How the machine ran this process over a span: the latest wake-up and CPU pressure.
+
+    A holder's deadline comes a margin before its lease can lapse, on the
+    assumption that its process gets to run. When a case fails, these figures
+    say whether the machine was starved (wake-ups seconds late, tasks waiting
+    for a CPU most of the time) or the library was late on a machine that ran it.
+    """
+
+    latest: float = 0.0  # the most a 10 ms sleep overran, in seconds
+    seconds: float = 0.0  # the span watched
+    stalled: float | None = None  # of which some task waited for a CPU (None: no PSI)
+
+    @classmethod
+    @contextlib.contextmanager
+    def watching(cls) -> Iterator[Scheduling]:
+        """Watch while the block runs; the figures are final when it ends."""
+        found = cls()
+        stop = threading.Event()
+        started = time.monotonic()
+        stalled_before = _stalled_microseconds()
+
+        def sample() -> None:
+            while not stop.is_set():
+                asked = time.monotonic()
+                time.sleep(NAP)
+                found.latest = max(found.latest, time.monotonic() - asked - NAP)
+
+        thread = threading.Thread(target=sample, name="scheduling", daemon=True)
+        thread.start()
+        try:
+            yield found
+        finally:
+            stop.set()
+            thread.join(5)
+            found.seconds = time.monotonic() - started
+            stalled_after = _stalled_microseconds()
+            if stalled_before is not None and stalled_after is not None:
+                found.stalled = (stalled_after - stalled_before) / 1e6
+
+    def text(self) -> str:
+        woke = f"woke up to {self.latest:.3f} s late from a {NAP * 1000:g} ms sleep"
+        if self.stalled is None or self.seconds <= 0:
+            return woke
+        share = min(1.0, self.stalled / self.seconds)
+        return f"{woke}, some task waited for a CPU {share:.0%} of {self.seconds:.1f} s"
+
+
 @dataclass(frozen=True)
 class Margin:
     """A case's smallest margin over its trials, for the terminal summary."""
@@ -125,23 +195,29 @@ class Margin:
     smallest: float | None  # None: no lease had both a telling and a grant
     ttl: float | None  # the TTL of the lease with the smallest margin
     without: int  # leases with no margin (never told, or never taken)
+    scheduling: Scheduling | None = None  # how the machine ran the case
 
     def text(self) -> str:
         counted = f"over {self.trials} trials"
         if self.leases != self.trials:
             counted += f" ({self.leases} leases)"
+        ran = "" if self.scheduling is None else f" ({self.scheduling.text()})"
         if self.smallest is None:
-            return f"{self.case} no margin {counted}"
+            return f"{self.case} no margin {counted}{ran}"
         missing = f", {self.without} without one" if self.without else ""
-        return f"{self.case} min {self.smallest:.3f} s (ttl {self.ttl:g} s) {counted}{missing}"
+        smallest = f"min {self.smallest:.3f} s (ttl {self.ttl:g} s)"
+        return f"{self.case} {smallest} {counted}{missing}{ran}"
 
 
 MARGINS: list[Margin] = []
 _MARGINS_LOCK = threading.Lock()
 
 
-def record(case: str, trials: Sequence[Trial]) -> Margin:
-    """Add the smallest margin of ``trials`` to :data:`MARGINS` (before any check) and return it."""
+def record(case: str, trials: Sequence[Trial], scheduling: Scheduling | None = None) -> Margin:
+    """Add the smallest margin of ``trials`` to :data:`MARGINS` (before any check) and return it.
+
+    ``scheduling``: how the machine ran the case, said with the margin.
+    """
     known = [(m, t.ttl) for t in trials if (m := t.margin()) is not None]
     smallest = min(known, default=None)
     margin = Margin(
@@ -151,6 +227,7 @@ def record(case: str, trials: Sequence[Trial]) -> Margin:
         smallest=None if smallest is None else smallest[0],
         ttl=None if smallest is None else smallest[1],
         without=len(trials) - len(known),
+        scheduling=scheduling,
     )
     with _MARGINS_LOCK:
         MARGINS.append(margin)

@@ -199,7 +199,10 @@ def test_a_blackholed_dmutex_run_stops_its_command_before_another_starts(
     env = cli.environment(tmp_path)
     count = TRIALS[ttl]
     started = time.monotonic()
-    with ThreadPoolExecutor(count, thread_name_prefix="cli-trial") as pool:
+    with (
+        deadlines.Scheduling.watching() as scheduling,
+        ThreadPoolExecutor(count, thread_name_prefix="cli-trial") as pool,
+    ):
         futures = [
             pool.submit(one_trial, cli_server, env, tmp_path / f"trial-{i:02d}", ttl, i)
             for i in range(count)
@@ -207,7 +210,7 @@ def test_a_blackholed_dmutex_run_stops_its_command_before_another_starts(
         # Each trial bounds its own waits (start, renewal, both runs): a minute is plenty.
         trials = [future.result(timeout=120) for future in futures]
     case = f"cli-ttl{ttl:g}"
-    margin = deadlines.record(case, trials)
+    margin = deadlines.record(case, trials, scheduling)
     print(f"[deadlines {case}] {margin.text()} seconds={time.monotonic() - started:.1f}")
     deadlines.judge(margin, trials)
 

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._support import cli
+from tests._support import cli, deadlines
 from tests._support.redis_servers import Pool, flushed, newest
 from tests._support.sampling import until
 from tests._support.stamps import FIRST, SECOND, Stamps
@@ -179,25 +179,37 @@ def one_trial(url: str, env: dict[str, str], folder: Path, signum: int, index: i
     return outcome
 
 
+def seconds(value: float | None) -> str:
+    return "(none measured)" if value is None else f"{value:.3f} s"
+
+
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
 def test_a_killed_or_stopped_dmutex_never_leaves_its_command_running_past_the_lease(
     backend_url: str, tmp_path: Path, signum: int
 ) -> None:
     env = cli.environment(tmp_path)
-    with ThreadPoolExecutor(AT_ONCE, thread_name_prefix="supervisor-trial") as pool:
+    with (
+        deadlines.Scheduling.watching() as scheduling,
+        ThreadPoolExecutor(AT_ONCE, thread_name_prefix="supervisor-trial") as pool,
+    ):
         futures = [
             pool.submit(one_trial, backend_url, env, tmp_path / f"t{i:02d}", signum, i)
             for i in range(TRIALS)
         ]
         outcomes = [future.result(timeout=300) for future in futures]
-    latest = max(o.cut_to_last for o in outcomes if o.cut_to_last is not None)
-    closest = min(o.last_to_second for o in outcomes if o.last_to_second is not None)
-    print(
-        f"[supervisor {signal.Signals(signum).name}] {len(outcomes)} trials: last stamp at most "
-        f"{latest:.3f} s after the cut (ttl {TTL:g} s), at least {closest:.3f} s before SECOND"
+    latest = max((o.cut_to_last for o in outcomes if o.cut_to_last is not None), default=None)
+    closest = min(
+        (o.last_to_second for o in outcomes if o.last_to_second is not None), default=None
     )
+    summary = (
+        f"[supervisor {signal.Signals(signum).name}] {len(outcomes)} trials: last stamp at most "
+        f"{seconds(latest)} after the cut (ttl {TTL:g} s), at least {seconds(closest)} before "
+        f"SECOND; "
+        f"the test process {scheduling.text()}"
+    )
+    print(summary)
     problems = [f"{o.name}: {p}" for o in outcomes for p in o.problems]
-    assert problems == [], "\n".join(problems)
+    assert problems == [], summary + "\n" + "\n".join(problems)
 
 
 def test_a_whole_pause_past_the_lease_ends_with_the_command_killed_as_it_continues(

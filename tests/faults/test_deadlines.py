@@ -697,13 +697,14 @@ def tell_case(rig: Rig, case: str, face: FaceName) -> None:
     """
     started = time.monotonic()
     outcomes: Counter[str] = Counter()  # how the asyncio run() calls ended
-    if face == "sync":
-        trials = sync_case(rig, case)
-    else:
-        trials = run_bounded(async_case(rig, case, outcomes), case)
+    with deadlines.Scheduling.watching() as scheduling:
+        if face == "sync":
+            trials = sync_case(rig, case)
+        else:
+            trials = run_bounded(async_case(rig, case, outcomes), case)
     extra = rig.proxy_errors() if isinstance(rig, ProxiedRig) else []
     ended = ",".join(f"{k}:{v}" for k, v in sorted(outcomes.items())) or "-"
-    margin = deadlines.record(case, trials)
+    margin = deadlines.record(case, trials, scheduling)
     seconds = time.monotonic() - started
     print(f"[deadlines {case}] {margin.text()} run_ended={ended} seconds={seconds:.1f}")
     deadlines.judge(margin, trials, extra)
