@@ -49,6 +49,7 @@ from tests.model.test_state_machine import (
     SPELLINGS,
     TTL_PICKS,
     Boom,
+    for_face,
 )
 
 SIDES: tuple[Side, ...] = ("read", "write")
@@ -302,7 +303,11 @@ def check_machine(
     max_readers: int | None,
     examples: int = EXAMPLES,
 ) -> None:
-    """Run the :class:`ReadWriteMachine` on ``make_backend``'s backends; at least ``examples``."""
+    """Run the :class:`ReadWriteMachine` on ``make_backend``'s backends; at least ``examples``.
+
+    Half as many on the asyncio face, as for the lease machine (``for_face``).
+    """
+    examples = for_face(face, examples)
     name = f"ReadWriteMachine_{face}_{max_readers}"
     attributes = {
         "make_backend": staticmethod(make_backend),
