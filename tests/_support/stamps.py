@@ -55,7 +55,7 @@ folder, pid = sys.argv[1], int(sys.argv[2])
 try:
     with open(f"/proc/{pid}/stat") as stat:
         state = stat.read().rpartition(")")[2].split()[0]
-except FileNotFoundError:
+except (FileNotFoundError, ProcessLookupError):  # gone before the open, or before the read
     state = "gone"
 try:
     os.kill(pid, 0)
