@@ -32,7 +32,7 @@ import redis
 from psycopg import sql
 
 from dmutex import SQLiteBackend, SyncClient
-from tests._support.sampling import until
+from tests._support.sampling import process_state, until
 
 RUN_TIMEOUT = 30.0  # one dmutex run, start to exit, on a loaded 2-core machine
 SERVICE = "dmutex"  # the command's default --service
@@ -203,11 +203,7 @@ class Child:
 
 def gone(pid: int) -> bool:
     """Whether no process ``pid`` exists (a zombie counts as gone: it runs nothing)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] == "Z"
-    except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or the read
-        return True
+    return process_state(pid) in (None, "Z")
 
 
 @dataclass

@@ -568,7 +568,7 @@ class Checker:
         self.retry_late_ms = -(10**9)  # the latest a retry started after its deadline
         self._lock = threading.Lock()
         # Losses with more life left on the server, judged after the run.
-        self._unexplained: list[tuple[Held, str, int, int, int]] = []
+        self._unexplained: list[tuple[Held, str, int, int]] = []
 
     def problem(self, text: str) -> None:
         with self._lock:
@@ -620,7 +620,7 @@ class Checker:
         # answer never came, or came after the loss (renewal rule 6), can have
         # given it (the server executed it). One still in flight now is not
         # recorded yet: judged after the run (check_late_renewals).
-        self._unexplained.append((held, name, at, record.expires_from, left))
+        self._unexplained.append((held, name, at, record.expires_from))
 
     def check_late_renewals(self) -> None:
         """Each loss with more life left on the server has a renewal to explain it.
@@ -629,7 +629,7 @@ class Checker:
         loss whose answer was lost (raised) or came after the loss, and that
         reached the server late enough to give the expiry found.
         """
-        for held, name, at, expires_from, left in self._unexplained:
+        for held, name, at, expires_from in self._unexplained:
             attempts = self.renewals.of(held.token)
             if any(
                 a.start_ms <= at
@@ -640,7 +640,7 @@ class Checker:
                 self.explained += 1
                 continue
             self.problem(
-                f"{name}: reported lost with {left} ms left on the server (margin "
+                f"{name}: reported lost with {expires_from - at} ms left on the server (margin "
                 f"{held.margin} ms) and no unanswered renewal to explain it; attempts "
                 f"{[a for a in attempts if a.start_ms <= at][-5:]}"
             )
