@@ -4,7 +4,7 @@
   into a log every few milliseconds (``CLOCK_MONOTONIC`` on Linux: one clock
   for every process of the host, so its stamps and the test's times compare);
 - :data:`SECOND`: the command of the next holder, which notes when it started
-  and whether FIRST's pid still runs;
+  and whether FIRST's pid still runs (its dmutex takes :data:`SECOND_TTL`);
 - :class:`Stamps`: FIRST's log, read back.
 """
 
@@ -46,6 +46,13 @@ while time.monotonic() < deadline:
     time.sleep(every)
 sys.exit(99)
 """
+
+# The second dmutex's --ttl. What is measured is when it was granted (when
+# FIRST's lease ran out), which its own TTL does not change; a TTL as short as
+# FIRST's (2 s) let its watchdog stop SECOND in one CI run, where some task
+# waited for a CPU 98% of the trial's 10.6 s and its renewal was not confirmed
+# within 1.4 s (exit 143): right by the lease, and nothing this test measures.
+SECOND_TTL = 30.0
 
 # SECOND: notes when it started and whether FIRST's pid still runs, then exits.
 SECOND = r"""

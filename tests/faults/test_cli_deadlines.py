@@ -11,9 +11,10 @@ stamping until SIGKILL stops it ("stubborn", odd trials). Once FIRST runs and
 the lease has been renewed once (its PTTL, read every 20 ms by a direct
 client, went up), the proxy becomes a blackhole: the connections stay open
 and carry nothing more, new ones are accepted and never answered. Right
-after, a second ``dmutex run --ttl T KEY -- SECOND`` starts directly against
-the server. SECOND, when it starts, notes ``time.monotonic()`` and whether
-FIRST's pid still runs (``/proc``; a zombie runs nothing; ``os.kill(pid, 0)``
+after, a second ``dmutex run --ttl 30 KEY -- SECOND`` starts directly against
+the server (its own TTL is not what is measured: ``stamps.SECOND_TTL``).
+SECOND, when it starts, notes ``time.monotonic()`` and whether FIRST's pid
+still runs (``/proc``; a zombie runs nothing; ``os.kill(pid, 0)``
 is noted too), and exits.
 
 ``time.monotonic()`` is ``CLOCK_MONOTONIC`` on Linux, one clock for every
@@ -61,7 +62,7 @@ from tests._support.deadlines import Trial
 from tests._support.fault_proxy import FaultProxy, Rates
 from tests._support.redis_servers import Pool, Server
 from tests._support.sampling import until
-from tests._support.stamps import FIRST, SECOND, Stamps
+from tests._support.stamps import FIRST, SECOND, SECOND_TTL, Stamps
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="dmutex run is POSIX only")
 
@@ -150,7 +151,7 @@ def one_trial(server: Server, env: dict[str, str], folder: Path, ttl: float, ind
                 trial.cut = time.monotonic()
                 proxy.blackholed = True
                 trial.cut_done = time.monotonic()  # from here on, nothing more crosses
-                direct = ["run", "--backend", server.url, "--ttl", ttl_arg, key, "--"]
+                direct = ["run", "--backend", server.url, "--ttl", f"{SECOND_TTL:g}", key, "--"]
                 second_command = [sys.executable, "-c", SECOND, str(folder), str(first_pid)]
                 second = cli.start([*direct, *second_command], env)
                 with stopping(second):

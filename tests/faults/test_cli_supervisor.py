@@ -7,8 +7,8 @@ forks a grandchild, and both stamp ``time.monotonic()`` into one log every
 20 ms; on SIGTERM they exit (even trials) or go on (odd trials: only SIGKILL
 stops them). Once both stamp, the test sends SIGKILL or SIGSTOP to the
 ``dmutex`` pid alone (the moment is the *cut*), then runs a second ``dmutex
-run -w 20 --ttl 2 KEY -- SECOND``; SECOND notes when it started and whether
-FIRST's pid still runs. For every trial:
+run -w 20 --ttl 30 KEY -- SECOND`` (``stamps.SECOND_TTL``); SECOND notes when
+it started and whether FIRST's pid still runs. For every trial:
 
 - the last stamp (FIRST's or its grandchild's) comes before SECOND starts,
   and FIRST no longer runs then: no second command beside the first;
@@ -48,7 +48,7 @@ import pytest
 from tests._support import cli, deadlines
 from tests._support.redis_servers import Pool, flushed, newest
 from tests._support.sampling import until
-from tests._support.stamps import FIRST, SECOND, Stamps
+from tests._support.stamps import FIRST, SECOND, SECOND_TTL, Stamps
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads /proc; dmutex run is POSIX only"
@@ -137,6 +137,7 @@ def one_trial(url: str, env: dict[str, str], folder: Path, signum: int, index: i
     outcome = Outcome(name)
     folder.mkdir()
     args = ["run", "--backend", url, "--ttl", f"{TTL:g}"]
+    second_args = ["run", "--backend", url, "--ttl", f"{SECOND_TTL:g}"]
     first = cli.start([*args, key, "--", *first_command(folder, index)], env)
     with contextlib.ExitStack() as stack:
         stack.enter_context(reaped(first.pid))
@@ -146,7 +147,8 @@ def one_trial(url: str, env: dict[str, str], folder: Path, signum: int, index: i
         os.kill(first.pid, signum)
         second_command = [sys.executable, "-c", SECOND, str(folder), str(pid)]
         second = cli.finish(
-            cli.start([*args, "-w", "20", key, "--", *second_command], env), time.monotonic()
+            cli.start([*second_args, "-w", "20", key, "--", *second_command], env),
+            time.monotonic(),
         )
         if signum == signal.SIGSTOP:
             os.kill(first.pid, signal.SIGCONT)

@@ -24,9 +24,13 @@ for SQLite another process takes the write lock of every file
 (plus 0.25 s), so that the holder's renewal waits in SQLite's busy handler.
 Right after the cut a second holder, through a direct client (its own
 ``SQLiteBackend``), polls each key with ``acquire_with_retry(retry_delay=0.01)``.
+The second holders run in a process of their own (``tests/_support/rivals.py``),
+as another holder would: polling in the holders' process, they took its GIL
+from the holders' timekeeper.
 
 Every time is ``time.monotonic()``, in this process (the SQLite blocker's
-times too: ``CLOCK_MONOTONIC`` is one clock for the whole host). For every
+and the second holders' times too: ``CLOCK_MONOTONIC`` is one clock for the
+whole host). For every
 lease of every trial:
 
 - every way of telling the holder (``on_lost``, ``wait_lost()`` returning
@@ -83,14 +87,15 @@ from dmutex import (
     LeaseLostError,
     SQLiteBackend,
 )
-from tests._support import deadlines
+from tests._support import deadlines, rivals
 from tests._support.deadlines import Trial
-from tests._support.faces import Calls, FaceName, await_calls, run_calls
+from tests._support.faces import FaceName
 from tests._support.fault_proxy import FaultProxy, Rates, upstream_address
 from tests._support.mongo_servers import Doc, Session
 from tests._support.mongo_servers import Server as MongoServer
 from tests._support.redis_servers import Pool
 from tests._support.redis_servers import Server as RedisServer
+from tests._support.rivals import Direct, Rival, Taken
 from tests._support.sampling import sampling, until
 
 T = TypeVar("T")
@@ -164,14 +169,11 @@ class Rig:
         """Trial ``index``'s holder: a lock on a client of its own, through the fault."""
         raise NotImplementedError
 
-    def sync_rival(self, index: int) -> DMutex:
-        """The second holder of trial ``index``: a lock on a direct client."""
-        raise NotImplementedError
-
     async def async_lock(self, index: int) -> AsyncDMutex:
         raise NotImplementedError
 
-    async def async_rival(self, index: int) -> AsyncDMutex:
+    def direct(self) -> Direct:
+        """How the second holders' process reaches the store, bypassing the fault."""
         raise NotImplementedError
 
     def cut(self, trials: Sequence[Trial]) -> None:
@@ -197,8 +199,8 @@ class ProxiedRig(Rig):
     """A server reached through one blackholing proxy per trial.
 
     A subclass makes the clients (:meth:`sync_client`, :meth:`async_client`), through
-    trial ``index``'s proxy or, for None, direct (the second holders'); the rig keeps
-    one lock per trial and face, and one direct lock per face that every rival shares.
+    trial ``index``'s proxy, and says how the second holders reach the server
+    directly (:meth:`direct`); the rig keeps one lock per trial and face.
     """
 
     lock_options: dict[str, Any]  # what every DMutex of the rig is given besides the client
@@ -207,40 +209,32 @@ class ProxiedRig(Rig):
         self.upstream = upstream
         self.proxies: dict[int, FaultProxy] = {}
         self.sync_clients: list[Closable] = []
-        self.sync_locks: dict[int | None, DMutex] = {}
+        self.sync_locks: dict[int, DMutex] = {}
         self.async_clients: list[redis.asyncio.Redis | pymongo.AsyncMongoClient[Doc]] = []
-        self.async_locks: dict[int | None, AsyncDMutex] = {}
+        self.async_locks: dict[int, AsyncDMutex] = {}
         self.lock_options = {}
 
-    def sync_client(self, index: int | None) -> redis.Redis | pymongo.MongoClient[Doc]:
-        """A new sync client: through trial ``index``'s proxy, or direct for None."""
+    def sync_client(self, index: int) -> redis.Redis | pymongo.MongoClient[Doc]:
+        """A new sync client, through trial ``index``'s proxy."""
         raise NotImplementedError
 
-    def async_client(
-        self, index: int | None
-    ) -> redis.asyncio.Redis | pymongo.AsyncMongoClient[Doc]:
+    def async_client(self, index: int) -> redis.asyncio.Redis | pymongo.AsyncMongoClient[Doc]:
         """A new asyncio client, as :meth:`sync_client`."""
         raise NotImplementedError
 
-    def sync_lock(self, index: int | None) -> DMutex:
+    def sync_lock(self, index: int) -> DMutex:
         if index not in self.sync_locks:
             client = self.sync_client(index)
             self.sync_clients.append(client)
             self.sync_locks[index] = DMutex(SERVICE, client, **self.lock_options)
         return self.sync_locks[index]
 
-    def sync_rival(self, index: int) -> DMutex:
-        return self.sync_lock(None)
-
-    async def async_lock(self, index: int | None) -> AsyncDMutex:
+    async def async_lock(self, index: int) -> AsyncDMutex:
         if index not in self.async_locks:
             client = self.async_client(index)
             self.async_clients.append(client)
             self.async_locks[index] = AsyncDMutex(SERVICE, client, **self.lock_options)
         return self.async_locks[index]
-
-    async def async_rival(self, index: int) -> AsyncDMutex:
-        return await self.async_lock(None)
 
     async def aclose(self) -> None:
         clients, self.async_clients = self.async_clients, []
@@ -296,15 +290,14 @@ class RedisRig(ProxiedRig):
             "socket_timeout": None,
         }
 
-    def sync_client(self, index: int | None) -> redis.Redis:
-        if index is None:
-            return redis.Redis.from_url(self.server.url)
+    def sync_client(self, index: int) -> redis.Redis:
         return redis.Redis(**self.through(index))
 
-    def async_client(self, index: int | None) -> redis.asyncio.Redis:
-        if index is None:
-            return redis.asyncio.Redis.from_url(self.server.url)
+    def async_client(self, index: int) -> redis.asyncio.Redis:
         return redis.asyncio.Redis(**self.through(index))
+
+    def direct(self) -> Direct:
+        return Direct("redis", self.server.url)
 
 
 class MongoRig(ProxiedRig):
@@ -320,19 +313,18 @@ class MongoRig(ProxiedRig):
         # directConnection: the proxy's address is not the one the server reports.
         return f"mongodb://{proxy.host}:{proxy.port}/?directConnection=true"
 
-    def sync_client(self, index: int | None) -> pymongo.MongoClient[Doc]:
-        if index is None:
-            return self.server.client()
+    def sync_client(self, index: int) -> pymongo.MongoClient[Doc]:
         return pymongo.MongoClient(
             self.through(index), serverSelectionTimeoutMS=SELECTION_TIMEOUT_MS
         )
 
-    def async_client(self, index: int | None) -> pymongo.AsyncMongoClient[Doc]:
-        if index is None:
-            return self.server.async_client()
+    def async_client(self, index: int) -> pymongo.AsyncMongoClient[Doc]:
         return pymongo.AsyncMongoClient(
             self.through(index), serverSelectionTimeoutMS=SELECTION_TIMEOUT_MS
         )
+
+    def direct(self) -> Direct:
+        return Direct("mongo", self.server.url, options=(("db_name", self.server.db_name),))
 
 
 # The blocker: takes the write lock of each file (BEGIN IMMEDIATE), printing
@@ -364,12 +356,11 @@ class SQLiteRig(Rig):
         self.folder = folder
         self.backends: list[SQLiteBackend] = []
         self.holders: dict[int, SQLiteBackend] = {}
-        self.rivals: dict[int, SQLiteBackend] = {}
         self.blocker: subprocess.Popen[str] | None = None
         self.trials: list[Trial] = []
 
     def path(self, index: int) -> Path:
-        return self.folder / f"trial-{index:02d}.sqlite3"
+        return rivals.sqlite_file(self.folder, index)
 
     def backend(self, index: int, side: dict[int, SQLiteBackend]) -> SQLiteBackend:
         if index not in side:
@@ -381,14 +372,11 @@ class SQLiteRig(Rig):
     def sync_lock(self, index: int) -> DMutex:
         return DMutex(SERVICE, self.backend(index, self.holders))
 
-    def sync_rival(self, index: int) -> DMutex:
-        return DMutex(SERVICE, self.backend(index, self.rivals))
-
     async def async_lock(self, index: int) -> AsyncDMutex:
         return AsyncDMutex(SERVICE, self.backend(index, self.holders))
 
-    async def async_rival(self, index: int) -> AsyncDMutex:
-        return AsyncDMutex(SERVICE, self.backend(index, self.rivals))
+    def direct(self) -> Direct:
+        return Direct("sqlite", str(self.folder))
 
     def cut(self, trials: Sequence[Trial]) -> None:
         holds: dict[int, float] = {}
@@ -464,28 +452,29 @@ def rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Rig]:
         found.close()
 
 
-# --- the second holder, of either face ----------------------------------------------------------
+# --- the second holders, in a process of their own ----------------------------------------------
 
 
-def rival(trial: Trial, lock: DMutex | AsyncDMutex) -> Calls[None]:
-    """Trial ``trial``'s second holder: it retries until granted, notes when, and releases.
+@contextlib.contextmanager
+def second_holders(rig: Rig, trials: Sequence[Trial]) -> Iterator[Callable[[], None]]:
+    """The second holders' process, ready; in the block, call what it yields right after the
+    cut: it lets them go and waits until each has its grant (``trial.taken``) or gave up."""
+    plans = [Rival(t.index, t.key, RIVAL_TTL, t.ttl + RIVAL_PATIENCE, RETRY_DELAY) for t in trials]
+    with rivals.spawned_rivals(rig.direct(), SERVICE, plans) as child:
 
-    Run by :func:`run_calls` (sync) or :func:`await_calls` (asyncio): the grant time is
-    read as soon as the acquire returns, on the asyncio face on the loop that ran it.
-    """
-    try:
-        handle = yield lock.acquire_with_retry(
-            trial.key,
-            ttl=RIVAL_TTL,
-            timeout=trial.ttl + RIVAL_PATIENCE,
-            retry_delay=RETRY_DELAY,
-        )
-    except Exception as error:  # noqa: BLE001 - a direct client should not fail: noted
-        trial.note(f"the second holder's acquire raised {error!r}")
-        return
-    if handle is not None:
-        trial.taken = time.monotonic()
-        yield handle.release()
+        def release() -> None:
+            child.go.set()
+            results = child.finish("results", max(TTLS) + RIVAL_PATIENCE + 5)
+            assert isinstance(results, list)
+            by_key = {trial.key: trial for trial in trials}
+            for taken in results:
+                assert isinstance(taken, Taken)
+                trial = by_key[taken.key]
+                trial.taken = taken.taken
+                if taken.note is not None:
+                    trial.note(taken.note)
+
+        yield release
 
 
 # --- the sync face -------------------------------------------------------------------------------
@@ -505,8 +494,14 @@ def first_renewals(leases: Sequence[tuple[Expiring, datetime]]) -> Callable[[], 
 
 def sync_case(rig: Rig, case: str) -> list[Trial]:
     trials = make_trials(case, "acquire")
+    with second_holders(rig, trials) as let_go:
+        return sync_trials(rig, case, trials, let_go)
+
+
+def sync_trials(
+    rig: Rig, case: str, trials: list[Trial], let_go: Callable[[], None]
+) -> list[Trial]:
     handles: dict[str, DMutexLock] = {}
-    rivals = {trial.key: rig.sync_rival(trial.index) for trial in trials}  # ready before the cut
     for trial in trials:
         handle = rig.sync_lock(trial.index).acquire(trial.key, ttl=trial.ttl, auto_renew=True)
         assert handle is not None, f"{trial.key} should be free"
@@ -533,18 +528,7 @@ def sync_case(rig: Rig, case: str) -> list[Trial]:
         trial.lost_before_cut = handles[trial.key].lost or bool(trial.told)
 
     rig.cut(trials)
-
-    threads = [
-        threading.Thread(target=run_calls, args=(rival(t, rivals[t.key]),), name=f"rival-{t.key}")
-        for t in trials
-    ]
-    for thread in threads:
-        thread.daemon = True
-        thread.start()
-    ends = time.monotonic() + max(TTLS) + RIVAL_PATIENCE + 5
-    for thread in threads:
-        thread.join(max(0.0, ends - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), f"{case}: a second holder never returned"
+    let_go()
     time.sleep(TOLD_GRACE)  # a telling still missing is late: this only tells late from never
     for trial in trials:
         trial.lost_at_end = handles[trial.key].lost
@@ -610,7 +594,19 @@ async def async_case(rig: Rig, case: str, outcomes: Counter[str]) -> list[Trial]
     acquired = make_trials(case, "acquire")
     ran = make_trials(case, "run")
     trials = acquired + ran
-    rivals = {trial.key: await rig.async_rival(trial.index) for trial in trials}
+    # Spawned and ready before the leases are taken (the loop waits meanwhile).
+    with second_holders(rig, trials) as let_go:
+        return await async_trials(rig, acquired, ran, outcomes, let_go)
+
+
+async def async_trials(
+    rig: Rig,
+    acquired: list[Trial],
+    ran: list[Trial],
+    outcomes: Counter[str],
+    let_go: Callable[[], None],
+) -> list[Trial]:
+    trials = acquired + ran
     handles: dict[str, AsyncDMutexLock] = {}
     bodies: dict[str, Body] = {}
     tasks: list[asyncio.Task[None]] = []
@@ -643,18 +639,13 @@ async def async_case(rig: Rig, case: str, outcomes: Counter[str]) -> list[Trial]
             trial.lost_before_cut = handle.lost or bool(trial.told)
 
         await asyncio.to_thread(rig.cut, trials)  # the loop runs on meanwhile
-
-        # On this loop, which renews the holders: the grant time is taken here.
-        second = [asyncio.create_task(await_calls(rival(t, rivals[t.key]))) for t in trials]
-        tasks += second
-        _, pending = await asyncio.wait(second, timeout=max(TTLS) + RIVAL_PATIENCE + 5)
-        assert not pending, f"{case}: {len(pending)} second holders never returned"
+        await asyncio.to_thread(let_go)
         await asyncio.sleep(TOLD_GRACE)
         for trial in trials:
             handle = handles[trial.key] if trial.key in handles else bodies[trial.key].handle
             trial.lost_at_end = handle.lost
         await asyncio.to_thread(rig.end_fault)
-        _, pending = await asyncio.wait(waiters + runs, timeout=END_TIMEOUT)
+        await asyncio.wait(waiters + runs, timeout=END_TIMEOUT)
         for trial, task in zip(ran, runs, strict=True):
             if not task.done():
                 trial.note(f"run() had not returned {END_TIMEOUT} s after the fault ended")

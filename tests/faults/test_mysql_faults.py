@@ -117,6 +117,7 @@ from tests._support.mysql_servers import (
     connect_args,
     url_of,
 )
+from tests._support.rivals import Direct
 from tests._support.sampling import process_state, until
 from tests.faults import test_deadlines
 
@@ -982,7 +983,7 @@ class MySQLDeadlineRig(test_deadlines.ProxiedRig):
     Holders: a PyMySQL connection in autocommit (sync), an aiomysql pool of two
     (asyncio: the trial's ``acquire`` and ``run`` leases share it). A statement the
     blackhole swallows waits for ever. The second holders share a direct PyMySQL
-    connection (sync) or an aiomysql pool of ten (asyncio).
+    connection, in a process of their own.
     """
 
     # The rig's Literal names test_deadlines' own three backends; only this file's test reads it.
@@ -992,26 +993,30 @@ class MySQLDeadlineRig(test_deadlines.ProxiedRig):
         args = connect_args(server.url)
         super().__init__((args["host"], args["port"]))
         self.server = server
+        self.table = table
         self.lock_options = {"table_name": table}
         self.pools: list[Any] = []
 
-    def _at(self, index: int | None) -> tuple[str, int]:
-        if index is None:
-            return self.upstream
+    def _at(self, index: int) -> tuple[str, int]:
         proxy = self.proxy(index)
         return proxy.host, proxy.port
 
-    def sync_lock(self, index: int | None) -> DMutex:
+    def direct(self) -> Direct:
+        connect = pymysql_args(self.server, *self.upstream)
+        return Direct(
+            "mysql", connect=tuple(connect.items()), options=(("table_name", self.table),)
+        )
+
+    def sync_lock(self, index: int) -> DMutex:
         if index not in self.sync_locks:
             conn = pymysql.connect(**pymysql_args(self.server, *self._at(index)))
             self.sync_clients.append(conn)
             self.sync_locks[index] = DMutex(test_deadlines.SERVICE, conn, **self.lock_options)
         return self.sync_locks[index]
 
-    async def async_lock(self, index: int | None) -> AsyncDMutex:
+    async def async_lock(self, index: int) -> AsyncDMutex:
         if index not in self.async_locks:
-            size = 10 if index is None else 2
-            pool = await async_pool("aiomysql", self.server, *self._at(index), size)
+            pool = await async_pool("aiomysql", self.server, *self._at(index), 2)
             self.pools.append(pool)
             self.async_locks[index] = AsyncDMutex(test_deadlines.SERVICE, pool, **self.lock_options)
         return self.async_locks[index]

@@ -108,6 +108,7 @@ from dmutex._runtime.drivers import AsyncDriver, SyncDriver
 from tests._support import fault_servers, postgres_servers, servers
 from tests._support.faces import Calls, await_calls, run_calls
 from tests._support.fault_proxy import Fault, FaultProxy, Rates
+from tests._support.rivals import Direct
 from tests._support.tracking import Tracker
 from tests.faults import test_deadlines
 
@@ -1139,7 +1140,7 @@ class PostgresDeadlineRig(test_deadlines.ProxiedRig):
     (asyncio: the trial's ``acquire`` and ``run`` leases share it; an asyncpg
     connection runs one statement at a time). Neither has a timeout, so a
     statement the blackhole swallows waits for ever. The second holders
-    share a direct psycopg connection (sync) or an asyncpg pool (asyncio).
+    share a direct psycopg connection, in a process of their own.
     """
 
     # The rig's Literal names test_deadlines' own three backends; only its test reads it.
@@ -1158,22 +1159,22 @@ class PostgresDeadlineRig(test_deadlines.ProxiedRig):
         params.pop("connect_timeout", None)
         return psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in params.items()})
 
-    def sync_lock(self, index: int | None) -> DMutex:
+    def direct(self) -> Direct:
+        options = tuple(self.lock_options.items())
+        return Direct("postgresql", self.url, options=options)
+
+    def sync_lock(self, index: int) -> DMutex:
         if index not in self.sync_locks:
-            conn = psycopg.connect(
-                self.url if index is None else self.through(index), autocommit=True
-            )
+            conn = psycopg.connect(self.through(index), autocommit=True)
             self.sync_clients.append(conn)
             self.sync_locks[index] = DMutex(test_deadlines.SERVICE, conn, **self.lock_options)
         return self.sync_locks[index]
 
-    async def async_lock(self, index: int | None) -> AsyncDMutex:
+    async def async_lock(self, index: int) -> AsyncDMutex:
         if index not in self.async_locks:
-            dsn = asyncpg_dsn(self.url if index is None else self.through(index))
+            dsn = asyncpg_dsn(self.through(index))
             dsn.pop("timeout")
-            pool = await asyncpg.create_pool(
-                **dsn, min_size=1, max_size=2 if index is not None else 10
-            )
+            pool = await asyncpg.create_pool(**dsn, min_size=1, max_size=2)
             self.pools.append(pool)
             self.async_locks[index] = AsyncDMutex(test_deadlines.SERVICE, pool, **self.lock_options)
         return self.async_locks[index]
