@@ -37,7 +37,7 @@ from dmutex import (
     UnsupportedClientError,
 )
 from dmutex._backends import open_readwrite_store, open_store
-from dmutex._backends.redis.store import SCAN_COUNT, glob_escape
+from dmutex._backends.redis.requests import SCAN_COUNT, glob_escape
 from dmutex._cli.holders import Reader
 from dmutex._core.abc import Listing
 from dmutex._core.waiting import Waiter

@@ -15,7 +15,7 @@ from dmutex import (
     InMemoryBackend,
     ManualClock,
 )
-from dmutex._backends import memory
+from dmutex._backends.memory import backend as memory
 
 
 def test_snapshot_names_records_as_the_redis_layout_does() -> None:
@@ -75,7 +75,7 @@ def test_released_keys_leave_nothing_behind() -> None:
 # need no timing.
 
 
-class _CountedRecord(memory._Record):
+class _CountedRecord(memory.Record):
     """A permit record that counts the reads of its fields, across all instances."""
 
     reads = 0
@@ -89,7 +89,7 @@ class _CountedRecord(memory._Record):
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> Callable[[], int]:
     """Count record reads from here on; returns the count so far."""
-    monkeypatch.setattr(memory, "_Record", _CountedRecord)
+    monkeypatch.setattr(memory, "Record", _CountedRecord)
     monkeypatch.setattr(_CountedRecord, "reads", 0)
     return lambda: _CountedRecord.reads
 

@@ -27,7 +27,7 @@ from typing import Any, cast
 import redis
 import redis.cluster
 
-from dmutex._backends.cluster import hash_slot
+from dmutex._backends.redis.cluster import hash_slot
 from tests._support import redis_servers
 from tests._support.servers import ServerProcess
 

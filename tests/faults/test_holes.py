@@ -56,7 +56,7 @@ from dmutex import (
     RedisReply,
     UnsupportedClientError,
 )
-from dmutex._backends.postgres.statements import Statements
+from dmutex._backends.postgresql.statements import Statements
 from tests._support.mongo_clients import frozen_ttl_monitor
 from tests._support.postgres_clients import (
     Gate,

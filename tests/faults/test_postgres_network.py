@@ -100,7 +100,7 @@ import pytest
 from psycopg import sql
 
 from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore
-from dmutex._backends.postgres import PostgresStore
+from dmutex._backends.postgresql import PostgresStore
 from dmutex._clock import SYSTEM_CLOCK
 from dmutex._core.effects import Steps
 from dmutex._core.lease import Lease

@@ -32,8 +32,8 @@ import psycopg_pool
 import pytest
 
 from dmutex import DMutex, DMutexLock, SQLiteBackend
-from dmutex._backends.postgres.listening import listener
-from dmutex._backends.postgres.statements import Statements
+from dmutex._backends.postgresql.listening import listener
+from dmutex._backends.postgresql.statements import Statements
 from dmutex._cli import urls
 from dmutex._cli.holders import read_holders
 from dmutex._cli.run import request_timeout

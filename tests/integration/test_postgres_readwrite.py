@@ -41,7 +41,7 @@ import psycopg
 import psycopg_pool
 import pytest
 
-from dmutex._backends.postgres.statements import FOREVER
+from dmutex._backends.postgresql.statements import FOREVER
 from tests._support.faces import FaceName, Handle, LoopThread
 from tests._support.rwfaces import RWFace, Side
 from tests._support.rwrows import granted, hold_expired, is_read

@@ -35,8 +35,8 @@ from dmutex import (
     InvalidArgumentError,
     ManualClock,
 )
-from dmutex._backends.postgres import PostgresStore
-from dmutex._backends.postgres.statements import FOREVER, Statements
+from dmutex._backends.postgresql import PostgresStore
+from dmutex._backends.postgresql.statements import FOREVER, Statements
 from dmutex._clock import SYSTEM_CLOCK, Clock
 from dmutex._core.effects import Steps
 from dmutex._core.engine import Engine

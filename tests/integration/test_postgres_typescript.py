@@ -52,7 +52,7 @@ import pytest
 from psycopg import sql
 
 from dmutex import AsyncDSemaphore, DMutex, DSemaphore, InvalidArgumentError
-from dmutex._backends.postgres.statements import FOREVER, WAITERS, channel
+from dmutex._backends.postgresql.statements import FOREVER, WAITERS, channel
 from dmutex._cli.holders import read_holders
 from tests._support.postgres_rows import age, ms, rows
 from tests._support.sampling import until

@@ -25,9 +25,9 @@ import psycopg
 import psycopg_pool
 import pytest
 
-from dmutex._backends.postgres import PostgresStore
-from dmutex._backends.postgres.listening import PID_CHECK
-from dmutex._backends.postgres.statements import Statements, channel
+from dmutex._backends.postgresql import PostgresStore
+from dmutex._backends.postgresql.listening import PID_CHECK
+from dmutex._backends.postgresql.statements import Statements, channel
 from dmutex._clock import SYSTEM_CLOCK
 from dmutex._core.effects import Steps
 from dmutex._core.engine import Engine

@@ -36,7 +36,7 @@ import redis.crc
 import valkey.cluster
 
 from dmutex import AsyncDSemaphore, DMutex, DSemaphore, ManualClock
-from dmutex._backends.cluster import hash_slot
+from dmutex._backends.redis.cluster import hash_slot
 from dmutex._backends.redis.scripts import (
     ACQUIRE,
     EXTEND,

@@ -27,7 +27,7 @@ import redis.asyncio.cluster
 import redis.cluster
 
 from dmutex import NotReplicatedError
-from dmutex._backends.cluster import hash_slot
+from dmutex._backends.redis.cluster import hash_slot
 from tests._support import fault_servers
 from tests._support.face_rigs import FaceRig
 from tests._support.faces import Face, FaceName, Kind

@@ -28,7 +28,7 @@ import valkey
 import valkey.asyncio
 
 from dmutex import DMutexError, NotReplicatedError, RedisArg, RedisReply
-from dmutex._backends.cluster import hash_slot
+from dmutex._backends.redis.cluster import hash_slot
 from dmutex._backends.redis.scripts import (
     RW_ACQUIRE,
     RW_EXTEND,

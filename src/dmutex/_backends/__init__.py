@@ -26,10 +26,9 @@ from .._validate import (
     check_redis_prefix,
 )
 from .memory import InMemoryBackend, MemoryReadWriteStore, MemoryStore
-from .mongo import MongoStore
-from .mongo_readwrite import MongoReadWriteStore
+from .mongodb import MongoReadWriteStore, MongoStore
 from .mysql import MySQLReadWriteStore, MySQLStore
-from .postgres import PostgresReadWriteStore, PostgresStore
+from .postgresql import PostgresReadWriteStore, PostgresStore
 from .redis import RedisReadWriteStore, RedisStore
 from .shapes import (
     defines,

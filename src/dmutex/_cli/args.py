@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-from .._backends.redis.store import SCAN_COUNT
+from .._backends.redis.requests import SCAN_COUNT
 from .._errors import ArgumentTypeError, InvalidArgumentError
 from .._options import Kind
 from .._validate import MAX_PERMITS, check_key, check_str

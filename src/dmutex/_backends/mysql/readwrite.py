@@ -28,10 +28,10 @@ from ..._clock import Clock
 from ..._core.effects import Call, Sleep, Steps, Wait
 from ..._core.waiting import Waiter
 from ..._errors import DMutexError
-from ..sql_readwrite import SqlReadWriteStore
+from ..sql.readwrite import SqlReadWriteStore
 from .runners import Outcome, Row, runner
 from .statements import FOREVER, NOW_MS, NOW_US, Statement
-from .store import MySQLStore, _waiting
+from .store import MySQLStore, waiters_of
 
 __all__ = ["MySQLReadWriteStore"]
 
@@ -109,7 +109,7 @@ class MySQLReadWriteStore(SqlReadWriteStore):
         self._write_sql = _write(t)
         self._page_sql = _page(t)
         self._run = runner(client, asynchronous=asynchronous)
-        self._waiting = _waiting(client)
+        self._waiting = waiters_of(client)
 
     def ready(self) -> Steps[None]:
         """The mutex store's ``ready()``, for a ``mediumtext`` value column."""

@@ -35,7 +35,7 @@ Rules of this module:
    times in all; every other error reaches the store as raised. dmutex's
    statements each lock one row, or a key's slots in primary-key order, so
    a deadlock needs another program's multi-row transaction.
-6. A SQLAlchemy engine is a pool (``dmutex._backends.engines``): its
+6. A SQLAlchemy engine is a pool (``dmutex._backends.sql.engines``): its
    statement runs on the driver's own connection as rules 2 to 5 say.
    Which drivers: ``pymysql``, ``mysqldb`` and ``mysqlconnector`` for an
    ``Engine``, ``aiomysql`` and ``asyncmy`` for an ``AsyncEngine``, on the
@@ -84,8 +84,8 @@ from ..clients import (
     MySQLCursorLike,
     SQLAlchemyDialectLike,
 )
-from ..engines import check_face, lend, lend_async
 from ..shapes import method, mysql_method
+from ..sql.engines import check_face, lend, lend_async
 from .statements import Statement
 
 __all__ = ["DEADLOCK_TRIES", "Outcome", "Params", "Row", "Runner", "runner"]

@@ -104,7 +104,7 @@ def _text(value: object) -> str:
     return str(value)
 
 
-class _Waiting:
+class Waiting:
     """The retrying acquires of this process that wait through one client (rule 5)."""
 
     __slots__ = ("__weakref__", "by_key", "lock")
@@ -133,17 +133,17 @@ class _Waiting:
             wakeup.set()  # outside the lock: a wakeup calls its listeners
 
 
-_CLIENTS: weakref.WeakKeyDictionary[object, _Waiting] = weakref.WeakKeyDictionary()
+_CLIENTS: weakref.WeakKeyDictionary[object, Waiting] = weakref.WeakKeyDictionary()
 _CLIENTS_LOCK = threading.Lock()
 
 
-def _waiting(client: object) -> _Waiting:
+def waiters_of(client: object) -> Waiting:
     """The waiters of ``client``, shared by every store on it; per store if it takes no weakref."""
     with _CLIENTS_LOCK:
         try:
-            return _CLIENTS.setdefault(client, _Waiting())
+            return _CLIENTS.setdefault(client, Waiting())
         except TypeError:
-            return _Waiting()
+            return Waiting()
 
 
 class MySQLStore:
@@ -171,7 +171,7 @@ class MySQLStore:
         self._sql = Statements.of(table, database)
         self._value_type = value_type
         self._run = runner(client, asynchronous=asynchronous)
-        self._waiting = _waiting(client)
+        self._waiting = waiters_of(client)
         self._permits = max_permits
         self._pick_sql = self._sql.pick(max_permits)
         self._clock = clock

@@ -59,7 +59,16 @@ from ..._core.readwrite import READ_SLOT, WRITE_SLOT
 from ..._core.waiting import Ahead, Waiter
 from ..._errors import DMutexError, NotReplicatedError
 from ..blocking import REFRESH
-from ..cluster import hash_slot, same_hash_slot
+from .cluster import hash_slot, same_hash_slot
+from .requests import (
+    AheadAttempt,
+    RedisRequests,
+    answered,
+    as_int,
+    foreign,
+    glob_escape,
+    is_noscript,
+)
 from .scripts import (
     FOREIGN,
     RENEW_BATCH,
@@ -68,15 +77,6 @@ from .scripts import (
     RW_INSPECT,
     RW_RELEASE,
     RW_RENEW,
-)
-from .store import (
-    AheadAttempt,
-    RedisRequests,
-    _answered,
-    _as_int,
-    _foreign,
-    _is_noscript,
-    glob_escape,
 )
 
 __all__ = ["RedisReadWriteStore"]
@@ -100,8 +100,8 @@ def _decision(reply: object) -> tuple[bool, int]:
     """The acquire script's ``{1, fence}`` (granted) or ``{0, ms until it clears}``."""
     if not isinstance(reply, (list, tuple)) or len(reply) != 2:
         raise DMutexError(f"unexpected reply from Redis: {reply!r}")
-    granted = _as_int(reply[0], 0, 1) == 1
-    return granted, _as_int(reply[1], 0, _FENCE_MAX if granted else MAX_EXPIRY_MS)
+    granted = as_int(reply[0], 0, 1) == 1
+    return granted, as_int(reply[1], 0, _FENCE_MAX if granted else MAX_EXPIRY_MS)
 
 
 class RedisReadWriteStore(RedisRequests):
@@ -185,7 +185,7 @@ class RedisReadWriteStore(RedisRequests):
                 # Sent with the wait before this attempt (waiting rule 6): answered already.
                 ahead, waiter.ahead = waiter.ahead, None
                 if not (left and waiter.last):
-                    return _answered(ahead, waiter)
+                    return answered(ahead, waiter)
                 # A writer's refusal sent ahead as not the last (the block
                 # outlasted the deadline: a server ends it on its tick) left
                 # its intent; the last attempt must withdraw it (readwrite
@@ -282,9 +282,9 @@ class RedisReadWriteStore(RedisRequests):
             # A server that had not cached the script answered NOSCRIPT: the
             # next attempt asks again (``_run`` falls back to ``EVAL``).
             if isinstance(reply, Exception):
-                if _is_noscript(reply):
+                if is_noscript(reply):
                     return None
-                return Ahead(None, _foreign(reply) or reply, started)
+                return Ahead(None, foreign(reply) or reply, started)
             try:
                 lease = self._decided(
                     reply, key, token, write, expires, waiter, True, started, window
@@ -302,17 +302,17 @@ class RedisReadWriteStore(RedisRequests):
         self._keep_side(token, None)
         keys = [self._name(key), *self._wakes(key)]
         reply = yield from self._take(RW_RELEASE, keys, (token, self._most))
-        return _as_int(reply, 0, 1) == 1
+        return as_int(reply, 0, 1) == 1
 
     def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
         """Move ``token``'s active hold's expiry (of kind ``slot`` if given) to now + ttl."""
         expires = now_ms(self._clock) + ttl_ms
         args = (token, "-" if slot is None else slot, ttl_ms)
         if not self._replicas:
-            done = _as_int((yield from self._take(RW_EXTEND, [self._name(key)], args)), 0, 1)
+            done = as_int((yield from self._take(RW_EXTEND, [self._name(key)], args)), 0, 1)
         else:
             reply, acks = yield from self._take_waited(RW_EXTEND, [self._name(key)], args)
-            done = _as_int(reply, 0, 1)
+            done = as_int(reply, 0, 1)
             if done == 1:
                 self._replicated(key, acks)
         return expires if done == 1 else None
@@ -361,7 +361,7 @@ class RedisReadWriteStore(RedisRequests):
             raise DMutexError(f"unexpected reply from Redis: {reply!r}")
         renewed: list[Renewed] = []
         for i, done, ends in zip(chunk, reply, expires, strict=True):
-            code = _as_int(done, -1, 1)
+            code = as_int(done, -1, 1)
             if code < 0:
                 renewed.append(DMutexError(f"{names[i]!r} {FOREIGN}: dmutex leaves it alone"))
             elif code == 0:
@@ -381,20 +381,20 @@ class RedisReadWriteStore(RedisRequests):
         reply = yield from self._take(RW_INSPECT, [self._name(key)], ())
         if not isinstance(reply, (list, tuple)) or len(reply) % 2 != 1:
             raise DMutexError(f"unexpected reply from Redis: {reply!r}")
-        now = _as_int(reply[0], 0, MAX_EXPIRY_MS)
+        now = as_int(reply[0], 0, MAX_EXPIRY_MS)
         state = readwrite.State()
         fence: int | None = None
         for at in range(1, len(reply), 2):
             name, value = _text(reply[at]), reply[at + 1]
             kind, token = name[:2], name[2:]
             if name == "fence":
-                fence = _as_int(value, 0, _FENCE_MAX)
+                fence = as_int(value, 0, _FENCE_MAX)
             elif kind == "w:":
-                ends = _as_int(value, 0, MAX_EXPIRY_MS)
+                ends = as_int(value, 0, MAX_EXPIRY_MS)
                 if state.writer is None or ends > state.writer[1]:
                     state.writer = (token, ends)
             elif kind == "r:":
-                state.readers[token] = _as_int(value, 0, MAX_EXPIRY_MS)
+                state.readers[token] = as_int(value, 0, MAX_EXPIRY_MS)
         found = [Holder(*hold) for hold in readwrite.holders(state, now)]
         return Inspection(found, fence if self._fencing else None, now)
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TypeVar, cast
 
-from .._errors import UnsupportedClientError
-from .clients import AsyncSQLAlchemyEngineLike, SQLAlchemyEngineLike
-from .shapes import defines, method
+from ..._errors import UnsupportedClientError
+from ..clients import AsyncSQLAlchemyEngineLike, SQLAlchemyEngineLike
+from ..shapes import defines, method
 
 __all__ = ["check_face", "lend", "lend_async"]
 

@@ -35,13 +35,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import cast
 
-from .._clock import Clock
-from .._core.abc import Holder, Inspection, Renewed, extend_each, sleep
-from .._core.effects import Call, Steps
-from .._core.lease import EPOCH, MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
-from .._core.waiting import Waiter
-from .._errors import DMutexError, UnsupportedClientError
-from .shapes import method
+from ..._clock import Clock
+from ..._core.abc import Holder, Inspection, Renewed, extend_each, sleep
+from ..._core.effects import Call, Steps
+from ..._core.lease import EPOCH, MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
+from ..._core.waiting import Waiter
+from ..._errors import DMutexError, UnsupportedClientError
+from ..shapes import method
 
 DUPLICATE_KEY = 11000
 # Marks a fence counter document as dmutex's own.

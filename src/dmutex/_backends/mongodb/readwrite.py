@@ -71,15 +71,15 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import cast
 
-from .._clock import Clock
-from .._core import readwrite
-from .._core.abc import Holder, Inspection, Renewed, extend_each, sleep
-from .._core.effects import Call, Steps
-from .._core.lease import EPOCH, MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
-from .._core.waiting import Waiter
-from .._errors import DMutexError
-from .mongo import create_ttl_index, found_keys, is_duplicate_key, next_fence
-from .shapes import method
+from ..._clock import Clock
+from ..._core import readwrite
+from ..._core.abc import Holder, Inspection, Renewed, extend_each, sleep
+from ..._core.effects import Call, Steps
+from ..._core.lease import EPOCH, MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
+from ..._core.waiting import Waiter
+from ..._errors import DMutexError
+from ..shapes import method
+from .store import create_ttl_index, found_keys, is_duplicate_key, next_fence
 
 __all__ = ["KIND", "MongoReadWriteStore"]
 

@@ -37,8 +37,8 @@ from typing import cast
 from ..._clock import Clock
 from ..._core.effects import Call, Steps
 from ..._core.waiting import Waiter
-from .. import rwstate
-from ..sql_readwrite import SqlReadWriteStore
+from ..sql import rwstate
+from ..sql.readwrite import SqlReadWriteStore
 from .listening import Probe
 from .runners import Row, runner
 from .statements import _FOREVER, _NOW, _NOW_US, Statement, _escape, _in_literal, _ms, qualified

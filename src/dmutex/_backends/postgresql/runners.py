@@ -28,7 +28,7 @@ Rules of this module:
    next acquire, a wait's ``LISTEN``. A pool lends each statement a
    connection and needs none. The caller's own statements on that
    connection do not take these turns: they need a connection of their own.
-6. A SQLAlchemy engine is a pool (``dmutex._backends.engines``): its
+6. A SQLAlchemy engine is a pool (``dmutex._backends.sql.engines``): its
    statement runs on the driver's own connection (psycopg's or asyncpg's)
    as rules 2 to 5 say for that driver. Nothing of SQLAlchemy's
    transaction state changes: it began none, and on return its pool's
@@ -62,8 +62,8 @@ from ..clients import (
     PsycopgPoolLike,
     SQLAlchemyDialectLike,
 )
-from ..engines import check_face, lend, lend_async
 from ..shapes import defines, method, postgres_method
+from ..sql.engines import check_face, lend, lend_async
 from .statements import Statement
 
 __all__ = ["Params", "Row", "Runner", "asyncpg_turn", "runner"]

@@ -1,6 +1,6 @@
 """The SQL of the PostgreSQL store, one builder per statement, for one table.
 
-They sit in ``dmutex._backends.postgres`` beside the store that runs them
+They sit in ``dmutex._backends.postgresql`` beside the store that runs them
 (``store.py``); tests and benchmarks import them from here.
 
 Rules of the statements:

@@ -58,13 +58,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from .._clock import Clock
-from .._core import readwrite
-from .._core.abc import Holder, Inspection, Renewed, extend_each
-from .._core.effects import Steps
-from .._core.lease import MAX_EXPIRY_MS, Lease
-from .._core.waiting import Waiter
-from .._errors import DMutexError
+from ..._clock import Clock
+from ..._core import readwrite
+from ..._core.abc import Holder, Inspection, Renewed, extend_each
+from ..._core.effects import Steps
+from ..._core.lease import MAX_EXPIRY_MS, Lease
+from ..._core.waiting import Waiter
+from ..._errors import DMutexError
 from . import rwstate
 
 __all__ = ["KEYS_PAGE", "RACES", "SqlReadWriteStore"]
