@@ -12,7 +12,7 @@ from types import FunctionType as _FunctionType
 
 from . import events
 from ._backends import clients as _clients
-from ._backends.clients import *  # noqa: F403 - the client contracts, as clients.__all__ lists them
+from ._backends.clients import *  # noqa: F403 - the client contracts and the unions, as clients.__all__ lists them
 from ._backends.memory import InMemoryBackend
 from ._backends.sqlite import SQLiteBackend
 from ._clock import Clock, ManualClock, SystemClock
@@ -27,7 +27,6 @@ from ._errors import (
     UnsupportedClientError,
 )
 from ._faces.aio import (
-    AsyncClient,
     AsyncDMutex,
     AsyncDMutexLock,
     AsyncDReadLock,
@@ -44,7 +43,6 @@ from ._faces.sync import (
     DSemaphore,
     DSemaphorePermit,
     DWriteLock,
-    SyncClient,
 )
 from ._observers.otel import OpenTelemetryObserver
 from ._validate import MAX_KEY_LENGTH, MAX_PERMITS, BackendName
@@ -55,7 +53,6 @@ __all__ = [
     "MAX_PERMITS",
     "AmbiguousClientError",
     "ArgumentTypeError",
-    "AsyncClient",
     "AsyncDMutex",
     "AsyncDMutexLock",
     "AsyncDReadLock",
@@ -81,7 +78,6 @@ __all__ = [
     "Observer",
     "OpenTelemetryObserver",
     "SQLiteBackend",
-    "SyncClient",
     "SystemClock",
     "UnsupportedClientError",
     "__version__",

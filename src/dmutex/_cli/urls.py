@@ -77,8 +77,8 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote, unquote_to_bytes, urlsplit
 
+from .._backends.clients import SyncClient
 from .._errors import InvalidArgumentError
-from .._faces.sync import SyncClient
 from .._validate import MAX_MYSQL_IDENTIFIER, check_postgres_schema
 from .errors import UNAVAILABLE, USAGE, Failure, one_line
 

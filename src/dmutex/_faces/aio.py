@@ -11,21 +11,9 @@ import asyncio
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import TypeAlias, TypeVar, cast
+from typing import TypeVar, cast
 
-from .._backends.clients import (
-    AsyncMongoClientLike,
-    AsyncMySQLConnectionLike,
-    AsyncMySQLPoolLike,
-    AsyncpgLike,
-    AsyncPsycopgConnectionLike,
-    AsyncPsycopgPoolLike,
-    AsyncRedisCommandClient,
-    AsyncRedisSetEvalClient,
-    AsyncSQLAlchemyEngineLike,
-)
-from .._backends.memory import InMemoryBackend
-from .._backends.sqlite import SQLiteBackend
+from .._backends.clients import AsyncClient
 from .._core.engine import Engine
 from .._core.lease import Lease
 from .._core.waiting import pieces
@@ -36,7 +24,6 @@ from .base import MutexBase, ReadWriteBase, SemaphoreBase, Wrapping
 from .handles import HandleBase, SlotMixin
 
 __all__ = [
-    "AsyncClient",
     "AsyncDMutex",
     "AsyncDMutexLock",
     "AsyncDReadLock",
@@ -49,21 +36,6 @@ __all__ = [
 T = TypeVar("T")
 H = TypeVar("H", bound="_AsyncHandle")
 Self = TypeVar("Self", bound="_AsyncHandle")
-
-AsyncClient: TypeAlias = (
-    InMemoryBackend
-    | SQLiteBackend
-    | AsyncMongoClientLike
-    | AsyncRedisCommandClient
-    | AsyncRedisSetEvalClient
-    | AsyncPsycopgConnectionLike
-    | AsyncPsycopgPoolLike
-    | AsyncpgLike
-    | AsyncSQLAlchemyEngineLike
-    | AsyncMySQLConnectionLike
-    | AsyncMySQLPoolLike
-)
-"""Any client an asyncio class accepts."""
 
 
 class _AsyncHandle(HandleBase[AsyncDriver]):

@@ -12,20 +12,9 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import TypeAlias, TypeVar, cast
+from typing import TypeVar, cast
 
-from .._backends.clients import (
-    MongoClientLike,
-    MySQLConnectionLike,
-    MySQLConnectorPoolLike,
-    PsycopgConnectionLike,
-    PsycopgPoolLike,
-    RedisCommandClient,
-    RedisSetEvalClient,
-    SQLAlchemyEngineLike,
-)
-from .._backends.memory import InMemoryBackend
-from .._backends.sqlite import SQLiteBackend
+from .._backends.clients import SyncClient
 from .._core.engine import Engine
 from .._core.lease import Lease
 from .._core.waiting import pieces
@@ -43,26 +32,11 @@ __all__ = [
     "DSemaphore",
     "DSemaphorePermit",
     "DWriteLock",
-    "SyncClient",
 ]
 
 T = TypeVar("T")
 H = TypeVar("H", bound="_SyncHandle")
 Self = TypeVar("Self", bound="_SyncHandle")
-
-SyncClient: TypeAlias = (
-    InMemoryBackend
-    | SQLiteBackend
-    | MongoClientLike
-    | RedisCommandClient
-    | RedisSetEvalClient
-    | PsycopgConnectionLike
-    | PsycopgPoolLike
-    | SQLAlchemyEngineLike
-    | MySQLConnectionLike
-    | MySQLConnectorPoolLike
-)
-"""Any client a sync class accepts."""
 
 
 class _SyncHandle(HandleBase[SyncDriver]):

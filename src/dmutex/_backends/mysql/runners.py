@@ -75,17 +75,17 @@ from dataclasses import dataclass
 from typing import Protocol, TypeAlias, cast
 
 from ..._errors import DMutexError, UnsupportedClientError
-from ..clients import (
+from ..shapes import method, mysql_method
+from ..sql.clients import SQLAlchemyDialectLike
+from ..sql.engines import check_face, lend, lend_async
+from .clients import (
     AsyncMySQLConnectionLike,
     AsyncMySQLCursorLike,
     AsyncMySQLPoolLike,
     MySQLConnectionLike,
     MySQLConnectorPoolLike,
     MySQLCursorLike,
-    SQLAlchemyDialectLike,
 )
-from ..shapes import method, mysql_method
-from ..sql.engines import check_face, lend, lend_async
 from .statements import Statement
 
 __all__ = ["DEADLOCK_TRIES", "Outcome", "Params", "Row", "Runner", "runner"]

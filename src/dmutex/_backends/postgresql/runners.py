@@ -53,17 +53,17 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TypeAlias, cast
 
 from ..._errors import DMutexError, UnsupportedClientError
-from ..clients import (
+from ..shapes import defines, method, postgres_method
+from ..sql.clients import SQLAlchemyDialectLike
+from ..sql.engines import check_face, lend, lend_async
+from .clients import (
     AsyncpgLike,
     AsyncPsycopgConnectionLike,
     AsyncPsycopgPoolLike,
     PsycopgConnectionLike,
     PsycopgConnectionStateLike,
     PsycopgPoolLike,
-    SQLAlchemyDialectLike,
 )
-from ..shapes import defines, method, postgres_method
-from ..sql.engines import check_face, lend, lend_async
 from .statements import Statement
 
 __all__ = ["Params", "Row", "Runner", "asyncpg_turn", "runner"]

@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar, cast
 
 from ..._errors import UnsupportedClientError
-from ..clients import AsyncSQLAlchemyEngineLike, SQLAlchemyEngineLike
 from ..shapes import defines, method
+from .clients import AsyncSQLAlchemyEngineLike, SQLAlchemyEngineLike
 
 __all__ = ["check_face", "lend", "lend_async"]
 
