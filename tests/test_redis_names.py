@@ -43,9 +43,10 @@ from dmutex import (
 )
 from dmutex._backends import open_readwrite_store, open_store
 from dmutex._backends.redis import RedisReadWriteStore, RedisStore
+from dmutex._backends.redis.names import REDIS_KINDS
 from dmutex._clock import SYSTEM_CLOCK
 from dmutex._options import DEFAULT_PREFIX, Kind, Options
-from dmutex._validate import REDIS_KINDS, check_key
+from dmutex._validate import check_key
 from tests._support.doubles import RecordingRedis
 
 CLASSES: list[Any] = [

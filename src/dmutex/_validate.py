@@ -32,7 +32,7 @@ Every layout stores it: 512 characters (the TypeScript MySQL store's
 """
 
 
-def _shown(value: object) -> str:
+def shown(value: object) -> str:
     """``repr(value)``, cut short: huge ints have thousands of digits (or too many to print)."""
     if isinstance(value, int) and value.bit_length() > 64:
         return f"an int of {value.bit_length()} bits"
@@ -93,7 +93,7 @@ def refuse_nul(what: str, text: str, server: str) -> None:
     """
     if "\0" in text:
         raise InvalidArgumentError(
-            f"{what} {_shown(text)} contains a NUL character (U+0000), which {server} text "
+            f"{what} {shown(text)} contains a NUL character (U+0000), which {server} text "
             "cannot hold"
         )
 
@@ -105,7 +105,7 @@ def _real(name: str, value: object) -> float:
     try:
         number = float(value)
     except OverflowError:  # an int or Fraction beyond the largest float
-        raise InvalidArgumentError(f"{name} must be finite, not {_shown(value)}") from None
+        raise InvalidArgumentError(f"{name} must be finite, not {shown(value)}") from None
     if not math.isfinite(number):
         raise InvalidArgumentError(f"{name} must be finite, not {number}")
     return number
@@ -138,9 +138,9 @@ def check_max_permits(value: object) -> int:
         raise ArgumentTypeError(f"max_permits must be an int, not {type(value).__name__}")
     permits = int(value)
     if permits < 1:
-        raise InvalidArgumentError(f"max_permits must be >= 1, not {_shown(permits)}")
+        raise InvalidArgumentError(f"max_permits must be >= 1, not {shown(permits)}")
     if permits > MAX_PERMITS:
-        raise InvalidArgumentError(f"max_permits must be <= {MAX_PERMITS}, not {_shown(permits)}")
+        raise InvalidArgumentError(f"max_permits must be <= {MAX_PERMITS}, not {shown(permits)}")
     return permits
 
 
@@ -151,7 +151,7 @@ def check_max_readers(value: object) -> int:
     readers = int(value)
     if not 1 <= readers <= MAX_PERMITS:
         raise InvalidArgumentError(
-            f"max_readers must be from 1 to {MAX_PERMITS}, or None, not {_shown(readers)}"
+            f"max_readers must be from 1 to {MAX_PERMITS}, or None, not {shown(readers)}"
         )
     return readers
 
@@ -166,9 +166,7 @@ def check_replicas(value: object) -> int:
         raise ArgumentTypeError(f"replicas must be an int, not {type(value).__name__}")
     count = int(value)
     if not 0 <= count <= MAX_REPLICAS:
-        raise InvalidArgumentError(
-            f"replicas must be from 0 to {MAX_REPLICAS}, not {_shown(count)}"
-        )
+        raise InvalidArgumentError(f"replicas must be from 0 to {MAX_REPLICAS}, not {shown(count)}")
     return count
 
 
@@ -222,172 +220,3 @@ def check_callback(value: object) -> None:
     """Raise unless ``value`` is callable."""
     if not callable(value):
         raise ArgumentTypeError(f"callback must be callable, not {type(value).__name__}")
-
-
-# MongoDB's own rules for names, so that a bad one fails at construction
-# rather than at the first write.
-_BAD_DB_CHARS = frozenset('/\\. "$\x00')
-
-
-def check_db_name(value: object) -> str:
-    """Return a MongoDB database name that the server will accept."""
-    name = check_str("db_name", value)
-    bad = sorted(_BAD_DB_CHARS.intersection(name))
-    if bad:
-        raise InvalidArgumentError(f"db_name {name!r} contains {bad!r}")
-    if len(name.encode()) >= 64:
-        raise InvalidArgumentError(f"db_name {name!r} is 64 bytes or longer")
-    return name
-
-
-# MongoDB's longest namespace, f"{db_name}.{collection_name}", in UTF-8 bytes.
-_MAX_NAMESPACE_BYTES = 255
-
-
-def check_collection_name(value: str, origin: str, db_name: str) -> str:
-    """Return a MongoDB collection name that the server (and pymongo) will accept.
-
-    ``origin`` says where the name came from, for the error message.
-    """
-    if not value:
-        raise InvalidArgumentError(f"{origin} gives an empty collection name")
-    if value.startswith(".") or value.endswith(".") or ".." in value:
-        raise InvalidArgumentError(
-            f"{origin} gives collection name {value!r}: it must not start or end with '.' "
-            "or contain '..'"
-        )
-    namespace = len(db_name.encode()) + 1 + len(value.encode())
-    if namespace > _MAX_NAMESPACE_BYTES:
-        raise InvalidArgumentError(
-            f"{origin} gives collection name {value[:40]!r}...: with db_name {db_name!r} the "
-            f"namespace is {namespace} bytes, over MongoDB's {_MAX_NAMESPACE_BYTES}"
-        )
-    if "$" in value or "\x00" in value:
-        raise InvalidArgumentError(
-            f"{origin} gives collection name {value!r}, which contains '$' or NUL"
-        )
-    if value.startswith("system."):
-        raise InvalidArgumentError(
-            f"{origin} gives collection name {value!r}; 'system.' is reserved"
-        )
-    return value
-
-
-# PostgreSQL truncates a longer identifier (NAMEDATALEN - 1 bytes) with only a
-# NOTICE; the table and its index would then have names dmutex never asked for.
-MAX_POSTGRES_IDENTIFIER_BYTES = 63
-# The index beside the table is named f"{table}{_INDEX_SUFFIX}" (the TypeScript store's name).
-_INDEX_SUFFIX = "_expired_at_idx"
-
-
-def check_postgres_names(table: str, origin: str, schema: str | None) -> None:
-    """Refuse a PostgreSQL table or schema name the server would not keep as given.
-
-    Non-empty, no NUL byte, and at most 63 bytes of UTF-8 (PostgreSQL cuts a
-    longer identifier short); for the table, its index name
-    ``<table>_expired_at_idx`` too, so the table's own name is at most 48
-    bytes. ``origin`` says where the table name came from.
-    """
-    if schema is not None:
-        _check_postgres_identifier(schema, "schema_name", "schema_name")
-    _check_postgres_identifier(table, origin, "table name")
-    index = len(table.encode()) + len(_INDEX_SUFFIX)
-    if index > MAX_POSTGRES_IDENTIFIER_BYTES:
-        raise InvalidArgumentError(
-            f"{origin} gives table name {_shown(table)}: its index name (the table's "
-            f"+ {_INDEX_SUFFIX!r}) would be {index} bytes, over PostgreSQL's "
-            f"{MAX_POSTGRES_IDENTIFIER_BYTES}; a table name may have at most "
-            f"{MAX_POSTGRES_IDENTIFIER_BYTES - len(_INDEX_SUFFIX)} bytes (UTF-8)"
-        )
-
-
-def check_postgres_schema(schema: str, origin: str) -> None:
-    """Refuse a PostgreSQL schema name as :func:`check_postgres_names` does.
-
-    ``origin`` says where the name came from.
-    """
-    _check_postgres_identifier(schema, origin, "schema name")
-
-
-def _check_postgres_identifier(value: str, origin: str, what: str) -> None:
-    if not value or "\0" in value:
-        raise InvalidArgumentError(
-            f"{origin} gives PostgreSQL {what} {value!r}: it must be non-empty, without NUL bytes"
-        )
-    size = len(value.encode())
-    if size > MAX_POSTGRES_IDENTIFIER_BYTES:
-        raise InvalidArgumentError(
-            f"{origin} gives PostgreSQL {what} {_shown(value)} of {size} bytes, over PostgreSQL's "
-            f"{MAX_POSTGRES_IDENTIFIER_BYTES} (the server would cut it short)"
-        )
-
-
-REDIS_KINDS = ("permit", "fence", "holders", "waiters", "signal", "rwlock")
-"""The words of the Redis layout: each record is ``f"{key_prefix}{kind}:..."`` of one of them."""
-
-
-def check_redis_prefix(prefix: str, origin: str) -> None:
-    """Refuse a Redis key prefix whose records could be another prefix's.
-
-    Every Redis record of a lock is ``prefix + kind + ":" + rest``: ``kind``
-    one of :data:`REDIS_KINDS`, ``rest`` the key, or ``f"{slot}:{key}"``
-    for a slot key (``key_prefix`` defaults to ``f"_dmutex_{service}:"``,
-    ``_dsemaphore_`` or ``_drwlock_``).
-
-    Rule: no ``:``-separated part of the prefix other than its last (the
-    text after its last ``:``, empty for every default prefix) is one of
-    :data:`REDIS_KINDS`. For a default prefix: no part of the service name
-    but its first is one (``x:permit:0``, ``x:fence``, ``y:rwlock`` are
-    refused; ``permit``, ``x:permits``, ``fence-x:y`` are not).
-
-    Why no two names collide: let accepted prefixes ``P`` and ``Q``, each
-    empty or ending in ``:`` (every default one does), give one record
-    name, ``P`` the shorter (equal lengths make ``P == Q``, and the rest
-    then reads back one way: the kind up to the first ``:``, a slot key's
-    slot up to the next). ``Q`` continues ``P`` in that name with the start
-    of ``kind + ":" + rest``; ``Q`` ends in ``:`` and no kind holds one, so
-    ``Q`` holds all of ``kind + ":"`` after ``P``, which is empty or ends
-    in ``:``: ``kind`` is a whole part of ``Q`` before its last ``:``,
-    which the rule refuses. A ``key_prefix`` that ends in another character
-    (``"app-"``) is accepted as before and stays out of this guarantee:
-    ``"app-"`` and ``"app-fence:"`` can collide, and keeping such prefixes
-    apart is the caller's choice. ``origin`` says where the prefix came from.
-    """
-    parts = prefix.split(":")[:-1]
-    for part in parts:
-        if part in REDIS_KINDS:
-            words = ", ".join(REDIS_KINDS)
-            raise InvalidArgumentError(
-                f"{origin} cannot name a Redis namespace: its ':'-separated part {part!r} "
-                f"is a word of dmutex's Redis key layout ({words}), so its records could be "
-                "those of another service or key_prefix"
-            )
-
-
-MAX_MYSQL_IDENTIFIER = 64
-"""The longest MySQL table or database name, in characters."""
-
-
-def check_mysql_names(table: str, origin: str, database: str | None) -> None:
-    """Refuse a MySQL table or database name the server would refuse or change.
-
-    Non-empty, no NUL byte, at most 64 characters, not ending in a space
-    (MySQL and MariaDB refuse all of these, but only once a statement
-    reaches them). ``origin`` says where the table name came from.
-    """
-    if database is not None:
-        _check_mysql_identifier(database, "database_name", "database name")
-    _check_mysql_identifier(table, origin, "table name")
-
-
-def _check_mysql_identifier(value: str, origin: str, what: str) -> None:
-    if not value or "\0" in value or value.endswith(" "):
-        raise InvalidArgumentError(
-            f"{origin} gives MySQL {what} {_shown(value)}: it must be non-empty, without NUL "
-            "bytes, and not end with a space"
-        )
-    if len(value) > MAX_MYSQL_IDENTIFIER:
-        raise InvalidArgumentError(
-            f"{origin} gives MySQL {what} {_shown(value)} of {len(value)} characters, over "
-            f"MySQL's {MAX_MYSQL_IDENTIFIER}"
-        )

@@ -520,7 +520,7 @@ UNREACHABLE_REDIS = "redis://127.0.0.1:1"
 def test_a_redis_service_name_that_could_reach_another_services_keys_exits_64(
     env: dict[str, str], args: list[str]
 ) -> None:
-    """Refused as the library refuses it (``_validate.check_redis_prefix``), before any request.
+    """Refused as the library refuses it (``check_redis_prefix``), before any request.
 
     ``x:permit:0``'s key ``k`` would be ``x``'s key ``permit:0:k``; the
     server is unreachable, so reaching it would be status 69.

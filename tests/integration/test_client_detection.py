@@ -34,7 +34,7 @@ from dmutex import (
     InMemoryBackend,
     UnsupportedClientError,
 )
-from dmutex._backends.shapes import detect
+from dmutex._backends import detect
 from dmutex._clock import SystemClock
 from dmutex._core.effects import Call, Steps
 from dmutex._runtime.drivers import AsyncDriver, SyncDriver

@@ -35,7 +35,7 @@ from dmutex import (
     DSemaphore,
     UnsupportedClientError,
 )
-from dmutex._backends.shapes import detect
+from dmutex._backends import detect
 from tests._support.doubles import StandInAsyncEngine, StandInEngine
 from tests._support.mysql_servers import connect_args
 

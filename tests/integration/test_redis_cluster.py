@@ -45,7 +45,7 @@ from dmutex._backends.redis.scripts import (
     RELEASE,
     RENEW,
 )
-from dmutex._backends.shapes import is_cluster_client
+from dmutex._backends.redis.shapes import is_cluster_client
 from dmutex._core.fences import US_PER_S
 from tests._support.redis_clients import slot_key
 from tests._support.redis_cluster import LocalCluster, slot_ranges

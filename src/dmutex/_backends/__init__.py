@@ -1,14 +1,29 @@
-"""The backends: a store per kind of client, and the one function that opens them.
+"""The backends: one package each, and the registry that finds a client's.
 
-Each store implements the :class:`Store` protocol the engine talks to, which
-lives below this package, in ``dmutex._core.abc``.
+Each backend package (``memory/``, ``sqlite/``, ``redis/``, ``mongodb/``,
+``postgresql/``, ``mysql/``; ``sql/`` holds what the SQL ones share) exports
+one :class:`~dmutex._backends.abc.Descriptor`, ``BACKEND``. Its stores
+implement the protocols the engine talks to, which live below this package
+(``dmutex._core.abc``, ``dmutex._core.readwrite``).
 
-- ``shapes.py``: detection and every other check of a client's shape;
-- ``engines.py``: SQLAlchemy engines lending their driver's connections to
-  the SQL stores;
-- ``clients.py``: the client contracts, published as ``typing.Protocol``;
-- ``memory.py``, ``redis/`` (with ``cluster.py``), ``mongo.py``, ``sqlite.py``,
-  ``postgres/``, ``mysql/``: one store each.
+The rules of the registry:
+
+1. :data:`BACKENDS` lists every descriptor; this module is the only one
+   above the packages that names them.
+2. :func:`lookup` finds a client's backend without calling the client: an
+   object of dmutex's (an :class:`InMemoryBackend`, an
+   :class:`SQLiteBackend`) by its type, whatever ``backend=`` says, so that
+   code which passes ``backend=`` from its configuration can be tested with
+   one; any other client by the shapes the backends recognise. A SQLAlchemy
+   engine that several SQL backends recognise is its dialect's backend's.
+   ``backend=`` picks among the backends that recognise the client; none
+   given, more than one is :class:`~dmutex.AmbiguousClientError`, and none
+   is :class:`~dmutex.UnsupportedClientError` naming what each backend
+   needs.
+3. ``replicas=`` on a backend that does not take it is refused with the
+   backend's reason, before its store is opened.
+4. Opening makes no request (the descriptors' rule 2); a lock looks its
+   backend up once (``lookup``), and opens its store from that answer.
 """
 
 from __future__ import annotations
@@ -16,206 +31,121 @@ from __future__ import annotations
 from .._clock import SYSTEM_CLOCK
 from .._core.abc import Store
 from .._core.readwrite import ReadWriteStore
-from .._errors import InvalidArgumentError
+from .._errors import AmbiguousClientError, InvalidArgumentError, UnsupportedClientError
 from .._options import Options
-from .._validate import (
-    check_collection_name,
-    check_db_name,
-    check_mysql_names,
-    check_postgres_names,
-    check_redis_prefix,
+from . import memory, mongodb, mysql, postgresql, redis, sqlite
+from .abc import Descriptor
+from .memory import InMemoryBackend
+from .shapes import described
+from .sql.shapes import dialect_of, is_engine
+from .sqlite import SQLiteBackend
+
+BACKENDS: tuple[Descriptor, ...] = (
+    mongodb.BACKEND,
+    redis.BACKEND,
+    postgresql.BACKEND,
+    mysql.BACKEND,
+    sqlite.BACKEND,
+    memory.BACKEND,
 )
-from .memory import InMemoryBackend, MemoryReadWriteStore, MemoryStore
-from .mongodb import MongoReadWriteStore, MongoStore
-from .mysql import MySQLReadWriteStore, MySQLStore
-from .postgresql import PostgresReadWriteStore, PostgresStore
-from .redis import RedisReadWriteStore, RedisStore
-from .shapes import (
-    defines,
-    detect,
-    method,
-    mysql_face,
-    postgres_method,
-    refuse_asyncio,
-    refuse_sync,
-)
-from .sqlite import SQLiteBackend, SQLiteReadWriteStore, SQLiteStore, quote
+"""Every backend, in the order the error for an unknown client names them."""
 
-# What replicas= would mean on the backends that replicate by their own
-# settings. An InMemoryBackend or SQLiteBackend accepts it and waits for no
-# one: they have no replicas, and code that sets it from its configuration
-# can be tested with them (as backend= is).
-_NOT_WAITED = {
-    "mongodb": "on MongoDB, give the collection the write concern locks need "
-    "(w='majority', j=True); dmutex uses it as it is",
-    "postgresql": "on PostgreSQL, configure synchronous replication on the server "
-    "(synchronous_standby_names, synchronous_commit)",
-    "mysql": "on MySQL or MariaDB, configure semi-synchronous replication on the server",
-}
+_BY_NAME = {backend.name: backend for backend in BACKENDS}
 
 
-def _check_memory(client: InMemoryBackend, options: Options) -> None:
-    if options.clock is not None and options.clock is not client.clock:
+def _recognising(client: object) -> list[Descriptor]:
+    """The backends whose shape ``client`` has; an engine: its dialect's, if one claims it."""
+    found = [backend for backend in BACKENDS if backend.recognises(client)]
+    if len(found) > 1 and is_engine(client):
+        dialect = dialect_of(client)
+        claimed = [backend for backend in found if dialect in backend.dialects]
+        found = claimed or found
+    return found
+
+
+def _unknown(client: object) -> UnsupportedClientError:
+    shaped = "; ".join(
+        f"a {backend.label} client needs {backend.needs}" for backend in BACKENDS if backend.needs
+    )
+    objects = " or ".join(f"dmutex.{backend.label}" for backend in BACKENDS if backend.instance)
+    return UnsupportedClientError(
+        f"{described(client)} is not a client dmutex can use. {shaped[0].upper()}{shaped[1:]}; "
+        f"or pass a {objects}"
+    )
+
+
+def lookup(client: object, options: Options) -> Descriptor:
+    """The backend of ``client`` (rule 2), ``replicas=`` checked against it (rule 3); no I/O."""
+    found = _lookup(client, options.backend)
+    if options.replicas and found.replicas is not None:
         raise InvalidArgumentError(
-            "an InMemoryBackend decides expiry by its own clock: pass clock= to "
-            "InMemoryBackend(clock=...), not to the lock"
+            f"replicas={options.replicas} is the Redis backend's option: {found.replicas}"
         )
+    return found
 
 
-def backend_of(client: object, options: Options) -> str:
-    """The backend's name as events report it: ``"memory"``, ``"sqlite"``, or the detected one."""
-    if isinstance(client, InMemoryBackend):
-        return "memory"
-    if isinstance(client, SQLiteBackend):
-        return "sqlite"
-    return detect(client, options.backend)
+def _lookup(client: object, backend: str | None) -> Descriptor:
+    for known in BACKENDS:
+        if known.instance is not None and isinstance(client, known.instance):
+            return known
+    found = _recognising(client)
+    if backend is not None:
+        chosen = _BY_NAME[backend]
+        if chosen not in found:
+            raise UnsupportedClientError(
+                f"backend={backend!r}, but {described(client)} does not offer {chosen.needs}"
+            )
+        return chosen
+    if len(found) > 1:
+        found.sort(key=lambda known: known.name)
+        labels = " and the ".join(known.label for known in found)
+        choices = " or ".join(f"backend={known.name!r}" for known in found)
+        both = "both " if len(found) == 2 else ""
+        raise AmbiguousClientError(
+            f"{described(client)} matches {both}the {labels} contract; pass {choices}"
+        )
+    if found:
+        return found[0]
+    raise _unknown(client)
 
 
-def _face_checked(client: object, found: str, options: Options, *, asynchronous: bool) -> None:
-    """A Redis, PostgreSQL or MySQL client's names and face, checked before any request."""
-    if found == "redis":
-        check_redis_prefix(options.key_prefix, options.key_origin)
-        face = "execute_command" if defines(client, "execute_command") else "eval"
-    elif found == "postgresql":
-        check_postgres_names(options.table_name, options.table_origin, options.schema_name)
-        face = postgres_method(client) or "execute"
-    else:
-        check_mysql_names(options.table_name, options.table_origin, options.database_name)
-        face = mysql_face(client, asynchronous)
-    (refuse_sync if asynchronous else refuse_asyncio)(client, face, "client")
+def detect(client: object, backend: str | None) -> str:
+    """The name of ``client``'s backend (rule 2); raise if there is none or it is ambiguous."""
+    return _lookup(client, backend).name
 
 
-def _collection(client: object, options: Options, needed: str, *, asynchronous: bool) -> object:
-    """The MongoDB collection of ``options``, its names and face checked; no I/O."""
-    check_db_name(options.db_name)
-    check_collection_name(options.collection_name, options.collection_origin, options.db_name)
-    database = method(client, "get_database")(options.db_name)
-    collection = method(database, "get_collection")(options.collection_name)
-    (refuse_sync if asynchronous else refuse_asyncio)(collection, needed, "collection")
-    return collection
+def open_store(
+    client: object, options: Options, *, asynchronous: bool, backend: Descriptor | None = None
+) -> Store:
+    """The store that serves ``options``' namespace through ``client``; no request.
 
-
-def open_store(client: object, options: Options, *, asynchronous: bool) -> Store:
-    """The store that serves ``options``' namespace through ``client``.
-
-    Detects the backend, checks what depends on it (MongoDB's and
-    PostgreSQL's and MySQL's names, the clock of an :class:`InMemoryBackend`, a client
-    of the other face where its type tells), and makes no request: the only
-    calls it makes are MongoDB's ``get_database`` and ``get_collection``,
-    which do no I/O.
+    Opens ``backend``'s mutex and semaphore store: the client's, looked up
+    here (:func:`lookup`) unless the caller did.
     """
-    found = detect(client, options.backend)
-    if options.replicas and found in _NOT_WAITED:
-        raise InvalidArgumentError(
-            f"replicas={options.replicas} is the Redis backend's option: {_NOT_WAITED[found]}"
-        )
-    if isinstance(client, InMemoryBackend):
-        _check_memory(client, options)
-        fencing = options.fencing is not False
-        return MemoryStore(client, options.key_prefix, options.max_permits, fencing=fencing)
+    backend = lookup(client, options) if backend is None else backend
     clock = SYSTEM_CLOCK if options.clock is None else options.clock
-    if isinstance(client, SQLiteBackend):
-        quote(options.table_name)  # refuses a name SQLite cannot hold, before any request
-        fencing = options.fencing is not False
-        table, permits = options.table_name, options.max_permits
-        return SQLiteStore(
-            client, table, permits, clock, asynchronous=asynchronous, fencing=fencing
-        )
-    if found in ("redis", "postgresql", "mysql"):
-        _face_checked(client, found, options, asynchronous=asynchronous)
-    if found == "redis":
-        prefix, permits = options.key_prefix, options.max_permits
-        return RedisStore(
-            client,
-            prefix,
-            permits,
-            clock,
-            fencing=options.fencing,
-            replicas=options.replicas,
-            replicas_ms=options.replicas_timeout_ms,
-        )
-    if found == "postgresql":
-        fencing = options.fencing is not False
-        table, schema, permits = options.table_name, options.schema_name, options.max_permits
-        return PostgresStore(
-            client, table, permits, clock, schema=schema, asynchronous=asynchronous, fencing=fencing
-        )
-    if found == "mysql":
-        table, permits = options.table_name, options.max_permits
-        return MySQLStore(
-            client,
-            table,
-            permits,
-            clock,
-            database=options.database_name,
-            asynchronous=asynchronous,
-            fencing=options.fencing is not False,
-        )
-    collection = _collection(client, options, "update_one", asynchronous=asynchronous)
-    return MongoStore(collection, options.max_permits, clock, fencing=options.fencing is True)
+    return backend.open_store(client, options, clock, asynchronous=asynchronous)
 
 
-def open_readwrite_store(client: object, options: Options, *, asynchronous: bool) -> ReadWriteStore:
-    """The store that serves ``options``' namespace of read-write locks through ``client``.
+def open_readwrite_store(
+    client: object, options: Options, *, asynchronous: bool, backend: Descriptor | None = None
+) -> ReadWriteStore:
+    """The store that serves ``options``' namespace of read-write locks; no request.
 
-    Detects and checks as :func:`open_store` does, and makes no request.
+    As :func:`open_store`, for read-write locks.
     """
-    found = detect(client, options.backend)
-    if options.replicas and found in _NOT_WAITED:
-        raise InvalidArgumentError(
-            f"replicas={options.replicas} is the Redis backend's option: {_NOT_WAITED[found]}"
-        )
-    fencing = options.fencing is not False
-    if isinstance(client, InMemoryBackend):
-        _check_memory(client, options)
-        return MemoryReadWriteStore(
-            client, options.key_prefix, options.max_readers, fencing=fencing
-        )
+    backend = lookup(client, options) if backend is None else backend
     clock = SYSTEM_CLOCK if options.clock is None else options.clock
-    if isinstance(client, SQLiteBackend):
-        quote(options.table_name)  # refuses a name SQLite cannot hold, before any request
-        table, readers = options.table_name, options.max_readers
-        return SQLiteReadWriteStore(
-            client, table, readers, clock, asynchronous=asynchronous, fencing=fencing
-        )
-    if found in ("redis", "postgresql", "mysql"):
-        _face_checked(client, found, options, asynchronous=asynchronous)
-    if found == "redis":
-        return RedisReadWriteStore(
-            client,
-            options.key_prefix,
-            options.max_readers,
-            clock,
-            fencing=fencing,
-            replicas=options.replicas,
-            replicas_ms=options.replicas_timeout_ms,
-        )
-    if found == "postgresql":
-        table, schema, readers = options.table_name, options.schema_name, options.max_readers
-        return PostgresReadWriteStore(
-            client, table, readers, clock, schema=schema, asynchronous=asynchronous, fencing=fencing
-        )
-    if found == "mysql":
-        table, readers = options.table_name, options.max_readers
-        return MySQLReadWriteStore(
-            client,
-            table,
-            readers,
-            clock,
-            database=options.database_name,
-            asynchronous=asynchronous,
-            fencing=fencing,
-        )
-    collection = _collection(client, options, "find_one_and_update", asynchronous=asynchronous)
-    readers = options.max_readers
-    return MongoReadWriteStore(collection, readers, clock, fencing=fencing)
+    return backend.open_readwrite_store(client, options, clock, asynchronous=asynchronous)
 
 
 __all__ = [
+    "BACKENDS",
     "InMemoryBackend",
     "SQLiteBackend",
     "Store",
-    "backend_of",
+    "detect",
+    "lookup",
     "open_readwrite_store",
     "open_store",
 ]

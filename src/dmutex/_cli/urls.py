@@ -78,8 +78,9 @@ from typing import Any, Literal
 from urllib.parse import unquote, unquote_to_bytes, urlsplit
 
 from .._backends.clients import SyncClient
+from .._backends.mysql.names import MAX_MYSQL_IDENTIFIER
+from .._backends.postgresql.names import check_postgres_schema
 from .._errors import InvalidArgumentError
-from .._validate import MAX_MYSQL_IDENTIFIER, check_postgres_schema
 from .errors import UNAVAILABLE, USAGE, Failure, one_line
 
 __all__ = [

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Generic, TypeAlias, TypeVar
 
-from .._backends import backend_of, open_readwrite_store, open_store
+from .._backends import lookup, open_readwrite_store, open_store
 from .._clock import Clock
 from .._core import renewal
 from .._core.engine import Engine
@@ -38,9 +38,10 @@ class Face(Generic[ClientT]):
 
     def _open(self, client: object, checked: Checked) -> None:
         options, observers = checked
-        store = open_store(client, options, asynchronous=self._ASYNC)
+        backend = lookup(client, options)
+        store = open_store(client, options, asynchronous=self._ASYNC, backend=backend)
         kind: EventKind = "mutex" if options.kind == "mutex" else "semaphore"
-        observe, source = _observing(client, options, observers, kind)
+        observe, source = _observing(backend.name, options, observers, kind)
         self._engine = Engine(
             store,
             default_ttl=options.default_ttl,
@@ -75,10 +76,10 @@ class Wrapping(Generic[H]):
 
 
 def _observing(
-    client: object, options: Options, observers: tuple[Observer, ...], kind: EventKind
+    backend: str, options: Options, observers: tuple[Observer, ...], kind: EventKind
 ) -> tuple[Observers | None, Source | None]:
     """The instance's observers (its own, then the defaults) and its events' source."""
-    source = Source(options.service_name, kind, backend_of(client, options))
+    source = Source(options.service_name, kind, backend)
     return Observers(defaults(observers)), source
 
 
@@ -224,9 +225,10 @@ class ReadWriteFace(Generic[ClientT]):
 
     def _open(self, client: object, checked: Checked) -> None:
         options, observers = checked
-        store = open_readwrite_store(client, options, asynchronous=self._ASYNC)
+        backend = lookup(client, options)
+        store = open_readwrite_store(client, options, asynchronous=self._ASYNC, backend=backend)
         ttl, shield = options.default_ttl, self._ASYNC
-        observe, reads = _observing(client, options, observers, "read")
+        observe, reads = _observing(backend.name, options, observers, "read")
         writes = None if reads is None else Source(reads.service, "write", reads.backend)
         self._reading = Engine(
             side(store, write=False), default_ttl=ttl, shield=shield, observe=observe, source=reads

@@ -8,7 +8,8 @@
 from __future__ import annotations
 
 from .backend import InMemoryBackend
+from .descriptor import BACKEND
 from .readwrite import MemoryReadWriteStore
 from .store import MemoryStore
 
-__all__ = ["InMemoryBackend", "MemoryReadWriteStore", "MemoryStore"]
+__all__ = ["BACKEND", "InMemoryBackend", "MemoryReadWriteStore", "MemoryStore"]

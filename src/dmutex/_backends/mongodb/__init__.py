@@ -8,7 +8,8 @@
 
 from __future__ import annotations
 
+from .descriptor import BACKEND
 from .readwrite import MongoReadWriteStore
 from .store import MongoStore
 
-__all__ = ["MongoReadWriteStore", "MongoStore"]
+__all__ = ["BACKEND", "MongoReadWriteStore", "MongoStore"]

@@ -11,7 +11,8 @@
 
 from __future__ import annotations
 
+from .descriptor import BACKEND
 from .readwrite import MySQLReadWriteStore
 from .store import MySQLStore
 
-__all__ = ["MySQLReadWriteStore", "MySQLStore"]
+__all__ = ["BACKEND", "MySQLReadWriteStore", "MySQLStore"]

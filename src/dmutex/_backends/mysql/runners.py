@@ -75,7 +75,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeAlias, cast
 
 from ..._errors import DMutexError, UnsupportedClientError
-from ..shapes import method, mysql_method
+from ..shapes import method
 from ..sql.clients import SQLAlchemyDialectLike
 from ..sql.engines import check_face, lend, lend_async
 from .clients import (
@@ -86,6 +86,7 @@ from .clients import (
     MySQLConnectorPoolLike,
     MySQLCursorLike,
 )
+from .shapes import mysql_method
 from .statements import Statement
 
 __all__ = ["DEADLOCK_TRIES", "Outcome", "Params", "Row", "Runner", "runner"]

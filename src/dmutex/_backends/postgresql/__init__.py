@@ -11,7 +11,8 @@
 
 from __future__ import annotations
 
+from .descriptor import BACKEND
 from .readwrite import PostgresReadWriteStore
 from .store import PostgresStore
 
-__all__ = ["PostgresReadWriteStore", "PostgresStore"]
+__all__ = ["BACKEND", "PostgresReadWriteStore", "PostgresStore"]

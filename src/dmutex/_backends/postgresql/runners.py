@@ -53,7 +53,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TypeAlias, cast
 
 from ..._errors import DMutexError, UnsupportedClientError
-from ..shapes import defines, method, postgres_method
+from ..shapes import defines, method
 from ..sql.clients import SQLAlchemyDialectLike
 from ..sql.engines import check_face, lend, lend_async
 from .clients import (
@@ -64,6 +64,7 @@ from .clients import (
     PsycopgConnectionStateLike,
     PsycopgPoolLike,
 )
+from .shapes import postgres_method
 from .statements import Statement
 
 __all__ = ["Params", "Row", "Runner", "asyncpg_turn", "runner"]

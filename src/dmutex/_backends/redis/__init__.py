@@ -8,7 +8,8 @@
 
 from __future__ import annotations
 
+from .descriptor import BACKEND
 from .readwrite import RedisReadWriteStore
 from .store import RedisStore
 
-__all__ = ["RedisReadWriteStore", "RedisStore"]
+__all__ = ["BACKEND", "RedisReadWriteStore", "RedisStore"]

@@ -18,11 +18,12 @@ from ..._core.lease import MAX_EXPIRY_MS, Lease
 from ..._core.waiting import Ahead, Waiter, lost_pause
 from ..._errors import DMutexError, NotReplicatedError, UnsupportedClientError
 from ..blocking import Blockers
-from ..shapes import defines, is_cluster_client, method
+from ..shapes import defines, method
 from .scripts import (
     FOREIGN,
     Script,
 )
+from .shapes import is_cluster_client
 from .waits import MIN_BLOCK, TICK, block_budget
 
 # An attempt goes ahead with a block (waiting rule 6) only while the block is

@@ -16,7 +16,7 @@ slot key, never trusted for safety) and, while someone waits, its waiting
 records.
 
 Names: every record, here and in ``readwrite.py``, is ``key_prefix`` + a
-word of ``dmutex._validate.REDIS_KINDS`` (``permit``, ``fence``,
+word of ``names.REDIS_KINDS`` (``permit``, ``fence``,
 ``holders``, ``waiters``, ``signal``, ``rwlock``) + ``:`` + the key (a slot
 key: ``{slot}:{key}``). Opening a store refuses a prefix with a
 ``:``-separated part, other than its last, that is one of those words

@@ -86,8 +86,9 @@ The rules of this backend (each module names those it keeps):
 from __future__ import annotations
 
 from .backend import SQLiteBackend
+from .descriptor import BACKEND
 from .readwrite import SQLiteReadWriteStore
 from .statements import quote
 from .store import SQLiteStore
 
-__all__ = ["SQLiteBackend", "SQLiteReadWriteStore", "SQLiteStore", "quote"]
+__all__ = ["BACKEND", "SQLiteBackend", "SQLiteReadWriteStore", "SQLiteStore", "quote"]
