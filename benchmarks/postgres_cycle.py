@@ -18,7 +18,7 @@ cycles (``harness.interleave``), timed with ``time.perf_counter_ns``:
 - ``dmutex``: ``DMutex.acquire(key)`` then ``lock.release()`` on a psycopg
   connection (``psycopg.connect(url, autocommit=True)``);
 - ``raw``: the two statements dmutex sends for it, taken from
-  ``dmutex._backends.postgres.statements`` (the mutex's acquire, with its
+  ``dmutex._backends.postgresql.statements`` (the mutex's acquire, with its
   fence, and the release), with the parameters dmutex gives them and a
   fresh ``str(uuid.uuid4())`` token per cycle, by ``conn.execute(...,
   prepare=False)`` as dmutex sends them: the floor of the protocol;
@@ -64,7 +64,7 @@ from harness import Batch, BenchmarkError, Target
 from redis_cycle import timed, timed_async
 
 from dmutex import AsyncDMutex, AsyncDReadWriteLock, DMutex, DReadWriteLock
-from dmutex._backends.postgres.statements import Statements
+from dmutex._backends.postgresql.statements import Statements
 
 OPTIONS = {  # name: (default, under --quick)
     "cycles": (2000, 100), "rounds": (5, 2), "chunk": (100, 50), "warmup": (300, 20),

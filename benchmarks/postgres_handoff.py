@@ -48,8 +48,8 @@ import psycopg
 import psycopg_pool
 from harness import BenchmarkError, Figures
 
-from dmutex._backends.postgres import PostgresStore
-from dmutex._backends.postgres.statements import Statement
+from dmutex._backends.postgresql import PostgresStore
+from dmutex._backends.postgresql.statements import Statement
 from dmutex._clock import SYSTEM_CLOCK
 from dmutex._core.engine import Engine
 from dmutex._core.lease import Lease

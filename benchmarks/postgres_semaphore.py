@@ -48,7 +48,7 @@ import psycopg
 from harness import Batch, BenchmarkError
 
 from dmutex import DSemaphore
-from dmutex._backends.postgres.statements import Statements
+from dmutex._backends.postgresql.statements import Statements
 
 HOLDER_TTL = "1 hour"  # the other slots' rows: none expires during a run
 TTL_S = 300.0  # the measured permits' ttl

@@ -238,9 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``dmutex`` parser with its ``run`` and ``status`` subcommands."""
     parser = _Parser(
         prog="dmutex",
-        description="Run commands under distributed locks (mutexes and semaphores, kept in "
-        "SQLite, Redis, MongoDB, PostgreSQL or MySQL/MariaDB; read-write locks in SQLite, "
-        "Redis or MongoDB).",
+        description="Run commands under distributed locks (mutexes, semaphores and read-write "
+        "locks, kept in SQLite, Redis, MongoDB, PostgreSQL or MySQL/MariaDB).",
         epilog=_MAIN_EPILOG,
         formatter_class=_Formatter,
     )
