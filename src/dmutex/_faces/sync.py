@@ -235,9 +235,10 @@ class _SyncFace(Wrapping[H]):
 class DSemaphore(_SyncFace[DSemaphorePermit], SemaphoreBase[SyncClient]):
     """A distributed semaphore: at most ``max_permits`` holders per key.
 
-    Each permit is a token-protected lease with a TTL, kept in MongoDB, Redis,
-    PostgreSQL or an :class:`SQLiteBackend` file (or an :class:`InMemoryBackend`). A
-    holder that stops without releasing loses its permit when the TTL runs out.
+    Each permit is a token-protected lease with a TTL, kept in Redis, MongoDB,
+    PostgreSQL, MySQL/MariaDB, an :class:`SQLiteBackend` file or an
+    :class:`InMemoryBackend`. A holder that stops without releasing loses its
+    permit when the TTL runs out.
     All callers of one key must use the same ``max_permits``.
     """
 
@@ -255,11 +256,11 @@ class DSemaphore(_SyncFace[DSemaphorePermit], SemaphoreBase[SyncClient]):
 class DMutex(_SyncFace[DMutexLock], MutexBase[SyncClient]):
     """A distributed mutex: one holder per key at a time (a one-permit semaphore).
 
-    The lock is a token-protected lease with a TTL, kept in MongoDB, Redis,
-    PostgreSQL or an :class:`SQLiteBackend` file (or an :class:`InMemoryBackend`). A holder
-    that stops without releasing loses the lock when the TTL runs out; one that
-    outlives its TTL must ``extend()`` or it may find another holder in its
-    place.
+    The lock is a token-protected lease with a TTL, kept in Redis, MongoDB,
+    PostgreSQL, MySQL/MariaDB, an :class:`SQLiteBackend` file or an
+    :class:`InMemoryBackend`. A holder that stops without releasing loses the
+    lock when the TTL runs out; one that outlives its TTL must ``extend()`` or
+    it may find another holder in its place.
     """
 
     def _wrap(self, lease: Lease) -> DMutexLock:
