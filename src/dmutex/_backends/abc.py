@@ -47,9 +47,6 @@ class Descriptor:
     backend's contract ("" for a backend that is an object of dmutex's,
     ``instance``, taken whatever ``backend=`` says). ``replicas``: None if
     ``replicas=`` is taken here, else why not (the error's reason).
-    ``sync_packages``: client packages whose plain methods do their I/O
-    before they return; ``asyncio_clients``: their asyncio counterparts, as
-    the error for a sync client given to an asyncio class names them.
     ``dialects``: the SQLAlchemy dialects whose engines are this backend's
     (an engine several backends recognise is its dialect's backend's).
     """
@@ -62,6 +59,4 @@ class Descriptor:
     needs: str = ""
     instance: type | None = None
     replicas: str | None = None
-    sync_packages: tuple[str, ...] = ()
-    asyncio_clients: tuple[str, ...] = ()
     dialects: tuple[str, ...] = ()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from .._errors import UnsupportedClientError
 
@@ -92,18 +93,20 @@ def refuse_sync(
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Packages:
+    """A backend's client packages: those whose I/O is done as they return, and asyncio ones."""
+
+    sync: tuple[str, ...]
+    asyncio: tuple[str, ...]
+
+
 def refuse_other_face(
-    target: object,
-    name: str,
-    what: str,
-    *,
-    asynchronous: bool,
-    packages: Sequence[str],
-    counterparts: Sequence[str],
+    target: object, name: str, what: str, packages: Packages, *, asynchronous: bool
 ) -> None:
     """Refuse ``target`` if its ``name`` shows the other face than ``asynchronous``'s."""
     if asynchronous:
-        refuse_sync(target, name, what, packages, ", ".join(counterparts))
+        refuse_sync(target, name, what, packages.sync, ", ".join(packages.asyncio))
     else:
         refuse_asyncio(target, name, what)
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 from ..._clock import Clock
 from ..._options import Options
 from ..abc import Descriptor
-from ..shapes import method, refuse_other_face
+from ..shapes import Packages, method, refuse_other_face
 from .names import check_collection_name, check_db_name
 from .readwrite import MongoReadWriteStore
 from .shapes import recognises
 from .store import MongoStore
 
-SYNC_PACKAGES = ("pymongo",)
-ASYNCIO_CLIENTS = ("pymongo.AsyncMongoClient",)
+PACKAGES = Packages(sync=("pymongo",), asyncio=("pymongo.AsyncMongoClient",))
 
 
 def _collection(client: object, options: Options, needed: str, asynchronous: bool) -> object:
@@ -24,14 +23,7 @@ def _collection(client: object, options: Options, needed: str, asynchronous: boo
     check_collection_name(options.collection_name, options.collection_origin, options.db_name)
     database = method(client, "get_database")(options.db_name)
     collection = method(database, "get_collection")(options.collection_name)
-    refuse_other_face(
-        collection,
-        needed,
-        "collection",
-        asynchronous=asynchronous,
-        packages=SYNC_PACKAGES,
-        counterparts=ASYNCIO_CLIENTS,
-    )
+    refuse_other_face(collection, needed, "collection", PACKAGES, asynchronous=asynchronous)
     return collection
 
 
@@ -64,7 +56,5 @@ BACKEND = Descriptor(
         "on MongoDB, give the collection the write concern locks need "
         "(w='majority', j=True); dmutex uses it as it is"
     ),
-    sync_packages=SYNC_PACKAGES,
-    asyncio_clients=ASYNCIO_CLIENTS,
 )
 """MongoDB (pymongo, motor, the MongoDB-compatible servers that speak its protocol)."""

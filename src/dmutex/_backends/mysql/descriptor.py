@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..._clock import Clock
 from ..._options import Options
 from ..abc import Descriptor
-from ..shapes import refuse_other_face
+from ..shapes import Packages, refuse_other_face
 from ..sql.shapes import ASYNC_ENGINE
 from ..sql.shapes import SYNC_PACKAGES as ENGINE_PACKAGES
 from .names import check_mysql_names
@@ -13,20 +13,17 @@ from .readwrite import MySQLReadWriteStore
 from .shapes import DIALECTS, face, recognises
 from .store import MySQLStore
 
-SYNC_PACKAGES = ("pymysql", "MySQLdb", "mysql", *ENGINE_PACKAGES)
-ASYNCIO_CLIENTS = ("aiomysql", "asyncmy", ASYNC_ENGINE)
+PACKAGES = Packages(
+    sync=("pymysql", "MySQLdb", "mysql", *ENGINE_PACKAGES),
+    asyncio=("aiomysql", "asyncmy", ASYNC_ENGINE),
+)
 
 
 def _checked(client: object, options: Options, asynchronous: bool) -> None:
     """The table's and database's names and the client's face, checked before any request."""
     check_mysql_names(options.table_name, options.table_origin, options.database_name)
     refuse_other_face(
-        client,
-        face(client, asynchronous),
-        "client",
-        asynchronous=asynchronous,
-        packages=SYNC_PACKAGES,
-        counterparts=ASYNCIO_CLIENTS,
+        client, face(client, asynchronous), "client", PACKAGES, asynchronous=asynchronous
     )
 
 
@@ -73,8 +70,6 @@ BACKEND = Descriptor(
         "and a mysql or mariadb dialect (a SQLAlchemy Engine or AsyncEngine)"
     ),
     replicas="on MySQL or MariaDB, configure semi-synchronous replication on the server",
-    sync_packages=SYNC_PACKAGES,
-    asyncio_clients=ASYNCIO_CLIENTS,
     dialects=DIALECTS,
 )
 """MySQL and MariaDB (PyMySQL, mysqlclient, mysql-connector, aiomysql, asyncmy, SQLAlchemy)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..._clock import Clock
 from ..._options import Options
 from ..abc import Descriptor
-from ..shapes import refuse_other_face
+from ..shapes import Packages, refuse_other_face
 from ..sql.shapes import ASYNC_ENGINE
 from ..sql.shapes import SYNC_PACKAGES as ENGINE_PACKAGES
 from .names import check_postgres_names
@@ -13,12 +13,14 @@ from .readwrite import PostgresReadWriteStore
 from .shapes import DIALECTS, face, recognises
 from .store import PostgresStore
 
-SYNC_PACKAGES = ("psycopg", "psycopg_pool", *ENGINE_PACKAGES)
-ASYNCIO_CLIENTS = (
-    "psycopg.AsyncConnection",
-    "psycopg_pool.AsyncConnectionPool",
-    "asyncpg",
-    ASYNC_ENGINE,
+PACKAGES = Packages(
+    sync=("psycopg", "psycopg_pool", *ENGINE_PACKAGES),
+    asyncio=(
+        "psycopg.AsyncConnection",
+        "psycopg_pool.AsyncConnectionPool",
+        "asyncpg",
+        ASYNC_ENGINE,
+    ),
 )
 
 
@@ -26,12 +28,7 @@ def _checked(client: object, options: Options, asynchronous: bool) -> None:
     """The table's and schema's names and the client's face, checked before any request."""
     check_postgres_names(options.table_name, options.table_origin, options.schema_name)
     refuse_other_face(
-        client,
-        face(client, asynchronous),
-        "client",
-        asynchronous=asynchronous,
-        packages=SYNC_PACKAGES,
-        counterparts=ASYNCIO_CLIENTS,
+        client, face(client, asynchronous), "client", PACKAGES, asynchronous=asynchronous
     )
 
 
@@ -83,8 +80,6 @@ BACKEND = Descriptor(
         "on PostgreSQL, configure synchronous replication on the server "
         "(synchronous_standby_names, synchronous_commit)"
     ),
-    sync_packages=SYNC_PACKAGES,
-    asyncio_clients=ASYNCIO_CLIENTS,
     dialects=DIALECTS,
 )
 """PostgreSQL (psycopg 3 and its pools, asyncpg, SQLAlchemy engines)."""

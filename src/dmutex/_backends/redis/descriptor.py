@@ -5,26 +5,20 @@ from __future__ import annotations
 from ..._clock import Clock
 from ..._options import Options
 from ..abc import Descriptor
-from ..shapes import refuse_other_face
+from ..shapes import Packages, refuse_other_face
 from .names import check_redis_prefix
 from .readwrite import RedisReadWriteStore
 from .shapes import face, recognises
 from .store import RedisStore
 
-SYNC_PACKAGES = ("redis", "valkey")
-ASYNCIO_CLIENTS = ("redis.asyncio", "valkey.asyncio")
+PACKAGES = Packages(sync=("redis", "valkey"), asyncio=("redis.asyncio", "valkey.asyncio"))
 
 
 def _checked(client: object, options: Options, asynchronous: bool) -> None:
     """The key prefix and the client's face, checked before any request."""
     check_redis_prefix(options.key_prefix, options.key_origin)
     refuse_other_face(
-        client,
-        face(client, asynchronous),
-        "client",
-        asynchronous=asynchronous,
-        packages=SYNC_PACKAGES,
-        counterparts=ASYNCIO_CLIENTS,
+        client, face(client, asynchronous), "client", PACKAGES, asynchronous=asynchronous
     )
 
 
@@ -72,7 +66,5 @@ BACKEND = Descriptor(
         "execute_command(*args), or both set(name, value, px=..., nx=...) "
         "and eval(script, numkeys, *keys_and_args)"
     ),
-    sync_packages=SYNC_PACKAGES,
-    asyncio_clients=ASYNCIO_CLIENTS,
 )
 """Redis (and valkey): ``replicas=`` is its option, a ``WAIT`` beside each write."""
