@@ -44,8 +44,11 @@ count too). Every lease has the defaults a user gets (fences on, no
    and until ``INFO clients`` shows a blocked client, notes the time, calls
    ``release()``, notes the time it returned; the waiter notes when its
    acquire returned. The hand-off: from ``release()`` returning to the
-   waiter's acquire returning; also from the release call (``handoff.py``'s
-   definition). ``--handoffs`` trials per variant after 2 of each unmeasured;
+   waiter's acquire returning, which is negative where the waiter's acquire
+   returned first (the server woke it while the holder's process still
+   waited for a CPU to read its own reply: seen with one core busy); also
+   from the release call (``handoff.py``'s definition), which never is.
+   ``--handoffs`` trials per variant after 2 of each unmeasured;
    p50 / p90 / p99 and the ratios to ``mutex`` (rounds of 10 trials each).
 3. Writer preference under a stream of readers: ``--readers`` spawned
    processes each cycle ``acquire_read_with_retry`` (``ttl`` ``--reader-ttl``
