@@ -54,7 +54,6 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
-from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncmy
@@ -70,8 +69,9 @@ from dmutex import (
     DMutexLock,
     DSemaphore,
 )
-from dmutex._backends.mysql.statements import COLLATIONS, FOREVER, NOW_MS
+from dmutex._backends.mysql.statements import COLLATIONS, FOREVER
 from dmutex._cli.holders import read_holders
+from tests._support.mysql_rows import age, ms, rows, server_ms
 from tests._support.mysql_servers import Server, Session, aiomysql_connection, connect_args
 from tests._support.sampling import until
 from tests._support.typescript import PythonSide, TypeScriptSemaphore
@@ -82,7 +82,6 @@ SIDES = ["pymysql", "aiomysql", "asyncmy"]
 # The collation dmutex gives its text columns on the test server (MariaDB; MySQL 8's is
 # COLLATIONS["mysql"]): binary, no padding.
 COLLATION = COLLATIONS["mariadb"]
-EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 # --- the TypeScript library, replayed -----------------------------------------------------
@@ -317,35 +316,9 @@ def run(raw: Connection[Cursor], text: str, *args: object) -> tuple[int, list[An
         return cursor.rowcount, list(cursor.fetchall())
 
 
-def rows(raw: Connection[Cursor], table: str) -> dict[str, tuple[str, int]]:
-    """The table's rows: key -> (value, expired_at)."""
-    found = run(raw, f"SELECT `key`, `value`, `expired_at` FROM {quote_identifier(table)}")[1]
-    return {key: (value, expired_at) for key, value, expired_at in found}
-
-
 def slot_rows(raw: Connection[Cursor], table: str) -> dict[str, tuple[str, int]]:
     """The slot rows (``permit:...``): what both libraries hold, without dmutex's counters."""
     return {key: row for key, row in rows(raw, table).items() if key.startswith("permit:")}
-
-
-def age(raw: Connection[Cursor], table: str, key: str) -> None:
-    """Let the lease in ``key``'s row run out: its expiry a second before now, on both clocks."""
-    done, _ = run(
-        raw,
-        f"UPDATE {quote_identifier(table)} SET `expired_at` = {NOW_MS} - 1000 WHERE `key` = %s",
-        key,
-    )
-    assert done == 1
-
-
-def server_now(raw: Connection[Cursor]) -> int:
-    """The server's clock in epoch ms, as dmutex reads it."""
-    return int(run(raw, f"SELECT {NOW_MS}")[1][0][0])
-
-
-def ms(at: datetime) -> int:
-    """A handle's ``expired_at`` as epoch ms."""
-    return (at - EPOCH) // timedelta(milliseconds=1)
 
 
 def create_table(raw: Connection[Cursor], table: str) -> str:
@@ -915,9 +888,9 @@ def test_the_typescript_stores_clock_is_its_hosts_and_dmutexs_the_servers(
     mutex = DMutex(service, raw)
     # On one machine the two clocks agree: a grant by either ends where the
     # other expects it, to within the moment between the two readings.
-    before = server_now(raw)
+    before = server_ms(raw)
     theirs = TypeScript.mutex(ts_conn, service).acquire(KEY, 30)
-    after = server_now(raw)
+    after = server_ms(raw)
     assert theirs is not None
     assert before + 30_000 - 50 <= theirs.expired_at <= after + 30_000 + 50
     assert mutex.acquire(KEY, 30) is None
