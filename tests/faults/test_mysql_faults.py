@@ -120,7 +120,7 @@ from tests._support.mysql_servers import (
 )
 from tests._support.rivals import Direct
 from tests._support.sampling import process_state, until
-from tests.faults import test_deadlines
+from tests.faults.deadlines import test_deadlines
 
 if TYPE_CHECKING:
     _Connection = Connection[Cursor]

@@ -20,7 +20,7 @@ Each case ends with the rows read through a direct connection
   ``QueryCanceled``, no row changed, none left after the blocker rolls back
   or commits, and acquire then works.
 - **Deadline**: the partition guarantee on PostgreSQL, with
-  ``test_deadlines.py``'s own cases (``sync_case``, ``async_case``; 10
+  ``deadlines/test_deadlines.py``'s own cases (``sync_case``, ``async_case``; 10
   trials at TTLs of 1 to 2 s): holders with ``auto_renew=True`` through
   proxies that become blackholes, without any client timeout
   (:class:`PostgresDeadlineRig`); every telling comes before a direct
@@ -66,7 +66,7 @@ from tests._support.postgres_faults import (
     unclear,
 )
 from tests._support.rivals import Direct
-from tests.faults import test_deadlines
+from tests.faults.deadlines import test_deadlines
 
 # A mutex's lease released by its token on a new connection: unlock(key, token), deprecated,
 # is the one way (a handle cannot move to another instance). Threads and tasks share the
