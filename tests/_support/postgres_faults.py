@@ -14,6 +14,7 @@ by the calls that explain it:
 - :func:`make_lock` makes a mutex or a ``max_permits=3`` semaphore of either
   face; :func:`release_by_token` and :func:`release_by_token_async` release
   a lease on another instance than the one that took it;
+- :func:`spied_pool` lends them from a psycopg pool;
 - :func:`proxied_url`, :func:`asyncpg_dsn` and :func:`is_startup` put the
   clients behind a :class:`~tests._support.fault_proxy.FaultProxy`.
 
@@ -43,6 +44,7 @@ from typing import Any, Literal, TypeAlias
 
 import asyncpg
 import psycopg
+import psycopg_pool
 from psycopg import sql
 
 from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore
@@ -132,6 +134,19 @@ class SpiedAsyncpg(asyncpg.Connection):
         found: list[Any] = await super().fetch(query, *args, **options)
         _released(query, args)
         return found
+
+
+def spied_pool(url: str) -> psycopg_pool.ConnectionPool[SpiedConnection]:
+    """An open psycopg pool of one or two :class:`SpiedConnection` in autocommit, to ``url``."""
+    return psycopg_pool.ConnectionPool(
+        url,
+        min_size=1,
+        max_size=2,
+        kwargs={"autocommit": True},
+        connection_class=SpiedConnection,
+        timeout=POOL_TIMEOUT,
+        open=True,
+    )
 
 
 def proxied_url(url: str, proxy: FaultProxy) -> str:

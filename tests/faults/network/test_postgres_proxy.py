@@ -51,7 +51,6 @@ from typing import Any
 
 import asyncpg
 import psycopg
-import psycopg_pool
 import pytest
 
 from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore
@@ -61,7 +60,6 @@ from tests._support.fault_proxy import Fault, FaultProxy, Rates
 from tests._support.postgres_faults import (
     ASYNC_FAILURES,
     PERMITS,
-    POOL_TIMEOUT,
     RELEASED,
     SEED,
     SENT,
@@ -79,6 +77,7 @@ from tests._support.postgres_faults import (
     proxied_url,
     release_by_token,
     service_name,
+    spied_pool,
     table_of,
     unclear,
 )
@@ -384,17 +383,7 @@ def test_workers_through_a_faulty_network(
         ]
         if face == "sync":
             pools = [
-                stack.enter_context(
-                    psycopg_pool.ConnectionPool(
-                        proxied_url(postgres_server, proxy),
-                        min_size=1,
-                        max_size=2,
-                        kwargs={"autocommit": True},
-                        connection_class=SpiedConnection,
-                        timeout=POOL_TIMEOUT,
-                        open=True,
-                    )
-                )
+                stack.enter_context(spied_pool(proxied_url(postgres_server, proxy)))
                 for proxy in proxies
             ]
             workers = []

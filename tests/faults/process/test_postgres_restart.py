@@ -36,7 +36,6 @@ from tests._support.faces import Calls, await_calls, run_calls
 from tests._support.postgres_faults import (
     ASYNC_FAILURES,
     PERMITS,
-    POOL_TIMEOUT,
     SEED,
     SENT,
     SYNC_FAILURES,
@@ -44,9 +43,9 @@ from tests._support.postgres_faults import (
     Kind,
     Lock,
     SpiedAsyncpg,
-    SpiedConnection,
     asyncpg_dsn,
     make_lock,
+    spied_pool,
     table_of,
     unclear,
 )
@@ -176,15 +175,7 @@ def test_the_server_killed_and_restarted_twice_under_load() -> None:
         threads: list[threading.Thread] = []
         for kind in ("mutex", "semaphore"):
             for n in range(2):
-                pool = psycopg_pool.ConnectionPool(
-                    url,
-                    min_size=1,
-                    max_size=2,
-                    kwargs={"autocommit": True},
-                    connection_class=SpiedConnection,
-                    timeout=POOL_TIMEOUT,
-                    open=True,
-                )
+                pool = spied_pool(url)
                 stack.callback(pool.close)
                 pools.append(pool)
                 lock = make_lock("sync", kind, pool, services[kind], None)
