@@ -25,6 +25,7 @@ from psycopg import sql
 
 import dmutex
 from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
+from tests._support.mysql_rows import NOW_MS, quoted
 from tests._support.mysql_servers import Session as MySQLSession
 from tests._support.mysql_servers import connect_args
 
@@ -218,12 +219,6 @@ def test_postgresql_example_runs(
 MYSQL_ARGS = re.compile(r'host="localhost",\s*port=3306,\s*user="app",\s*password="secret"')
 MYSQL_DATABASE = re.compile(r'\b(database|db)="app"')
 MYSQL_URL = re.compile(r"(mysql\+\w+)://app:secret@localhost:3306/app\b")
-# The server's clock in epoch ms, as the store reads it.
-MYSQL_NOW_MS = "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)"
-
-
-def mysql_quoted(name: str) -> str:
-    return "`" + name.replace("`", "``") + "`"
 
 
 @pytest.mark.parametrize(("where", "block"), MYSQL, ids=ids(MYSQL))
@@ -255,7 +250,7 @@ def test_mysql_example_runs(where: str, block: str, mysql_session: MySQLSession)
     pointed = MYSQL_URL.sub(lambda found: f"{found[1]}://{at}", pointed)
     with server.connect() as conn, conn.cursor() as cursor:
         for table in tables:
-            cursor.execute(f"DROP TABLE IF EXISTS {mysql_quoted(table)}")
+            cursor.execute(f"DROP TABLE IF EXISTS {quoted(table)}")
     run(where, pointed, {})
     with server.connect() as conn, conn.cursor() as cursor:
         cursor.execute(
@@ -265,8 +260,8 @@ def test_mysql_example_runs(where: str, block: str, mysql_session: MySQLSession)
         assert made, "the example made its table in the session's database"
         for table in made:
             cursor.execute(
-                f"SELECT count(*) FROM {mysql_quoted(table)} "
-                f"WHERE `key` LIKE 'permit:%' AND `expired_at` > {MYSQL_NOW_MS}"
+                f"SELECT count(*) FROM {quoted(table)} "
+                f"WHERE `key` LIKE 'permit:%' AND `expired_at` > {NOW_MS}"
             )
             assert cursor.fetchone() == (0,), f"an example left a lock behind in {table}"
 

@@ -41,6 +41,7 @@ from tests._support.postgres_servers import Session as PostgresSession
 from tests._support.redis_clients import SERVER_VARIANTS, Made, close_made
 from tests._support.rwfaces import RWFace
 from tests._support.rwrows import hold_expired
+from tests._support.sqlite_rows import quoted
 
 Runner = Callable[[Awaitable[object]], object]
 
@@ -292,12 +293,12 @@ class SQLite:
         with self._inspecting:
             for table in self._tables():
                 row = self._inspector.execute(
-                    f'SELECT "value" FROM {quote(table)} WHERE "key" = ?', (f"rwlock:{key}",)
+                    f'SELECT "value" FROM {quoted(table)} WHERE "key" = ?', (f"rwlock:{key}",)
                 ).fetchone()
                 if row is None:
                     continue
                 self._inspector.execute(
-                    f'UPDATE {quote(table)} SET "value" = ? WHERE "key" = ?',
+                    f'UPDATE {quoted(table)} SET "value" = ? WHERE "key" = ?',
                     (hold_expired(row[0], token, now), f"rwlock:{key}"),
                 )
 
@@ -310,7 +311,7 @@ class SQLite:
         if table not in self._tables():
             return []
         found = self._inspector.execute(
-            f'SELECT "key", "value" FROM {quote(table)} WHERE "expired_at" > ?', (now,)
+            f'SELECT "key", "value" FROM {quoted(table)} WHERE "expired_at" > ?', (now,)
         )
         return [(str(k), str(v)) for k, v in found.fetchall() if str(k).startswith("permit:")]
 
@@ -322,7 +323,7 @@ class SQLite:
                 for name, _ in self._rows(table, now):
                     if pattern.match(name):
                         self._inspector.execute(
-                            f'UPDATE {quote(table)} SET "expired_at" = :now '
+                            f'UPDATE {quoted(table)} SET "expired_at" = :now '
                             'WHERE "key" = :name AND "expired_at" > :now',
                             {"now": now, "name": name},
                         )
@@ -348,11 +349,6 @@ class SQLite:
 
 def _nothing(conn: sqlite3.Connection) -> None:
     """A call that does nothing: its answer means the worker ran every call before it."""
-
-
-def quote(identifier: str) -> str:
-    """An SQL identifier in double quotes."""
-    return '"' + identifier.replace('"', '""') + '"'
 
 
 class RealMongo:

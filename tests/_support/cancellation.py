@@ -1,6 +1,6 @@
 """The cancellation harness: seeded trials of asyncio tasks, cancelled at random moments.
 
-Shared by ``tests/faults/test_cancellation.py`` (InMemoryBackend, a real
+Shared by ``tests/faults/cancellation/test_cancellation.py`` (InMemoryBackend, a real
 Redis server) and ``tests/faults/test_sqlite_faults.py`` (SQLiteBackend).
 Batches of concurrent tasks, each an ``AsyncDMutex``, an ``AsyncDSemaphore``
 or one side of an ``AsyncDReadWriteLock`` (:class:`ReadWriteSide`, for

@@ -1,4 +1,4 @@
-"""The failover test's workers and the record they share (``tests/faults/test_failover.py``).
+"""The failover test's workers and their shared record (``tests/faults/failover/test_failover.py``).
 
 :func:`work` runs in a spawned process (``processes.run_workers``): it takes,
 holds and releases a :class:`~dmutex.DMutex` and a 3-permit

@@ -1,6 +1,6 @@
 """Client doubles and wrappers for the fault tests (``tests/faults``).
 
-Recording doubles (``tests/faults/test_parameters.py``): each answers as a
+Recording doubles (``tests/faults/cancellation/test_parameters.py``): each answers as a
 free server would and records every request that reaches it in a
 :class:`Recorder`, so that a test can tell whether an operation that raised
 had sent anything first.
@@ -22,7 +22,7 @@ Both keep the client's own types, so that dmutex sees what an application
 would pass it (a sync redis-py or pymongo client given to an asyncio class
 is recognisable as one).
 
-The cancellation wrapper (``tests/faults/test_cancellation.py``):
+The cancellation wrapper (``tests/faults/cancellation/test_cancellation.py``):
 :class:`DelayingRedis` awaits a random short sleep before and after handing
 each command to a real asyncio client, and says which phase each command is
 in, so that a test can tell where a cancellation landed: before the request

@@ -24,7 +24,7 @@ test picks one outcome per client chunk (:class:`Fault`):
   proxy is made with ``deliver_late=True``: then it is forwarded when its
   delay ends, and the connection closed after it, as bytes a client sent
   before it closed still reach the server over a network, and the FIN
-  behind them (``tests/faults/test_cancellation.py``: a statement a
+  behind them (``tests/faults/cancellation/test_cancellation.py``: a statement a
   cancellation cut reaches the server late);
 - ``CUT``: the connection is torn mid-message, then both sides closed: half
   the time the server gets a prefix of the request (and never executes it),

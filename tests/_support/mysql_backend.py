@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from dmutex import ManualClock
 from tests._support.faces import FaceName, LoopThread
+from tests._support.mysql_rows import NOW_MS, quoted
 from tests._support.mysql_servers import Session, aiomysql_connection, connect_args, without_tls
 from tests._support.rwrows import hold_expired
 
@@ -53,8 +54,6 @@ MYSQL_CASES: dict[FaceName, tuple[str, ...]] = {
     "sync": MYSQL_VARIANTS[:7],
     "async": MYSQL_VARIANTS[7:],
 }
-# The server's clock in epoch ms, as the store reads it (statements.py, rule 1).
-NOW_MS = "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)"
 
 
 def chosen_variants() -> frozenset[str]:
@@ -69,10 +68,6 @@ def chosen_variants() -> frozenset[str]:
             f"DMUTEX_MYSQL_VARIANTS names {unknown}; the variants are {MYSQL_VARIANTS}"
         )
     return names
-
-
-def quoted(name: str) -> str:
-    return "`" + name.replace("`", "``") + "`"
 
 
 class MySQL:

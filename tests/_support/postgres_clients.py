@@ -3,14 +3,14 @@
 An intercepted client hands each statement dmutex sends to a :class:`Sender`,
 which sends it on the real client when it likes:
 
-- :class:`Phases` (``tests/faults/test_cancellation.py``), the PostgreSQL
+- :class:`Phases` (``tests/faults/cancellation/test_cancellation.py``), the PostgreSQL
   twin of :class:`~tests._support.fault_clients.DelayingRedis`: a random short
   sleep before the statement is handed to the real client and another after
   its reply came back, each of :data:`~tests._support.fault_clients.PHASES`
   noted, so that a test can tell whether a cancellation landed before the
   statement was sent, while the driver awaited the server, or after the reply
   but before dmutex had it;
-- :class:`Gate` (``tests/faults/test_holes.py``): the statement runs, then its
+- :class:`Gate` (``tests/faults/cancellation/test_holes.py``): the statement runs, then its
   reply is held until the test opens the gate.
 
 The wrappers, each with the names by which dmutex tells its kind

@@ -1,6 +1,6 @@
 """The second holders of a deadline case, in a process of their own.
 
-A deadline case (``tests/faults/test_deadlines.py``, and its PostgreSQL and
+A deadline case (``tests/faults/deadlines/test_deadlines.py``, and its PostgreSQL and
 MySQL rigs) cuts the holders' network, then lets a second holder per trial
 poll its key until granted. Those second holders run here, in a spawned
 process (:func:`spawned_rivals`), not in the holders' process: twenty of them

@@ -1,11 +1,14 @@
 """The TypeScript dmutex's semaphore replayed over any of its stores, and dmutex's side beside it.
 
-The interop tests (``tests/integration/test_*_typescript.py``) replay what a
-TypeScript service sends. What depends on the store (its statements) is
-each test's subclass of :class:`TypeScriptSemaphore`; what does not is
-here: the slot loops of the TypeScript library's ``src/semaphore.ts``
-(``DSemaphore``; its ``DMutex`` is a one-permit semaphore), and
-:class:`PythonSide`, dmutex's public classes on one client of either face.
+The SQL interop suite (``tests/integration/test_sql_typescript.py``) replays
+what a TypeScript service sends. What depends on the store is a
+:class:`Dialect` of its own module (``typescript_postgres.py``,
+``typescript_mysql.py``): its statements, verbatim, in a subclass of
+:class:`TypeScriptSemaphore`, its connections and how its table is read.
+What does not is here: the slot loops of the TypeScript library's
+``src/semaphore.ts`` (``DSemaphore``; its ``DMutex`` is a one-permit
+semaphore), :class:`PythonSide`, dmutex's public classes on one client of
+either face, and :class:`Dialect`, what the suite asks of each store.
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ import inspect
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from datetime import datetime
+from typing import Any, ClassVar, Generic, TypeVar
 
 from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore
 
+C = TypeVar("C")
 E = TypeVar("E")
 T = TypeVar("T")
 
@@ -87,7 +93,7 @@ class TypeScriptSemaphore(ABC, Generic[E]):
         )
 
 
-class PythonSide:
+class PythonSide(ABC):
     """dmutex's public classes on one client, each call run to its end.
 
     A subclass sets ``client``, and ``loop`` for an asyncio client (None for
@@ -96,6 +102,10 @@ class PythonSide:
 
     loop: Any
     client: Any
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close the client, and the loop if there is one."""
 
     def run(self, value: object) -> Any:
         """``value``, awaited on this side's loop if it is awaitable (the classes' answers)."""
@@ -110,6 +120,84 @@ class PythonSide:
     def semaphore(self, service: str, permits: int, **options: Any) -> Any:
         kind = DSemaphore if self.loop is None else AsyncDSemaphore
         return kind(service, self.client, max_permits=permits, **options)
+
+
+class Dialect(ABC, Generic[C, E]):
+    """What the SQL interop suite asks of one store: connections, the replay, the table.
+
+    ``C`` is a plain autocommit connection that counts the statements it
+    sends (``sent``), ``E`` an expiry as the store's table and the
+    TypeScript store give it. The differences that are data, not SQL, are
+    class attributes.
+    """
+
+    name: ClassVar[str]
+    sides: ClassVar[tuple[str, ...]]
+    """dmutex's clients: a test that takes a side runs once with each."""
+    race_sides: ClassVar[tuple[str, ...]]
+    """The dmutex semaphores that race two TypeScript ones, one thread each."""
+    race_rounds: ClassVar[int]
+    """Each racer's cycles."""
+    race_pause: ClassVar[float]
+    """A TypeScript racer's other work between two holds, in seconds."""
+    overtaken: ClassVar[tuple[int, str]]
+    """The statements dmutex sends when a TypeScript commit overtakes its take, and why."""
+
+    @abstractmethod
+    def connect(self) -> C:
+        """A plain autocommit connection, as dmutex's clients are given here."""
+
+    @abstractmethod
+    def typescript_connection(self) -> C:
+        """A connection as the TypeScript store's driver opens one."""
+
+    @abstractmethod
+    def python(self, kind: str) -> PythonSide:
+        """dmutex's public classes on a new client of ``kind`` (one of :attr:`sides`)."""
+
+    @abstractmethod
+    def semaphore(self, conn: C, service: str, permits: int) -> TypeScriptSemaphore[E]:
+        """The TypeScript ``DSemaphore`` on ``conn``, as its constructor leaves the table."""
+
+    @abstractmethod
+    def mutex(self, conn: C, service: str) -> TypeScriptSemaphore[E]:
+        """The TypeScript ``DMutex`` on ``conn``, as its constructor leaves the table."""
+
+    @abstractmethod
+    def typescript(self, conn: C, raw: C, service: str, permits: int) -> TypeScriptSemaphore[E]:
+        """The TypeScript ``DSemaphore`` on a table that both libraries use as it is."""
+
+    @abstractmethod
+    def typescript_mutex(self, conn: C, raw: C, service: str) -> TypeScriptSemaphore[E]:
+        """The TypeScript ``DMutex`` on a table that both libraries use as it is."""
+
+    @abstractmethod
+    def rows(self, raw: C, table: str) -> dict[str, tuple[str, E]]:
+        """The table's rows: key -> (value, expired_at)."""
+
+    @abstractmethod
+    def expiry_ms(self, at: E) -> int:
+        """A stored or TypeScript expiry as epoch ms."""
+
+    @abstractmethod
+    def ms(self, at: datetime) -> int:
+        """A dmutex handle's ``expired_at`` as epoch ms."""
+
+    @abstractmethod
+    def age(self, raw: C, table: str, key: str) -> None:
+        """Let the lease in ``key``'s row run out now, without sleeping."""
+
+    @abstractmethod
+    def drop(self, raw: C, table: str) -> None:
+        """Drop ``table`` if it exists."""
+
+    @abstractmethod
+    def uncommitted(self, conn: C) -> AbstractContextManager[None]:
+        """A transaction on ``conn``, committed at the block's end."""
+
+    @abstractmethod
+    def blocked(self, raw: C, conn: C, late: C) -> Callable[[], None]:
+        """A wait until ``conn``'s statement waits on a row lock that ``late`` holds."""
 
 
 async def _awaited(work: Awaitable[T]) -> T:

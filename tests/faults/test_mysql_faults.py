@@ -108,6 +108,7 @@ from dmutex._core.waiting import Wakeup
 from dmutex._runtime.drivers import AsyncDriver, SyncDriver
 from tests._support.faces import Calls, FaceName, await_calls, run_calls
 from tests._support.fault_proxy import Fault, FaultProxy, Rates
+from tests._support.mysql_rows import NOW_MS, quoted
 from tests._support.mysql_servers import (
     CONNECT_TIMEOUT,
     Restartable,
@@ -119,7 +120,7 @@ from tests._support.mysql_servers import (
 )
 from tests._support.rivals import Direct
 from tests._support.sampling import process_state, until
-from tests.faults import test_deadlines
+from tests.faults.deadlines import test_deadlines
 
 if TYPE_CHECKING:
     _Connection = Connection[Cursor]
@@ -136,7 +137,6 @@ ASYNC_DRIVERS = ["aiomysql", "asyncmy"]
 # What a driver raises when the server's reply never comes: the connection closed under it.
 LOST = (2006, 2013)  # "MySQL server has gone away", "Lost connection to MySQL server"
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-NOW_MS = "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)"
 
 
 def first_word(text: str) -> str:
@@ -163,7 +163,7 @@ class Table:
     def __init__(self, conn: _Connection, name: str) -> None:
         self.conn = conn
         self.name = name
-        self.quoted = "`" + name.replace("`", "``") + "`"
+        self.quoted = quoted(name)
         self._lock = threading.Lock()
 
     def _fetch(self, sql: str, args: tuple[object, ...] | None = None) -> list[tuple[Any, ...]]:

@@ -7,7 +7,7 @@ reader's or a writer's, so the suites' workers run unchanged. On Redis a
 lock is one hash (``tests/_support/rwredis.py`` reads it): a hold or an
 intent is a field, live while its expiry is after the server's ``TIME``.
 
-1. **Proxy** (``test_proxy.py``): workers of both faces through the seeded
+1. **Proxy** (``network/test_proxy.py``): workers of both faces through the seeded
    fault proxy (requests and replies dropped, delays, cuts), their
    redis-py clients with default retries; each cycle is a reader's or
    (30%) a writer's: a plain acquire, and on the shared key
@@ -22,14 +22,14 @@ intent is a field, live while its expiry is after the server's ``TIME``.
    ``acquire_write`` refused on a key only its worker uses (it transfers:
    a plain acquire leaves no intent, and a re-sent grant finds its own
    hold). No key without an expiry (the hash's ``PEXPIREAT``).
-2. **Pause** (``test_pause.py``): two spawned holders (sync, asyncio) each
+2. **Pause** (``process/test_pause.py``): two spawned holders (sync, asyncio) each
    hold four keys (a reader, a writer; each then taken by a reader and by
    a writer), are stopped by SIGSTOP past their 0.5 s TTL, the test takes
    every key, and SIGCONT: each stale hold's ``lost`` is True, and its
    extend and release by handle and by token (``pausing.stale_calls``)
    return False and leave the new hold's field and the hash's
    ``PEXPIRETIME`` as they were.
-3. **Restart** (``test_restart.py``): its Redis workers (with and without
+3. **Restart** (``process/test_restart.py``): its Redis workers (with and without
    client retries, both faces) each cycle a reader or (30%) a writer with
    ``acquire_*_with_retry`` while the server (``appendfsync always``) is
    SIGKILLed and restarted twice: connection errors only and only while
@@ -37,7 +37,7 @@ intent is a field, live while its expiry is after the server's ``TIME``.
    overlaps another hold, no hold taken by an attempt that returned None
    or held by a token nobody sent, none held after its release returned,
    the straddler's survives the restart, and all lapses.
-4. **Cancellation** (``test_cancellation.py``): its seeded trials on the
+4. **Cancellation** (``cancellation/test_cancellation.py``): its seeded trials on the
    two sides of an ``AsyncDReadWriteLock`` (``run_read``/``run_write``,
    ``*_with_retry``, ``async with``, release by handle and by token),
    cancelled at random points, on ``InMemoryBackend``, on Redis behind its
@@ -96,7 +96,9 @@ from tests._support.redis_servers import Pool, Server
 from tests._support.rwfaces import RWFace, Side, SideFace
 from tests._support.sampling import until
 from tests._support.tracking import Tracker
-from tests.faults import test_cancellation, test_proxy, test_restart
+from tests.faults.cancellation import test_cancellation
+from tests.faults.network import test_proxy
+from tests.faults.process import test_restart
 
 WRITE_SHARE = 0.3  # of the cycles of the proxy's and the restart's workers
 
@@ -733,7 +735,7 @@ def test_cancellation_on_redis(rw_redis: Server) -> None:
         return ran >= REDIS_LEAST and all(tally.landed[where] for where in phases)
 
     async def main() -> tuple[Tally, DelayingRedis]:
-        # No socket_timeout: see test_cancellation.py's docstring.
+        # No socket_timeout: see cancellation/test_cancellation.py's docstring.
         inner = redis.asyncio.Redis.from_url(rw_redis.url, socket_timeout=None)
         client = DelayingRedis(
             inner,

@@ -136,7 +136,7 @@ REDIS_SHARING = 2  # leases per TTL: renewed in one RENEW script when due togeth
 MONGO_SHARING = 2
 MONGO_TTLS = (1.5, 3.0)  # SecantusDB answers in milliseconds, not microseconds
 
-# Per client chunk (about one request), as in test_proxy.py but more often.
+# Per client chunk (about one request), as in network/test_proxy.py but more often.
 RATES = Rates(drop_request=0.10, drop_reply=0.08, delay=0.10, cut=0.04)
 OUTAGE = Rates(drop_request=1.0)  # nothing reaches the server; nothing is executed
 # (seconds, steady proxy's rates, outage proxy's rates), one after another.
@@ -1033,7 +1033,7 @@ def test_redis_async_renewal_through_faults(redis_target_server: Server) -> None
 
 
 def is_handshake(chunk: bytes) -> bool:
-    """Whether ``chunk`` carries ``hello`` / ``isMaster`` (spared: see test_proxy.py)."""
+    """Whether ``chunk`` carries ``hello`` / ``isMaster`` (spared: see network/test_proxy.py)."""
     return b"hello\x00" in chunk or b"ismaster\x00" in chunk.lower()
 
 

@@ -56,6 +56,7 @@ from tests._support.faces import Face as SyncView
 from tests._support.faces import FaceName, Handle, LoopThread, RawHandle
 from tests._support.pausing import CALLS, FILL_TTL, NEW_TTL, TTL, slot_of, stale_calls
 from tests._support.sampling import until
+from tests._support.sqlite_rows import quoted, tables
 
 T = TypeVar("T")
 Reports: TypeAlias = processes.ChildReports
@@ -83,13 +84,10 @@ def raw(path: Path, timeout: float = STEP_TIMEOUT) -> Iterator[sqlite3.Connectio
 
 def dump(conn: sqlite3.Connection) -> dict[str, list[tuple[object, ...]]]:
     """Every row of every table, sorted: to compare the whole file before and after."""
-    names = [
-        str(name)
-        for (name,) in conn.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name"
-        ).fetchall()
-    ]
-    return {name: sorted(conn.execute(f'SELECT * FROM "{name}"').fetchall()) for name in names}
+    return {
+        name: sorted(conn.execute(f"SELECT * FROM {quoted(name)}").fetchall())
+        for name in tables(conn)
+    }
 
 
 def row(path: Path, table: str, key: str) -> Row | None:

@@ -55,6 +55,7 @@ from dmutex import (
 )
 from dmutex._backends.clients import AsyncMySQLPoolLike, MySQLConnectionLike
 from tests._support import processes
+from tests._support.mysql_rows import quoted
 from tests._support.mysql_servers import Server, Session, connect_args
 from tests._support.processes import BARRIER_TIMEOUT, DEADLINE, Report, Tally
 
@@ -94,10 +95,6 @@ class Place:
         args = connect_args(self.url)
         args["database"] = self.database
         return pymysql.connect(**args, autocommit=autocommit)
-
-
-def quoted(name: str) -> str:
-    return "`" + name.replace("`", "``") + "`"
 
 
 def _row(slot: int) -> str:

@@ -41,6 +41,7 @@ from pymysql.cursors import Cursor
 
 from dmutex._backends.mysql.statements import COLLATIONS
 from tests._support.faces import FaceName, LoopThread
+from tests._support.mysql_rows import Counting, fetch, quoted
 from tests._support.mysql_servers import (
     CONNECT_TIMEOUT,
     Server,
@@ -80,32 +81,6 @@ NOW_US = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
 # --- the rig ------------------------------------------------------------------------------
 
 
-class Counting(_Connection):
-    """A PyMySQL connection that records each query it sends (one round trip each)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.sent: list[str] = []  # before connecting: an init_command is a query
-        super().__init__(*args, **kwargs)
-
-    def query(self, sql: Any, unbuffered: bool = False) -> int:
-        self.sent.append(sql.decode() if isinstance(sql, bytes) else str(sql))
-        return super().query(sql, unbuffered)
-
-    def commit(self) -> None:
-        self.sent.append("COMMIT")
-        super().commit()
-
-    def rollback(self) -> None:
-        self.sent.append("ROLLBACK")
-        super().rollback()
-
-    def taken(self) -> list[str]:
-        """The first word of each statement sent since the last call; then forgets them."""
-        found = [text.split(None, 1)[0].upper() for text in self.sent]
-        self.sent.clear()
-        return found
-
-
 def connect(server: Server, cls: type[_Connection] = _Connection) -> _Connection:
     """A new connection of ``cls`` in the session's database, in autocommit."""
     args = connect_args(server.url)
@@ -116,16 +91,6 @@ def connect(server: Server, cls: type[_Connection] = _Connection) -> _Connection
         connect_timeout=CONNECT_TIMEOUT,
         ssl_disabled=without_tls(server.url),
     )
-
-
-def fetch(conn: _Connection, sql: str, args: tuple[object, ...] | None = None) -> list[Any]:
-    with conn.cursor() as cursor:
-        cursor.execute(sql, args)
-        return list(cursor.fetchall())
-
-
-def quoted(name: str) -> str:
-    return "`" + name.replace("`", "``") + "`"
 
 
 @pytest.fixture

@@ -53,6 +53,15 @@ from dmutex._cli.holders import read_holders
 from dmutex._clock import SYSTEM_CLOCK
 from dmutex._runtime.drivers import SyncDriver
 from tests._support import mysql_servers
+from tests._support.mysql_rows import (
+    EPOCH,
+    NOW_MS,
+    Counting,
+    fetch,
+    quoted,
+    rows,
+    server_ms,
+)
 from tests._support.mysql_servers import Server, Session, connect_args
 
 if TYPE_CHECKING:
@@ -60,9 +69,6 @@ if TYPE_CHECKING:
 else:
     _Connection = Connection
 
-# The server's clock in epoch ms, as the store reads it (statements.py, rule 1).
-NOW_MS = "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)"
-EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 # The TypeScript dmutex's CREATE TABLE: no character set or collation named, so
 # the columns take the database's default (case-insensitive) one.
 TYPESCRIPT_DDL = (
@@ -73,41 +79,6 @@ TYPESCRIPT_DDL = (
 
 
 # --- helpers ---------------------------------------------------------------------------
-
-
-class Counting(_Connection):
-    """A PyMySQL connection that records each query, COMMIT and ROLLBACK it sends.
-
-    Each is one round trip: a command and the server's reply. ``cursor.execute``
-    sends through :meth:`query`; ``commit()`` and ``rollback()`` send their own.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.sent: list[str] = []  # before connecting: an init_command is a query
-        self.count = 0  # every one sent, never forgotten
-        super().__init__(*args, **kwargs)
-
-    def _note(self, text: str) -> None:
-        self.sent.append(text)
-        self.count += 1
-
-    def query(self, sql: Any, unbuffered: bool = False) -> int:
-        self._note(sql.decode() if isinstance(sql, bytes) else str(sql))
-        return super().query(sql, unbuffered)
-
-    def commit(self) -> None:
-        self._note("COMMIT")
-        super().commit()
-
-    def rollback(self) -> None:
-        self._note("ROLLBACK")
-        super().rollback()
-
-    def taken(self) -> list[str]:
-        """What was sent since the last call, each statement by its first word; then forgets it."""
-        found = [text.split(None, 1)[0].upper() for text in self.sent]
-        self.sent.clear()
-        return found
 
 
 def client(conn: object) -> MySQLConnectionLike:
@@ -132,35 +103,9 @@ def counting(server: Server, *, autocommit: bool = True) -> Counting:
     return Counting(**args, autocommit=autocommit, connect_timeout=mysql_servers.CONNECT_TIMEOUT)
 
 
-def fetch(
-    conn: _Connection, sql: str, args: tuple[object, ...] | None = None
-) -> list[tuple[Any, ...]]:
-    with conn.cursor() as cursor:
-        cursor.execute(sql, args)
-        return list(cursor.fetchall())
-
-
-def quoted(name: str) -> str:
-    return "`" + name.replace("`", "``") + "`"
-
-
-def rows(conn: _Connection, table: str, database: str | None = None) -> dict[str, tuple[str, int]]:
-    """``{key: (value, expired_at)}`` of every row of ``table``."""
-    named = quoted(table) if database is None else f"{quoted(database)}.{quoted(table)}"
-    return {
-        str(key): (str(value), int(expires))
-        for key, value, expires in fetch(conn, f"SELECT `key`, `value`, `expired_at` FROM {named}")
-    }
-
-
 def permits(conn: _Connection, table: str) -> dict[str, tuple[str, int]]:
     """The slot rows of ``table`` (``permit:...``), without the fence counters."""
     return {key: row for key, row in rows(conn, table).items() if key.startswith("permit:")}
-
-
-def server_ms(conn: _Connection) -> int:
-    (now,) = fetch(conn, f"SELECT {NOW_MS}")[0]
-    return int(now)
 
 
 def expire(conn: _Connection, table: str, key: str) -> None:

@@ -8,7 +8,7 @@ do. Each face's connection records the statements it executes, so that
 "one statement per operation" is counted, not assumed. A second, plain
 connection reads and writes the table behind the store's back: the layout
 byte for byte, expiry moved by the server's clock (the TypeScript store's
-statements beside dmutex's: ``test_postgres_typescript.py``). No test
+statements beside dmutex's: ``test_sql_typescript.py``). No test
 sleeps: time passes by rewriting ``expired_at``.
 """
 

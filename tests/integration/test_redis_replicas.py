@@ -13,7 +13,7 @@ and both kinds:
   lost at its deadline, before the primary's copy of it expires;
 - a waiter woken by a release gets a replicated grant.
 
-What a failover does with these guarantees is ``tests/faults/test_failover.py``'s.
+What a failover does with these guarantees is ``tests/faults/failover/test_failover.py``'s.
 """
 
 from __future__ import annotations

@@ -31,10 +31,10 @@ from dmutex import (
 )
 from dmutex._core.fences import clock_us, next_fence
 from dmutex._core.lease import now_ms
+from tests._support.sqlite_rows import listed, tables
 
 FOREVER = 2**63 - 1
 T = TypeVar("T")
-Row = tuple[str, str, int]
 
 
 def ts_quote(identifier: str) -> str:
@@ -158,16 +158,6 @@ def ts(path: Path, clock: ManualClock, backend: SQLiteBackend) -> Iterator[TypeS
         store.conn.close()
 
 
-def tables(conn: sqlite3.Connection) -> list[str]:
-    found = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
-    return [str(name) for (name,) in found.fetchall()]
-
-
-def dump(conn: sqlite3.Connection, table: str) -> list[Row]:
-    found = conn.execute(f'SELECT "key", "value", "expired_at" FROM {ts_quote(table)} ORDER BY 1')
-    return [(str(k), str(v), int(e)) for k, v, e in found.fetchall()]
-
-
 def schema(conn: sqlite3.Connection, table: str) -> dict[str, object]:
     """What SQLite says of ``table``: its columns, its indexes and their columns."""
     quoted = ts_quote(table)
@@ -188,7 +178,7 @@ def schema(conn: sqlite3.Connection, table: str) -> dict[str, object]:
 
 
 def held_by(conn: sqlite3.Connection, table: str) -> dict[str, str]:
-    return {key: value for key, value, _ in dump(conn, table)}
+    return {key: value for key, value, _ in listed(conn, table)}
 
 
 # --- the table and its index --------------------------------------------------------------
@@ -234,12 +224,12 @@ def test_rows_hold_slot_token_and_expiry_in_epoch_ms(
     start = clock_us(clock)
     assert [p.fence for p in permits if p is not None] == [start, start + 1, start + 2]
     assert lock.fence == start, "another table, another counter"
-    assert dump(raw, "_dsemaphore_orders") == sorted(
+    assert listed(raw, "_dsemaphore_orders") == sorted(
         [(f"permit:{p.slot}:api", p.token, expires) for p in permits if p is not None]
         + [("fence:api", str(start + 2), FOREVER)]
     )
     assert sorted(p.slot for p in permits if p is not None) == [0, 1, 2]
-    assert dump(raw, "_dmutex_orders") == [
+    assert listed(raw, "_dmutex_orders") == [
         ("fence:job", str(start), FOREVER),
         ("permit:0:job", lock.token, now_ms(clock) + 60_000),
     ]
@@ -257,7 +247,7 @@ def test_identifiers_are_quoted(
     assert lock is not None
     table = f"_dmutex_{service}"
     assert tables(raw) == sorted(["_dmutex_svc", table])
-    assert dump(raw, table)[1][:2] == ("permit:0:job", lock.token)
+    assert listed(raw, table)[1][:2] == ("permit:0:job", lock.token)
     names = [row[1] for row in raw.execute(f"PRAGMA index_list({ts_quote(table)})").fetchall()]
     assert f"{table}_expired_at_idx" in names
     assert DMutex(service, backend, clock=clock).acquire("job") is None
@@ -331,9 +321,9 @@ def test_a_typescript_held_row_blocks_acquire(
     theirs = str(uuid.uuid4())
     assert ts.acquire("permit:0:job", theirs, 10) == now_ms(clock) + 10_000
     mutex = DMutex("svc", backend, clock=clock)
-    before = dump(raw, "_dmutex_svc")
+    before = listed(raw, "_dmutex_svc")
     assert mutex.acquire("job", ttl=60) is None
-    assert dump(raw, "_dmutex_svc") == before, "a refused acquire writes nothing (no fence)"
+    assert listed(raw, "_dmutex_svc") == before, "a refused acquire writes nothing (no fence)"
     clock.advance(9.999)
     assert mutex.acquire("job", ttl=60) is None, "active until its expiry"
     assert ts.extend("permit:0:job", theirs, 10) is not None
@@ -374,10 +364,10 @@ def test_the_typescript_acquire_does_not_take_a_dmutex_held_row(
 ) -> None:
     lock = DMutex("svc", backend, clock=clock).acquire("job", ttl=60)
     assert lock is not None
-    before = dump(raw, "_dmutex_svc")
+    before = listed(raw, "_dmutex_svc")
     clock.advance(59.999)
     assert ts.acquire("permit:0:job", str(uuid.uuid4()), 10) is None
-    assert dump(raw, "_dmutex_svc") == before
+    assert listed(raw, "_dmutex_svc") == before
     assert ts.extend("permit:0:job", lock.token, 30) == now_ms(clock) + 30_000, (
         "the TypeScript extend of dmutex's token, as the same layout allows"
     )
@@ -445,7 +435,7 @@ def test_the_fence_row_counts_grants(
         assert handle.release() is True
     assert fences == [start, start + 1, start + 2, start + 1_000_000, start + 1_000_001]
     released = [("fence:job", str(counter), FOREVER)]
-    assert dump(raw, table) == released, "released: only the counter stays"
+    assert listed(raw, table) == released, "released: only the counter stays"
 
 
 def test_fencing_false_writes_no_counter_and_leaves_one_alone(
@@ -455,7 +445,7 @@ def test_fencing_false_writes_no_counter_and_leaves_one_alone(
     lock = plain.acquire("a", ttl=60)
     assert lock is not None
     assert lock.fence is None
-    assert dump(raw, "_dmutex_svc") == [("permit:0:a", lock.token, now_ms(clock) + 60_000)]
+    assert listed(raw, "_dmutex_svc") == [("permit:0:a", lock.token, now_ms(clock) + 60_000)]
     assert lock.release() is True
     fenced = DMutex("svc", backend, clock=clock).acquire("b", ttl=60)
     assert fenced is not None
@@ -499,10 +489,10 @@ def test_a_foreign_fence_row_fails_the_acquire_and_changes_nothing(
     # Another key's lease and an expired slot of this key, both to stay as they are.
     raw.execute(f"INSERT INTO {table} VALUES ('permit:0:other', 'x', ?)", (now_ms(clock) + 5,))
     raw.execute(f"INSERT INTO {table} VALUES ('permit:0:job', 'old', ?)", (now_ms(clock),))
-    before = dump(raw, table)
+    before = listed(raw, table)
     with pytest.raises(DMutexError, match="fence:job"):
         lock.acquire("job", ttl=60)
-    assert dump(raw, table) == before
+    assert listed(raw, table) == before
     assert raw.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
     unfenced, _ = fenced(backend, clock, permits, fencing=False)
     assert unfenced.acquire("job", ttl=60) is not None, "fencing=False never reads the row"

@@ -66,7 +66,7 @@ import pytest
 
 from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore, SQLiteBackend
 from dmutex._core.fences import next_fence
-from tests._support import processes
+from tests._support import processes, sqlite_rows
 from tests._support.processes import BARRIER_TIMEOUT, DEADLINE
 
 KEY = "orders"
@@ -377,10 +377,9 @@ def raw(path: Path) -> Iterator[sqlite3.Connection]:
 
 
 def rows(path: Path, table: str) -> dict[str, tuple[str, int]]:
-    """Every row of ``table``: ``{key: (value, expired_at)}``."""
+    """Every row of ``table`` in the file at ``path``: ``{key: (value, expired_at)}``."""
     with raw(path) as conn:
-        found = conn.execute(f'SELECT "key", "value", "expired_at" FROM "{table}"').fetchall()
-    return {str(key): (str(value), int(at)) for key, value, at in found}
+        return sqlite_rows.rows(conn, table)
 
 
 def active_permits(path: Path, table: str) -> dict[str, str]:

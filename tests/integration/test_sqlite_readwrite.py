@@ -53,6 +53,7 @@ from tests._support import processes
 from tests._support.faces import FaceName, Handle, LoopThread
 from tests._support.processes import BARRIER_TIMEOUT, Barrier, Reports
 from tests._support.rwfaces import RWFace, Side
+from tests._support.sqlite_rows import Row, listed
 
 KEY = "orders"
 SERVICE = "svc"
@@ -69,8 +70,6 @@ RETRY_DELAY = 0.1  # a dead writer's: its intent lasts this + 2 s
 LONG_DELAY = 20.0
 LONG_TIMEOUT = 30.0
 SIGNALLED = 5.0
-
-Row = tuple[str, str, int]
 
 
 # --- fixtures ----------------------------------------------------------------------------
@@ -121,13 +120,8 @@ def make(face: FaceName, loop: LoopThread | None, backend: SQLiteBackend) -> Cal
     return made
 
 
-def rows(raw: sqlite3.Connection, table: str = TABLE) -> list[Row]:
-    found = raw.execute(f'SELECT "key", "value", "expired_at" FROM "{table}" ORDER BY "key"')
-    return [(str(k), str(v), int(e)) for k, v, e in found.fetchall()]
-
-
 def row(raw: sqlite3.Connection, name: str = ROW, table: str = TABLE) -> Row | None:
-    return next((r for r in rows(raw, table) if r[0] == name), None)
+    return next((r for r in listed(raw, table) if r[0] == name), None)
 
 
 def intent_stands(raw: sqlite3.Connection) -> bool:
@@ -186,7 +180,7 @@ def test_readers_share_and_a_writer_excludes(
         assert writer.release() is True
         assert first.release() is False
         assert grant(rw, "read").release() is True
-        assert [name for name, _, _ in rows(raw)] == ["fence:another key", FENCE_ROW]
+        assert [name for name, _, _ in listed(raw, TABLE)] == ["fence:another key", FENCE_ROW]
     finally:
         other.close()
 
@@ -384,9 +378,9 @@ def test_without_fencing_no_fence_row(make: Callable[..., RWFace], raw: sqlite3.
     rw = make(fencing=False)
     reader = grant(rw, "read")
     assert reader.fence is None
-    assert [name for name, _, _ in rows(raw)] == [ROW]
+    assert [name for name, _, _ in listed(raw, TABLE)] == [ROW]
     reader.release()
-    assert rows(raw) == []
+    assert listed(raw, TABLE) == []
 
 
 # --- the layout ----------------------------------------------------------------------------
@@ -414,20 +408,20 @@ def test_the_layout_byte_for_byte(make: Callable[..., RWFace], raw: sqlite3.Conn
     one, two = grant(rw, "read", 20.0), grant(rw, "read", 10.0)
     (a, a_ms), (b, b_ms) = sorted([(one.token, 20_000), (two.token, 10_000)])
     readers = f'"{a}":{START_MS + a_ms},"{b}":{START_MS + b_ms}'
-    assert rows(raw) == [
+    assert listed(raw, TABLE) == [
         (FENCE_ROW, str(START_US + 1), FOREVER),
         (ROW, f'{{"dmutex":"rwlock","w":null,"r":{{{readers}}},"i":{{}}}}', START_MS + 20_000),
     ]
     _, token, window_ms = rw.intend(KEY, 10.0, 30.0)  # an intent outlasting both readers
     until = START_MS + window_ms
-    assert rows(raw)[1] == (
+    assert listed(raw, TABLE)[1] == (
         ROW,
         f'{{"dmutex":"rwlock","w":null,"r":{{{readers}}},"i":{{"{token}":{until}}}}}',
         until,
     )
     clock.advance(10.0)  # the second reader runs out; the next change drops it
     assert one.extend(20.0) is True
-    assert rows(raw)[1] == (
+    assert listed(raw, TABLE)[1] == (
         ROW,
         f'{{"dmutex":"rwlock","w":null,"r":{{"{one.token}":{START_MS + 30_000}}},'
         f'"i":{{"{token}":{until}}}}}',
@@ -435,9 +429,9 @@ def test_the_layout_byte_for_byte(make: Callable[..., RWFace], raw: sqlite3.Conn
     )
     assert rw.release_token(KEY, token) is False
     assert one.release() is True
-    assert rows(raw) == [(FENCE_ROW, str(START_US + 1), FOREVER)]
+    assert listed(raw, TABLE) == [(FENCE_ROW, str(START_US + 1), FOREVER)]
     writer = grant(rw, "write", 5.0)
-    assert rows(raw) == [
+    assert listed(raw, TABLE) == [
         (FENCE_ROW, str(START_US + 10_000_000), FOREVER),
         (
             ROW,
@@ -452,7 +446,7 @@ def test_table_name_and_prefix(make: Callable[..., RWFace], raw: sqlite3.Connect
     grant(make(table_prefix="rw_"), "write")
     tables = raw.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
     assert [name for (name,) in tables.fetchall()] == ["my locks", f"rw_{SERVICE}"]
-    assert [name for name, _, _ in rows(raw, "my locks")] == [FENCE_ROW, ROW]
+    assert [name for name, _, _ in listed(raw, "my locks")] == [FENCE_ROW, ROW]
 
 
 # --- rows dmutex did not write -------------------------------------------------------------
@@ -489,7 +483,7 @@ def test_a_row_dmutex_did_not_write_raises_and_is_left_alone(
     for call in calls:
         with pytest.raises(DMutexError, match=f"the row '{ROW}' of table '{TABLE}'"):
             call()
-        assert rows(raw) == [stored]
+        assert listed(raw, TABLE) == [stored]
 
 
 def test_a_renewal_batch_answers_a_foreign_row_for_its_lease_alone(
@@ -524,7 +518,7 @@ def test_a_foreign_fence_row_makes_an_attempt_raise_and_change_nothing(
     for side in ("read", "write"):
         with pytest.raises(DMutexError, match=f"the row '{FENCE_ROW}'"):
             rw.acquire(side, KEY, 60.0)
-        assert rows(raw) == [stored]
+        assert listed(raw, TABLE) == [stored]
     assert make(fencing=False).acquire("read", KEY, 60.0) is not None  # fencing=False reads none
     assert row(raw, FENCE_ROW) == stored
 

@@ -1,6 +1,6 @@
 """The holes the fault probes found, each pinned by a deterministic test.
 
-Issue 10 lists eight; the randomised suites beside this file (proxy, pause,
+Issue 10 lists eight; the randomised suites (proxy, pause,
 restart, cancellation, parameters) look for them by chance, these tests
 make each one happen on purpose:
 
