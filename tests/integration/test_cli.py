@@ -32,12 +32,13 @@ import psycopg_pool
 import pytest
 
 from dmutex import DMutex, DMutexLock, SQLiteBackend
+from dmutex._backends.mongodb.url import mongodb_timeouts
 from dmutex._backends.postgresql.listening import listener
 from dmutex._backends.postgresql.statements import Statements
+from dmutex._backends.postgresql.url import POOL_SIZE, postgres_timeouts
 from dmutex._cli import urls
 from dmutex._cli.holders import read_holders
 from dmutex._cli.run import request_timeout
-from dmutex._cli.urls import mongodb_timeouts, postgres_timeouts
 from tests._support import cli, mongo_servers
 from tests._support.cli import Child, Store
 from tests._support.redis_servers import Pool, flushed, newest
@@ -723,13 +724,13 @@ def test_run_gets_a_pool_that_wakes_waiters_and_status_one_connection(
     postgres_server: str, postgres_schema: str
 ) -> None:
     target = urls.parse(with_param(postgres_server, "schema", postgres_schema), {})
-    assert target.schema == postgres_schema
+    assert target.options == {"schema_name": postgres_schema}
     assert "schema=" not in target.url  # the command's own: libpq would refuse it
     statements = Statements.of("t", postgres_schema, fencing=True)
     waiting = urls.connect(target, timeout=2.0, waits=True)
     try:
         assert isinstance(waiting.client, psycopg_pool.ConnectionPool)
-        assert waiting.client.max_size == urls.POOL_SIZE
+        assert waiting.client.max_size == POOL_SIZE
         assert listener(waiting.client, statements, 1, asynchronous=False) is not None
         with waiting.client.connection() as conn:
             assert conn.autocommit

@@ -8,8 +8,8 @@ that database. Leases are short (``--ttl`` 1.5-3 s), so that renewals and a
 lost lease happen within a second or two. Every wait is a poll with a
 generous deadline; nothing is timed tightly.
 
-The URL rules these tests hold the command to are ``dmutex._cli.urls``'s
-(rules 4 and 5): a database is required, two query parameters are known,
+The URL rules these tests hold the command to are
+``dmutex._backends.mysql.url``'s: a database is required, two query parameters are known,
 the password is never printed, a bad URL is refused before any I/O, and a
 connection the server dropped is opened again by the next request.
 """
@@ -35,6 +35,7 @@ from pymysql.connections import Connection
 from pymysql.cursors import Cursor
 
 from dmutex import DMutex
+from dmutex._backends.mysql.url import mysql_options
 from dmutex._cli import urls
 from dmutex._cli.errors import Failure
 from dmutex._cli.holders import read_holders
@@ -405,7 +406,7 @@ def test_a_connection_the_server_drops_is_opened_again_and_the_lease_kept(
 
 def test_connect_gives_one_pymysql_connection_in_the_urls_database(mysql: MySQLCli) -> None:
     target = urls.parse(mysql.url, {})
-    assert (target.kind, target.database) == ("mysql", mysql.database)
+    assert target.backend == "mysql"
     backend = urls.connect(target, timeout=request_timeout(2.0), waits=True)
     try:
         conn = backend.client
@@ -434,7 +435,7 @@ def test_connect_gives_one_pymysql_connection_in_the_urls_database(mysql: MySQLC
 
 def test_mysql_options_decode_the_url_and_bound_every_request() -> None:
     url = "mysql://us%40er:p%40ss%3Aw%2Frd%C3%A9@[::1]:3307/my%2Fdb?unix_socket=%2Frun%2Fm.sock"
-    options = urls.mysql_options(url, request_timeout(2.0))
+    options = mysql_options(url, request_timeout(2.0))
     assert options == {
         "host": "::1",
         "port": 3307,
@@ -450,7 +451,7 @@ def test_mysql_options_decode_the_url_and_bound_every_request() -> None:
         "program_name": "dmutex",
     }
     # No user, password, host or port: PyMySQL's defaults (the login name, localhost, 3306).
-    bare = urls.mysql_options("MariaDB:///ops?ssl_ca=/etc/ca.pem", request_timeout(60.0))
+    bare = mysql_options("MariaDB:///ops?ssl_ca=/etc/ca.pem", request_timeout(60.0))
     assert {k: bare[k] for k in ("database", "connect_timeout", "read_timeout")} == {
         "database": "ops",
         "connect_timeout": 5.0,  # at most 5 s to connect

@@ -24,9 +24,15 @@ The rules of the registry:
    backend's reason, before its store is opened.
 4. Opening makes no request (the descriptors' rule 2); a lock looks its
    backend up once (``lookup``), and opens its store from that answer.
+5. The ``dmutex`` command finds a URL's backend by its scheme
+   (:func:`parse_url`, no I/O), among the backends whose descriptor has a
+   :class:`~dmutex._backends.address.URLForm`; with no URL, the one form
+   with a default gives the address (:func:`default_address`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from .._clock import SYSTEM_CLOCK
 from .._core.abc import Store
@@ -35,6 +41,7 @@ from .._errors import AmbiguousClientError, InvalidArgumentError, UnsupportedCli
 from .._options import Options
 from . import memory, mongodb, mysql, postgresql, redis, sqlite
 from .abc import Descriptor
+from .address import Address, BadURL, Connection, URLForm, redact
 from .memory import InMemoryBackend
 from .shapes import described
 from .sql.shapes import dialect_of, is_engine
@@ -139,13 +146,55 @@ def open_readwrite_store(
     return backend.open_readwrite_store(client, options, clock, asynchronous=asynchronous)
 
 
+def _forms() -> list[URLForm]:
+    """The URL forms, the one with a default first (as ``--help`` lists them)."""
+    forms = [known.url for known in BACKENDS if known.url is not None]
+    return sorted(forms, key=lambda form: form.default is None)
+
+
+URL_FORMS: tuple[URLForm, ...] = tuple(_forms())
+"""Every backend's URL form (rule 5), the default's first."""
+
+_BY_SCHEME = {scheme: form for form in URL_FORMS for scheme in form.schemes}
+
+
+def parse_url(url: str) -> Address:
+    """``url`` checked by its backend's form, no I/O (rule 5); raises :class:`BadURL`."""
+    scheme = url.partition(":")[0].lower() if ":" in url else ""
+    form = _BY_SCHEME.get(scheme)
+    if form is None:
+        shown = [text for known in URL_FORMS for text in known.shown]
+        raise BadURL(
+            f"unsupported backend URL {redact(url)!r}: use {', '.join(shown[:-1])} or {shown[-1]}"
+        )
+    return form.parse(url)
+
+
+def default_address(env: Mapping[str, str]) -> Address:
+    """The command's default backend address in ``env`` (rule 5)."""
+    form = URL_FORMS[0]
+    assert form.default is not None  # one form has a default: the registry sorts it first
+    return form.default(env)
+
+
+def connect_url(address: Address, timeout: float, *, waits: bool = False) -> Connection:
+    """A client for ``address``, by its backend's form: see ``URLForm``."""
+    form = _BY_NAME[address.backend].url
+    assert form is not None  # parse_url and default_address made the address from it
+    return form.connect(address, timeout, waits)
+
+
 __all__ = [
     "BACKENDS",
+    "URL_FORMS",
     "InMemoryBackend",
     "SQLiteBackend",
     "Store",
+    "connect_url",
+    "default_address",
     "detect",
     "lookup",
     "open_readwrite_store",
     "open_store",
+    "parse_url",
 ]

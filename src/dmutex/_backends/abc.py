@@ -25,6 +25,7 @@ from .._clock import Clock
 from .._core.abc import Store
 from .._core.readwrite import ReadWriteStore
 from .._options import Options
+from .address import URLForm
 
 S_co = TypeVar("S_co", covariant=True)
 
@@ -49,6 +50,8 @@ class Descriptor:
     ``replicas=`` is taken here, else why not (the error's reason).
     ``dialects``: the SQLAlchemy dialects whose engines are this backend's
     (an engine several backends recognise is its dialect's backend's).
+    ``url``: how the ``dmutex`` command names and opens the backend (None:
+    the command cannot reach it).
     """
 
     name: str
@@ -60,3 +63,4 @@ class Descriptor:
     instance: type | None = None
     replicas: str | None = None
     dialects: tuple[str, ...] = ()
+    url: URLForm | None = None

@@ -23,11 +23,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-from .._backends.redis.requests import SCAN_COUNT
+from .._backends import URL_FORMS
 from .._errors import ArgumentTypeError, InvalidArgumentError
 from .._options import Kind
 from .._validate import MAX_PERMITS, check_key, check_str
@@ -56,13 +57,10 @@ DEFAULT_MAX_KEYS = 1000
 MOST_KEYS = 10_000
 LEAST_WATCH = 0.1
 
+_FORMS = [form.help for form in URL_FORMS]
 _BACKEND_HELP = (
-    "where the locks live: sqlite:///PATH, redis://..., rediss://..., mongodb://..., "
-    "mongodb+srv://..., postgresql://... or postgres://... (?schema=NAME: the tables' "
-    "schema; other parameters go to libpq), or mysql://USER:PASSWORD@HOST:PORT/DATABASE or "
-    "mariadb://... (the tables' database, required; ?unix_socket=PATH, ?ssl_ca=PATH) "
-    f"(default: ${BACKEND_ENV}, else the SQLite file "
-    "$XDG_STATE_HOME/dmutex/locks.sqlite3, else ~/.local/state/dmutex/locks.sqlite3)"
+    f"where the locks live: {', '.join(_FORMS[:-1])}, or {_FORMS[-1]} (default: ${BACKEND_ENV}, "
+    f"else {URL_FORMS[0].default_help})"
 )
 
 _RUN_EPILOG = """\
@@ -91,14 +89,18 @@ examples:
   dmutex run --backend 'mysql://app@db:3306/ops' report -- ./report.sh
 """
 
+_LISTING = textwrap.fill(
+    "without KEY: every key of the service that is held, one line each (its holders, the "
+    "time left of the first lease to end, its fence), at most --max-keys of them (then it "
+    "says that more exist): the backend lists at most that many keys plus one "
+    f"({'; '.join(form.listing for form in URL_FORMS)}), then each key's holders are read, "
+    "one request each.",
+    width=78,
+    break_on_hyphens=False,
+)
+
 _STATUS_EPILOG = f"""\
-without KEY: every key of the service that is held, one line each (its
-holders, the time left of the first lease to end, its fence), at most
---max-keys of them (then it says that more exist): the backend lists at most
-that many keys plus one (SQL: one query with LIMIT; MongoDB: one find with a
-limit; Redis: SCAN on the service's prefix, {SCAN_COUNT} keys a request, until
-enough are found or the whole database was scanned), then each key's holders
-are read, one request each.
+{_LISTING}
 
 exit status: 0 if KEY is held (any permit; with --read-write, a reader or the
 writer), or without KEY if any key is; 1 if it is free (no key held); 64 usage

@@ -12,8 +12,10 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from .._backends.address import one_line
+
 if TYPE_CHECKING:
-    from .urls import Backend
+    from .urls import Connection
 
 __all__ = [
     "BROKEN",
@@ -53,18 +55,12 @@ class Failure(Exception):
         self.message = message
 
 
-def one_line(error: BaseException) -> str:
-    """An exception as one line of text: its type when it says nothing, newlines folded."""
-    text = " ".join(str(error).split())
-    return text or type(error).__name__
-
-
 @contextlib.contextmanager
-def backend_errors(backend: Backend) -> Iterator[None]:
+def backend_errors(backend: Connection) -> Iterator[None]:
     """Turn the client's own errors into status 69, naming the backend (password hidden)."""
     try:
         yield
     except backend.errors as error:
         raise Failure(
-            UNAVAILABLE, f"cannot use the backend {backend.target.shown}: {one_line(error)}"
+            UNAVAILABLE, f"cannot use the backend {backend.address.shown}: {one_line(error)}"
         ) from None

@@ -45,7 +45,7 @@ from .args import RunArgs
 from .errors import LOST, USAGE, Failure, backend_errors, one_line
 from .holders import Inspection, read_holders
 from .progress import Progress
-from .urls import Backend, connect, parse
+from .urls import Connection, connect, parse
 
 __all__ = ["LONGEST_WAIT", "RETRY_DELAY", "request_timeout", "run"]
 
@@ -90,7 +90,7 @@ class _Taker:
     with_retry: _WithRetry
 
 
-def _lock(args: RunArgs, backend: Backend) -> _Taker:
+def _lock(args: RunArgs, backend: Connection) -> _Taker:
     """The library's lock for ``args``: every grant fenced, for ``DMUTEX_FENCE``.
 
     ``fencing=True`` also on MongoDB, where it costs one more request per
@@ -98,17 +98,15 @@ def _lock(args: RunArgs, backend: Backend) -> _Taker:
     environment then always has a fence. The constructors make no request:
     a backend that serves no read-write lock is refused here, a usage error.
     """
-    service, client, ttl, db_name = args.service, backend.client, args.ttl, backend.db_name
-    schema = backend.target.schema
+    service, client, ttl, options = args.service, backend.client, args.ttl, backend.options
     try:
         if args.role is not None:
             rw = DReadWriteLock(
                 service,
                 client,
                 default_ttl_seconds=ttl,
-                db_name=db_name,
                 fencing=True,
-                schema_name=schema,
+                **options,
             )
             if args.role == "read":
                 return _Taker(rw.acquire_read, rw.acquire_read_with_retry)
@@ -118,9 +116,8 @@ def _lock(args: RunArgs, backend: Backend) -> _Taker:
                 service,
                 client,
                 default_ttl_seconds=ttl,
-                db_name=db_name,
                 fencing=True,
-                schema_name=schema,
+                **options,
             )
             return _Taker(mutex.acquire, mutex.acquire_with_retry)
         semaphore = DSemaphore(
@@ -128,9 +125,8 @@ def _lock(args: RunArgs, backend: Backend) -> _Taker:
             client,
             max_permits=args.limit,
             default_ttl_seconds=ttl,
-            db_name=db_name,
             fencing=True,
-            schema_name=schema,
+            **options,
         )
         return _Taker(semaphore.acquire, semaphore.acquire_with_retry)
     except UnsupportedClientError as error:
@@ -171,11 +167,11 @@ def _child_env(env: Mapping[str, str], handle: Handle) -> dict[str, str]:
 
 def run(args: RunArgs, env: Mapping[str, str], stderr: TextIO) -> int:
     """Do one ``dmutex run``; returns the exit status, or raises :class:`Failure`."""
-    target = parse(args.backend, env)
+    address = parse(args.backend, env)
     signals = sup.Signals()
     signals.install()
     try:
-        backend = connect(target, timeout=request_timeout(args.ttl), waits=True)
+        backend = connect(address, timeout=request_timeout(args.ttl), waits=True)
         try:
             return _run(args, env, stderr, backend, signals)
         finally:
@@ -187,7 +183,7 @@ def run(args: RunArgs, env: Mapping[str, str], stderr: TextIO) -> int:
 
 
 def _run(
-    args: RunArgs, env: Mapping[str, str], stderr: TextIO, backend: Backend, signals: sup.Signals
+    args: RunArgs, env: Mapping[str, str], stderr: TextIO, backend: Connection, signals: sup.Signals
 ) -> int:
     taker = _lock(args, backend)
 
@@ -197,8 +193,7 @@ def _run(
             service=args.service,
             limit=args.limit,
             key=args.key,
-            db_name=backend.db_name,
-            schema_name=backend.target.schema,
+            **backend.options,
             readwrite=args.role is not None,
         )
 
@@ -303,7 +298,7 @@ def _stopping(args: RunArgs, stderr: TextIO, pid: int) -> Callable[[float], None
     return say
 
 
-def _release(handle: Handle, backend: Backend, stderr: TextIO | None) -> bool:
+def _release(handle: Handle, backend: Connection, stderr: TextIO | None) -> bool:
     """Release ``handle``; True if it was, False if it was gone or the backend failed.
 
     A failure is said on ``stderr`` (None: not said).

@@ -44,7 +44,7 @@ from .args import StatusArgs
 from .errors import FREE, OK, USAGE, Failure, backend_errors, one_line
 from .holders import Holder, Inspection, Namespace, Reader, role_of
 from .progress import short_token, token_prefix
-from .urls import Backend, Target, connect, parse
+from .urls import Address, Connection, connect, parse
 
 __all__ = ["render_json", "render_namespace_json", "render_namespace_text", "render_text", "status"]
 
@@ -189,19 +189,19 @@ def render_namespace_text(args: StatusArgs, found: Namespace) -> str:
 class _Session:
     """The reads of one ``dmutex status``: the backend opened at the first, kept for the next."""
 
-    def __init__(self, args: StatusArgs, target: Target) -> None:
+    def __init__(self, args: StatusArgs, address: Address) -> None:
         self._args = args
-        self._target = target
-        self._backend: Backend | None = None
+        self._address = address
+        self._backend: Connection | None = None
         self._reader: Reader | None = None
 
     def _absent(self) -> bool:
-        """Whether the SQLite file is missing where the command reports it free, uncreated."""
-        path = self._target.path
+        """Whether the backend's file is missing where the command reports it free, uncreated."""
+        path = self._address.path
         return (
             path is not None
             and not path.exists()
-            and (self._target.default or path.parent.is_dir())
+            and (self._address.default or path.parent.is_dir())
         )
 
     def read(self) -> Inspection | Namespace:
@@ -212,7 +212,7 @@ class _Session:
                 return Namespace(found=[], truncated=False, now_ms=_now_ms())
             return Inspection(holders=[], fence=None, now_ms=_now_ms())
         if self._backend is None:
-            self._backend = connect(self._target, timeout=STATUS_TIMEOUT)
+            self._backend = connect(self._address, timeout=STATUS_TIMEOUT)
         backend = self._backend
         try:
             with backend_errors(backend):
@@ -221,8 +221,7 @@ class _Session:
                         backend.client,
                         service=args.service,
                         limit=args.limit,
-                        db_name=backend.db_name,
-                        schema_name=self._target.schema,
+                        **backend.options,
                         readwrite=args.readwrite,
                     )
                 if args.key is None:

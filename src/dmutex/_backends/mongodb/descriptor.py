@@ -10,6 +10,7 @@ from .names import check_collection_name, check_db_name
 from .readwrite import MongoReadWriteStore
 from .shapes import recognises
 from .store import MongoStore
+from .url import FORM
 
 PACKAGES = Packages(sync=("pymongo",), asyncio=("pymongo.AsyncMongoClient",))
 
@@ -56,5 +57,6 @@ BACKEND = Descriptor(
         "on MongoDB, give the collection the write concern locks need "
         "(w='majority', j=True); dmutex uses it as it is"
     ),
+    url=FORM,
 )
 """MongoDB (pymongo, motor, the MongoDB-compatible servers that speak its protocol)."""

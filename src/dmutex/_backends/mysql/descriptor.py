@@ -12,6 +12,7 @@ from .names import check_mysql_names
 from .readwrite import MySQLReadWriteStore
 from .shapes import DIALECTS, face, recognises
 from .store import MySQLStore
+from .url import FORM
 
 PACKAGES = Packages(
     sync=("pymysql", "MySQLdb", "mysql", *ENGINE_PACKAGES),
@@ -71,5 +72,6 @@ BACKEND = Descriptor(
     ),
     replicas="on MySQL or MariaDB, configure semi-synchronous replication on the server",
     dialects=DIALECTS,
+    url=FORM,
 )
 """MySQL and MariaDB (PyMySQL, mysqlclient, mysql-connector, aiomysql, asyncmy, SQLAlchemy)."""

@@ -12,6 +12,7 @@ from .names import check_postgres_names
 from .readwrite import PostgresReadWriteStore
 from .shapes import DIALECTS, face, recognises
 from .store import PostgresStore
+from .url import FORM
 
 PACKAGES = Packages(
     sync=("psycopg", "psycopg_pool", *ENGINE_PACKAGES),
@@ -81,5 +82,6 @@ BACKEND = Descriptor(
         "(synchronous_standby_names, synchronous_commit)"
     ),
     dialects=DIALECTS,
+    url=FORM,
 )
 """PostgreSQL (psycopg 3 and its pools, asyncpg, SQLAlchemy engines)."""

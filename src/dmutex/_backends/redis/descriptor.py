@@ -10,6 +10,7 @@ from .names import check_redis_prefix
 from .readwrite import RedisReadWriteStore
 from .shapes import face, recognises
 from .store import RedisStore
+from .url import FORM
 
 PACKAGES = Packages(sync=("redis", "valkey"), asyncio=("redis.asyncio", "valkey.asyncio"))
 
@@ -66,5 +67,6 @@ BACKEND = Descriptor(
         "execute_command(*args), or both set(name, value, px=..., nx=...) "
         "and eval(script, numkeys, *keys_and_args)"
     ),
+    url=FORM,
 )
 """Redis (and valkey): ``replicas=`` is its option, a ``WAIT`` beside each write."""

@@ -9,6 +9,7 @@ from .backend import SQLiteBackend
 from .readwrite import SQLiteReadWriteStore
 from .statements import quote
 from .store import SQLiteStore
+from .url import FORM
 
 
 def _backend(client: object, options: Options) -> SQLiteBackend:
@@ -45,5 +46,6 @@ BACKEND = Descriptor(
     open_store=open_store,
     open_readwrite_store=open_readwrite_store,
     instance=SQLiteBackend,
+    url=FORM,
 )
 """An :class:`SQLiteBackend`: taken whatever ``backend=`` says; ``replicas=`` waits for none."""
