@@ -483,15 +483,21 @@ return done
 # What a lock's records hold, for ``dmutex status``; writes nothing. KEYS: slot
 # keys of one group, then the fence counter if ARGV[1] is "1". Returns the
 # server's time in ms, the counter's value (or nil), then slot position,
-# token and PTTL of each slot key that holds a string.
+# token and time left of each slot key that holds a string. The time left is
+# taken from PEXPIRETIME where the server has it (7.0+): PTTL counts from the
+# script's frozen clock, TIME from the running one, and their sum would move
+# an unchanged lease's expiry by a millisecond from one read to the next.
 _INSPECT = """\
 local now = redis.call('TIME')
 local slots = #KEYS - tonumber(ARGV[1])
-local out = {tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000), false}
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local out = {now_ms, false}
 if slots < #KEYS then out[2] = redis.call('GET', KEYS[#KEYS]) end
 for i = 1, slots do
   if redis.call('TYPE', KEYS[i]).ok == 'string' then
     local left = redis.call('PTTL', KEYS[i])
+    local at = redis.pcall('PEXPIRETIME', KEYS[i])
+    if type(at) == 'number' and at >= 0 and left >= 0 then left = math.max(at - now_ms, 0) end
     if left ~= -2 then
       out[#out + 1] = i - 1
       out[#out + 1] = redis.call('GET', KEYS[i])
