@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .._backends import connect_url, default_address, parse_url
-from .._backends.address import Address, BadURL, Connection, Unreachable, redact
+from .._backends.address import Address, BadURL, Connection, Unreachable
 from .errors import UNAVAILABLE, USAGE, Failure
 
-__all__ = ["Address", "Connection", "connect", "parse", "redact"]
+__all__ = ["Address", "Connection", "connect", "parse"]
 
 
 def parse(url: str | None, env: Mapping[str, str]) -> Address:
