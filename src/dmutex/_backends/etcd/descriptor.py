@@ -1,0 +1,58 @@
+"""The etcd backend as the registry sees it: its :class:`Descriptor`."""
+
+from __future__ import annotations
+
+from ..._clock import Clock
+from ..._core.readwrite import ReadWriteStore
+from ..._errors import InvalidArgumentError
+from ..._options import Options
+from ..abc import Descriptor
+from ..shapes import Packages, refuse_other_face
+from .names import check_etcd_permits, check_etcd_prefix
+from .shapes import dialect, face, recognises
+from .store import EtcdStore
+from .url import FORM
+
+PACKAGES = Packages(sync=("etcd3gw",), asyncio=("aetcd",))
+
+
+def open_store(client: object, options: Options, clock: Clock, *, asynchronous: bool) -> EtcdStore:
+    """The namespace (key prefix) of ``options``' mutexes or semaphores.
+
+    The fence is the grant's revision: it costs no request, and is kept
+    unless ``fencing=False``.
+    """
+    check_etcd_prefix(options.key_prefix, options.key_origin)
+    check_etcd_permits(options.max_permits)
+    refuse_other_face(client, face(client), "client", PACKAGES, asynchronous=asynchronous)
+    return EtcdStore(
+        dialect(client), options.key_prefix, options.max_permits, clock, fencing=options.fencing
+    )
+
+
+def open_readwrite_store(
+    client: object, options: Options, clock: Clock, *, asynchronous: bool
+) -> ReadWriteStore:
+    """Not yet: read-write locks on etcd are refused before any request."""
+    raise InvalidArgumentError(
+        "read-write locks on etcd are not available yet: use DMutex or DSemaphore on etcd"
+    )
+
+
+BACKEND = Descriptor(
+    name="etcd",
+    label="etcd",
+    recognises=recognises,
+    open_store=open_store,
+    open_readwrite_store=open_readwrite_store,
+    needs=(
+        "get_url(path), post(url, json=...) and watch_once(key, ...) (etcd3gw), or "
+        "lease, refresh_lease, revoke_lease, transaction and watch_once (aetcd)"
+    ),
+    replicas=(
+        "etcd commits every write to a majority of its members before it answers, "
+        "so there is nothing for replicas= to wait for"
+    ),
+    url=FORM,
+)
+"""etcd v3 (etcd3gw over the JSON gateway, aetcd over gRPC)."""

@@ -1,0 +1,329 @@
+"""The etcd store: mutexes and semaphores as keys under etcd leases.
+
+Layout: slot ``i`` of lock ``key`` is the etcd key
+``f"{key_prefix}permit:{i}:{key}"`` (UTF-8), the Redis layout's name; its
+value is the holder's token, and it is attached to an etcd lease of its own
+whose TTL is the grant's. etcd deletes the key when the lease expires or is
+revoked, so "active" is "the key exists". Nothing else is written: no fence
+counter (the fence is etcd's revision), no waiting records (a waiter
+watches the key).
+
+Rules of this store:
+
+1. One lease per grant, its ID derived from the namespace, the key and the
+   token (:func:`lease_id`), so that every request about a hold names its
+   lease without reading it first, and a re-sent grant finds its own.
+2. A grant is two requests: the lease grant, then one transaction that puts
+   the slot key under it only if the key does not exist (etcd's
+   ``version == 0``), and otherwise reads every slot key of the lock. A
+   semaphore whose first choice was taken tries a slot that read showed
+   free, one transaction each, while one is free.
+3. A grant whose lease ID is in use (:func:`requests.lease_exists`) was
+   sent before with this token: its reply was lost, or the token is used
+   again. The lease is renewed first (so that a slot it holds lasts from
+   this attempt on, renewal rule 1), then every slot key is read: a slot
+   that holds it is this attempt's grant (the lost-reply rule of every
+   store); none, and the grant goes on as rule 2 says.
+4. A failed attempt revokes its lease (one request more), so that a lease
+   of this namespace exists only while its slot key does, or for the span
+   of one attempt. A revoke that fails is left to the lease's TTL.
+5. Release is the lease's revoke: one request, which deletes the slot key
+   and answers whether the lease existed. Extend is its keep-alive: one
+   request, which renews the lease to its granted TTL from the moment the
+   server handles it.
+6. The fence is the revision of the transaction that put the slot key (its
+   ``create_revision``): etcd's one counter for the whole cluster, which
+   only grows, and survives a leader change.
+7. A failed attempt notes the slot key to watch and the revision to watch
+   from (the one after the holder's put), and the wait watches it for its
+   deletion: a release, an expiry or a revoke ends the wait at once, and a
+   deletion between the attempt and the watch is replayed from etcd's
+   history. A semaphore's waiter watches one slot, the one held longest.
+
+Limits:
+
+- etcd's leases count whole seconds, and etcd raises a shorter TTL to its
+  minimum (with its default timing, 2 s: 1.5 elections of 1 s, rounded
+  up): a grant's lease lasts ``ceil(ttl)`` seconds or that minimum, never
+  less than asked. So a holder that dies blocks the lock up to that long,
+  however short its ttl; the holder's own deadline is its ttl's.
+- A keep-alive renews a lease to the TTL it was granted with: an
+  ``extend`` to a longer ttl than the grant's is refused
+  (:class:`~dmutex.InvalidArgumentError`) after its keep-alive (which
+  changed nothing the holder relied on); acquire with the longer ttl.
+- etcd reports a lease's time left in whole seconds: :meth:`holders`'
+  expiries are that precise.
+- A grant whose reply was lost and which the server applies after the next
+  attempt read the slots (rule 3) can leave a semaphore's token on two
+  slots until its release, which frees both (they share the lease).
+- A slot key deleted by hand is not noticed by ``extend`` (its lease lives
+  on); release answers True for it, and the next grant takes the slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from ..._clock import Clock
+from ..._core.abc import Holder, Inspection, Renewed, extend_each
+from ..._core.effects import Sleep, Steps
+from ..._core.lease import MAX_EXPIRY_MS, Lease, now_ms
+from ..._core.waiting import Waiter, lost_pause
+from ..._errors import InvalidArgumentError
+from .requests import Dialect, Outcome, Record, Txn, lease_exists, lease_missing
+
+__all__ = ["EtcdStore", "lease_id", "lease_seconds"]
+
+# How many waiters' watch points a store remembers between a failed attempt
+# and its wait: an acquire given up between the two leaves its point behind.
+WATCHING = 4096
+
+
+def lease_id(prefix: str, key: str, token: str) -> int:
+    """The etcd lease ID of ``token``'s hold of ``key`` in ``prefix`` (rule 1): 1 .. 2**63 - 1.
+
+    64 bits of BLAKE2b over the three, kept positive: two holds share one
+    only by a collision of that hash.
+    """
+    text = "\x00".join((prefix, key, token)).encode()
+    digest = hashlib.blake2b(text, digest_size=8, person=b"dmutex.lease").digest()
+    return int.from_bytes(digest, "big") & (2**63 - 1) or 1
+
+
+def lease_seconds(ttl_ms: int) -> int:
+    """The TTL of the lease for ``ttl_ms``: whole seconds, rounded up, at least 1."""
+    return max(1, math.ceil(ttl_ms / 1000))
+
+
+class EtcdStore:
+    """One namespace (key prefix) of locks on an etcd cluster; a ``Store`` (rules at the top)."""
+
+    def __init__(
+        self,
+        dialect: Dialect,
+        prefix: str,
+        max_permits: int,
+        clock: Clock,
+        *,
+        fencing: bool | None = None,
+    ) -> None:
+        self._dialect = dialect
+        self._prefix = prefix
+        self._permits = max_permits
+        self._clock = clock
+        self._fencing = fencing is not False
+        self._watching: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
+
+    @property
+    def clock(self) -> Clock:
+        """The clock that expiries are computed from."""
+        return self._clock
+
+    @property
+    def max_expiry_ms(self) -> int:
+        """The latest expiry a lease may have."""
+        return MAX_EXPIRY_MS
+
+    def ready(self) -> Steps[None]:
+        """Nothing to prepare: etcd needs no index or table; no request."""
+        yield from ()
+
+    def _slot_key(self, key: str, slot: int) -> bytes:
+        return f"{self._prefix}permit:{slot}:{key}".encode()
+
+    def _slots(self, key: str) -> tuple[bytes, ...]:
+        return tuple(self._slot_key(key, slot) for slot in range(self._permits))
+
+    def acquire(
+        self, key: str, token: str, ttl_ms: int, waiter: Waiter | None = None
+    ) -> Steps[Lease | None]:
+        """Grant a slot of ``key`` to ``token`` (rules 2-4): two requests when it is free."""
+        lease = lease_id(self._prefix, key, token)
+        seconds = lease_seconds(ttl_ms)
+        expires = now_ms(self._clock) + ttl_ms
+        dialect = self._dialect
+        value = token.encode()
+        records: list[Record] | None = None
+        try:
+            yield dialect.grant(lease, seconds)
+        except Exception as error:
+            if not lease_exists(error):
+                raise
+            found = yield from self._find_own(key, lease, value, seconds, ttl_ms)
+            if isinstance(found, tuple):
+                own, fence = found
+                return Lease(key, token, own, expires, fence if self._fencing else None)
+            records = found
+        slot = 0 if records is None else self._free_slot(key, records)
+        while slot is not None:
+            put = (self._slot_key(key, slot), value, lease)
+            reply = yield dialect.txn(Txn(put[0], put, self._slots(key)))
+            outcome: Outcome = dialect.outcome(reply)
+            if outcome.succeeded:
+                if waiter is not None:
+                    self._watching.pop(waiter.name, None)
+                return Lease(key, token, slot, expires, outcome.revision if self._fencing else None)
+            records = outcome.records
+            slot = self._free_slot(key, records)
+        if waiter is not None and not waiter.last and records:
+            self._watch_point(waiter, records)
+        yield from self._revoke_quietly(lease)
+        return None
+
+    def _find_own(
+        self, key: str, lease: int, value: bytes, seconds: int, ttl_ms: int
+    ) -> Steps[tuple[int, int] | list[Record]]:
+        """Rule 3: the slot this token's lease holds, as ``(slot, fence)``; else every slot's.
+
+        Renews the lease first, or grants it again if it is gone, or too
+        short for ``ttl_ms`` (it holds no slot then that anyone was told of).
+        """
+        dialect = self._dialect
+        kept = dialect.kept((yield dialect.keepalive(lease)))
+        if 0 < kept * 1000 < ttl_ms:
+            yield from self._revoke_quietly(lease)
+            kept = 0
+        if kept <= 0:
+            yield dialect.grant(lease, seconds)
+        outcome = dialect.outcome((yield dialect.txn(Txn(None, None, self._slots(key)))))
+        for record in outcome.records:
+            if record.lease == lease and record.value == value:
+                return self._slot_of(key, record), record.create_revision
+        return outcome.records
+
+    def _slot_of(self, key: str, record: Record) -> int:
+        for slot in range(self._permits):
+            if record.key == self._slot_key(key, slot):
+                return slot
+        raise AssertionError("a record read from the lock's slot keys is one of them")
+
+    def _free_slot(self, key: str, records: Sequence[Record]) -> int | None:
+        """A slot of ``key`` that ``records`` (every slot's, as read) show free; None if full.
+
+        At random among the free ones, so that attempts that read the same
+        slots do not all race for the first.
+        """
+        held = {record.key for record in records}
+        free = [slot for slot in range(self._permits) if self._slot_key(key, slot) not in held]
+        return random.choice(free) if free else None  # spreading, not secrecy
+
+    def _watch_point(self, waiter: Waiter, records: Sequence[Record]) -> None:
+        """Note the slot key ``waiter`` will watch, and from which revision (rule 7)."""
+        oldest = min(records, key=lambda record: record.mod_revision)
+        self._watching[waiter.name] = (oldest.key, oldest.mod_revision + 1)
+        self._watching.move_to_end(waiter.name)
+        waiter.registered = True
+        while len(self._watching) > WATCHING:
+            self._watching.popitem(last=False)
+
+    def _revoke_quietly(self, lease: int) -> Steps[None]:
+        """Revoke ``lease``; a failure is left to its TTL (rule 4)."""
+        try:
+            yield self._dialect.revoke(lease)
+        except Exception:  # noqa: BLE001 - the lease expires by itself; nothing depends on it
+            return
+
+    def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
+        """Watch the slot key the last attempt noted for its deletion, up to ``seconds`` (rule 7).
+
+        Sleeps when there is nothing to watch. A watch that fails early
+        sleeps the rest: it never raises, and never ends a wait early
+        without a deletion.
+        """
+        if waiter.woken:
+            # Woken, then beaten to the permit: pause before watching (waiting.py, rule 4).
+            waiter.woken = False
+            yield Sleep(lost_pause(seconds))
+            return
+        point = self._watching.pop(waiter.name, None)
+        if point is None or seconds <= 0:
+            yield Sleep(seconds)
+            return
+        started = self._clock.monotonic()
+        try:
+            yield self._dialect.watch(point[0], point[1], seconds)
+        except Exception:  # noqa: BLE001 - a timeout, or a failed watch: waiting.py, rule 3
+            rest = seconds - (self._clock.monotonic() - started)
+            if rest > 0:
+                yield Sleep(rest)
+        else:
+            waiter.woken = True
+
+    def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
+        """Revoke ``token``'s lease, deleting its slot key (rule 5): one request."""
+        try:
+            yield self._dialect.revoke(lease_id(self._prefix, key, token))
+        except Exception as error:
+            if lease_missing(error):
+                return False
+            raise
+        return True
+
+    def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
+        """Renew ``token``'s lease (rule 5): one request; None if it is gone."""
+        expires = now_ms(self._clock) + ttl_ms
+        dialect = self._dialect
+        kept = dialect.kept((yield dialect.keepalive(lease_id(self._prefix, key, token))))
+        if kept <= 0:
+            return None
+        if kept * 1000 < ttl_ms:
+            raise InvalidArgumentError(
+                f"etcd renews a lease to the TTL it was granted with ({kept} s): it cannot "
+                f"extend this one to {ttl_ms / 1000:g} s; acquire with the longer ttl"
+            )
+        return expires
+
+    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
+        """One keep-alive per lease: etcd's gateway takes one lease a request."""
+        return extend_each(self, leases)
+
+    def holders(self, key: str) -> Steps[Inspection]:
+        """Every slot key of ``key`` (one transaction), and each one's lease's time left.
+
+        One request more per holder; expiries are whole seconds from now.
+        ``fence`` is None: etcd keeps no counter per lock.
+        """
+        dialect = self._dialect
+        now = now_ms(self._clock)
+        outcome = dialect.outcome((yield dialect.txn(Txn(None, None, self._slots(key)))))
+        found = []
+        for record in outcome.records:
+            left = dialect.remaining((yield dialect.time_to_live(record.lease)))
+            if left > 0:
+                token = record.value.decode(errors="replace")
+                found.append(Holder(self._slot_of(key, record), token, now + left * 1000))
+        return Inspection(sorted(found), None, now)
+
+    def keys(self, limit: int) -> Steps[list[str]]:
+        """Up to ``limit`` held keys of the namespace, sorted: ranges over its slot keys.
+
+        Each page reads ``limit`` keys at most, from the last one read on,
+        until ``limit`` distinct locks are found or the range ends.
+        """
+        prefix = f"{self._prefix}permit:".encode()
+        start = prefix
+        found: set[str] = set()
+        while True:
+            names, more = self._dialect.keys((yield self._dialect.range(prefix, start, limit)))
+            for name in names:
+                held = _key_of_slot(name[len(prefix) :], self._permits)
+                if held is not None:
+                    found.add(held)
+            if not more or not names or len(found) >= limit:
+                return sorted(found)[:limit]
+            start = names[-1] + b"\x00"
+
+
+def _key_of_slot(rest: bytes, permits: int) -> str | None:
+    """The lock key of a slot key's ``{slot}:{key}``, if the slot is one of ``permits``."""
+    slot, colon, key = rest.partition(b":")
+    if not colon or not key or not slot.isdigit() or int(slot) >= permits:
+        return None
+    try:
+        return key.decode()
+    except UnicodeDecodeError:
+        return None
