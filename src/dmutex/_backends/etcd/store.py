@@ -86,10 +86,12 @@ WATCHING = 4096
 def lease_id(prefix: str, key: str, token: str) -> int:
     """The etcd lease ID of ``token``'s hold of ``key`` in ``prefix`` (rule 1): 1 .. 2**63 - 1.
 
-    64 bits of BLAKE2b over the three, kept positive: two holds share one
-    only by a collision of that hash.
+    64 bits of BLAKE2b over the three, each after its length in bytes (so
+    that no two triples hash the same text), kept positive: two holds share
+    one only by a collision of that hash.
     """
-    text = "\x00".join((prefix, key, token)).encode()
+    parts = [part.encode() for part in (prefix, key, token)]
+    text = b"".join(len(part).to_bytes(4, "big") + part for part in parts)
     digest = hashlib.blake2b(text, digest_size=8, person=b"dmutex.lease").digest()
     return int.from_bytes(digest, "big") & (2**63 - 1) or 1
 
