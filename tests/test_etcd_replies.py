@@ -155,23 +155,54 @@ def test_a_semaphore_tries_a_slot_its_read_showed_free() -> None:
     assert len(second["failure"]) == 2  # every slot read again if this one is taken too
 
 
-def test_release_is_the_leases_revoke_and_a_missing_lease_answers_false() -> None:
-    client = Scripted({}, GatewayError("etcdserver: requested lease not found"))
+def test_release_is_the_leases_revoke_and_a_missing_lease_answers_false_after_a_read() -> None:
+    nothing = {"header": {"revision": "4"}, "succeeded": True}
+    client = Scripted({}, GatewayError("etcdserver: requested lease not found"), nothing)
     semaphore = DSemaphore("svc", client, max_permits=3)
     assert semaphore.release("k", "t") is True
-    assert semaphore.release("k", "t") is False
-    assert client.paths == ["/kv/lease/revoke", "/kv/lease/revoke"]
+    assert semaphore.release("k", "t") is False  # after a read: no slot holds the token
+    assert client.paths == ["/kv/lease/revoke", "/kv/lease/revoke", "/kv/txn"]
     assert client.requests[0][1] == {"ID": lease_id("_dsemaphore_svc:", "k", "t")}
 
 
-def test_extend_is_one_keepalive_and_refuses_a_longer_ttl_than_the_grants() -> None:
-    client = Scripted({"result": {"TTL": "30"}}, {"result": {"ID": "1"}}, {"result": {"TTL": "2"}})
+def test_extend_is_one_keepalive_and_a_longer_ttl_moves_the_hold_to_a_new_lease() -> None:
+    first = lease_id("_dmutex_svc:", "k", "t")
+    own = kv("_dmutex_svc:permit:0:k", "t", first, 5)
+    client = Scripted(
+        {"result": {"TTL": "30"}},
+        {"result": {"TTL": "2"}},  # a 2 s lease cannot last 10 s: a move
+        {"succeeded": True, "responses": [{"response_range": {"kvs": [own]}}]},
+        {"ID": "777", "TTL": "10"},
+        put_ok(31),
+        {},
+        {"result": {"TTL": "10"}},
+    )
     mutex = DMutex("svc", client, default_ttl_seconds=30)
     assert mutex.extend("k", "t") is True
-    assert mutex.extend("k", "t") is False  # no TTL: the lease is gone
-    with pytest.raises(InvalidArgumentError, match="acquire with the longer ttl"):
-        mutex.extend("k", "t", ttl=10)
-    assert client.paths == ["/lease/keepalive"] * 3
+    assert mutex.extend("k", "t", ttl=10) is True
+    assert mutex.extend("k", "t", ttl=10) is True
+    assert client.paths == [
+        "/lease/keepalive",
+        "/lease/keepalive",
+        "/kv/txn",  # where the token's slot is (extend by key and token)
+        "/lease/grant",
+        "/kv/txn",
+        "/kv/lease/revoke",
+        "/lease/keepalive",
+    ]
+    grant, move, revoke, again = (payload for _, payload in client.requests[3:])
+    assert grant == {"TTL": 10, "ID": 0}
+    assert move["compare"][0]["target"] == "VALUE"
+    assert move["success"][0]["request_put"]["lease"] == 777
+    assert revoke == {"ID": first}
+    assert again == {"ID": 777}
+
+
+def test_extend_of_a_hold_that_is_gone_reads_its_slot_once() -> None:
+    client = Scripted({"result": {"ID": "1"}}, {"header": {"revision": "4"}, "succeeded": True})
+    mutex = DMutex("svc", client, default_ttl_seconds=30)
+    assert mutex.extend("k", "t") is False
+    assert client.paths == ["/lease/keepalive", "/kv/txn"]
 
 
 @pytest.mark.parametrize(
@@ -234,8 +265,6 @@ def test_etcd_clients_are_detected_and_their_faces_checked_before_any_request() 
         DMutex("svc", asynchronous)  # type: ignore[arg-type]  # the wrong face, on purpose
     with pytest.raises(InvalidArgumentError, match="replicas"):
         DMutex("svc", sync, replicas=1)
-    with pytest.raises(InvalidArgumentError, match="at most 127"):
-        DSemaphore("svc", sync, max_permits=128)
     with pytest.raises(InvalidArgumentError, match="layout"):
         DMutex("x:permit:0", sync)
 

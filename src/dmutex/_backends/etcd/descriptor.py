@@ -8,7 +8,7 @@ from ..._errors import InvalidArgumentError
 from ..._options import Options
 from ..abc import Descriptor
 from ..shapes import Packages, refuse_other_face
-from .names import check_etcd_permits, check_etcd_prefix
+from .names import check_etcd_prefix
 from .shapes import dialect, face, recognises
 from .store import EtcdStore
 from .url import FORM
@@ -23,7 +23,6 @@ def open_store(client: object, options: Options, clock: Clock, *, asynchronous: 
     unless ``fencing=False``.
     """
     check_etcd_prefix(options.key_prefix, options.key_origin)
-    check_etcd_permits(options.max_permits)
     refuse_other_face(client, face(client), "client", PACKAGES, asynchronous=asynchronous)
     return EtcdStore(
         dialect(client), options.key_prefix, options.max_permits, clock, fencing=options.fencing

@@ -59,15 +59,17 @@ class Record:
 
 @dataclass(frozen=True, slots=True)
 class Txn:
-    """A transaction: if ``absent`` does not exist, ``put``; else (or with no ``absent``) ``reads``.
+    """A transaction: if its comparison holds, ``put``; else (or with none) ``reads``.
 
-    ``put`` is ``(key, value, lease ID)``. With no ``absent``, the
-    transaction compares nothing and reads ``reads``.
+    The comparison: ``absent`` does not exist, or ``holds`` (a key and a
+    value) is that key's value; at most one of the two. ``put`` is ``(key,
+    value, lease ID)``. With neither, the transaction reads ``reads``.
     """
 
     absent: bytes | None
     put: tuple[bytes, bytes, int] | None
     reads: tuple[bytes, ...]
+    holds: tuple[bytes, bytes] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +125,10 @@ class Dialect:
 
     def granted(self, reply: object) -> int:
         """The TTL (seconds) a grant's ``reply`` gave, the server's minimum applied."""
+        raise NotImplementedError
+
+    def granted_id(self, reply: object) -> int:
+        """The lease ID a grant's ``reply`` gave (the server's choice, when asked for ID 0)."""
         raise NotImplementedError
 
     def keepalive(self, lease: int) -> Call:
@@ -232,6 +238,9 @@ class Gateway(Dialect):
     def granted(self, reply: object) -> int:
         return _int(_mapping(reply, "a lease grant").get("TTL"), "TTL")
 
+    def granted_id(self, reply: object) -> int:
+        return _int(_mapping(reply, "a lease grant").get("ID"), "ID")
+
     def keepalive(self, lease: int) -> Call:
         return self._call("/lease/keepalive", {"ID": lease})
 
@@ -250,9 +259,24 @@ class Gateway(Dialect):
 
     def txn(self, txn: Txn) -> Call:
         reads = [{"request_range": {"key": _b64(key)}} for key in txn.reads]
-        if txn.absent is None:
+        compare: dict[str, object]
+        if txn.absent is not None:
+            compare = {
+                "key": _b64(txn.absent),
+                "target": "VERSION",
+                "result": "EQUAL",
+                "version": 0,
+            }
+        elif txn.holds is not None:
+            held, value = txn.holds
+            compare = {
+                "key": _b64(held),
+                "target": "VALUE",
+                "result": "EQUAL",
+                "value": _b64(value),
+            }
+        else:
             return self._call("/kv/txn", {"success": reads})
-        compare = {"key": _b64(txn.absent), "target": "VERSION", "result": "EQUAL", "version": 0}
         success = []
         if txn.put is not None:
             key, value, lease = txn.put
@@ -322,10 +346,14 @@ class Grpc(Dialect):
         return found
 
     def grant(self, lease: int, seconds: int) -> Call:
-        return Call(self._method("lease"), (seconds,), {"lease_id": lease})
+        # aetcd sends lease_id=None as ID 0: the server's choice.
+        return Call(self._method("lease"), (seconds,), {"lease_id": lease or None})
 
     def granted(self, reply: object) -> int:
         return _int(getattr(reply, "ttl", None), "TTL")
+
+    def granted_id(self, reply: object) -> int:
+        return _int(getattr(reply, "id", None), "ID")
 
     def keepalive(self, lease: int) -> Call:
         return Call(self._method("refresh_lease"), (lease,))
@@ -349,9 +377,12 @@ class Grpc(Dialect):
     def txn(self, txn: Txn) -> Call:
         reads = [self._builder("get")(key) for key in txn.reads]
         transaction = self._method("transaction")
-        if txn.absent is None:
+        if txn.absent is not None:
+            compare = self._builder("version")(txn.absent) == 0
+        elif txn.holds is not None:
+            compare = self._builder("value")(txn.holds[0]) == txn.holds[1]
+        else:
             return Call(transaction, (), {"compare": [], "success": reads, "failure": []})
-        compare = self._builder("version")(txn.absent) == 0
         success = []
         if txn.put is not None:
             key, value, lease = txn.put

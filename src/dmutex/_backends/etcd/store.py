@@ -15,9 +15,10 @@ Rules of this store:
    lease without reading it first, and a re-sent grant finds its own.
 2. A grant is two requests: the lease grant, then one transaction that puts
    the slot key under it only if the key does not exist (etcd's
-   ``version == 0``), and otherwise reads every slot key of the lock. A
-   semaphore whose first choice was taken tries a slot that read showed
-   free, one transaction each, while one is free.
+   ``version == 0``), and otherwise reads every slot key of the lock (a
+   semaphore of more permits than one transaction reads: in transactions
+   of their own after it). A semaphore whose first choice was taken tries
+   a slot that read showed free, one transaction each, while one is free.
 3. A grant whose lease ID is in use (:func:`requests.lease_exists`) was
    sent before with this token: its reply was lost, or the token is used
    again. The lease is renewed first (so that a slot it holds lasts from
@@ -30,7 +31,11 @@ Rules of this store:
 5. Release is the lease's revoke: one request, which deletes the slot key
    and answers whether the lease existed. Extend is its keep-alive: one
    request, which renews the lease to its granted TTL from the moment the
-   server handles it.
+   server handles it. etcd cannot lengthen a lease: an extend to a longer
+   TTL than the lease's moves the slot key to a new lease of that TTL
+   (three requests), which the store remembers for the hold; a lease that
+   is gone makes release and extend read the slot, in case the hold moved
+   in another store.
 6. The fence is the revision of the transaction that put the slot key (its
    ``create_revision``): etcd's one counter for the whole cluster, which
    only grows, and survives a leader change.
@@ -48,9 +53,7 @@ Limits:
   less than asked. So a holder that dies blocks the lock up to that long,
   however short its ttl; the holder's own deadline is its ttl's.
 - A keep-alive renews a lease to the TTL it was granted with: an
-  ``extend`` to a longer ttl than the grant's is refused
-  (:class:`~dmutex.InvalidArgumentError`) after its keep-alive (which
-  changed nothing the holder relied on); acquire with the longer ttl.
+  ``extend`` to a shorter ttl leaves the key to the longer one.
 - etcd reports a lease's time left in whole seconds: :meth:`holders`'
   expiries are that precise.
 - A grant whose reply was lost and which the server applies after the next
@@ -73,7 +76,7 @@ from ..._core.abc import Holder, Inspection, Renewed, extend_each
 from ..._core.effects import Sleep, Steps
 from ..._core.lease import MAX_EXPIRY_MS, Lease, now_ms
 from ..._core.waiting import Waiter, lost_pause
-from ..._errors import InvalidArgumentError
+from .names import TXN_OPS
 from .requests import Dialect, Outcome, Record, Txn, lease_exists, lease_missing
 
 __all__ = ["EtcdStore", "lease_id", "lease_seconds"]
@@ -81,6 +84,9 @@ __all__ = ["EtcdStore", "lease_id", "lease_seconds"]
 # How many waiters' watch points a store remembers between a failed attempt
 # and its wait: an acquire given up between the two leaves its point behind.
 WATCHING = 4096
+# How many moved holds (rule 5) a store remembers; one it forgot costs its
+# release or extend a read more.
+MOVED = 65536
 
 
 def lease_id(prefix: str, key: str, token: str) -> int:
@@ -119,6 +125,7 @@ class EtcdStore:
         self._clock = clock
         self._fencing = fencing is not False
         self._watching: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
+        self._moved: OrderedDict[tuple[str, str], int] = OrderedDict()
 
     @property
     def clock(self) -> Clock:
@@ -138,7 +145,25 @@ class EtcdStore:
         return f"{self._prefix}permit:{slot}:{key}".encode()
 
     def _slots(self, key: str) -> tuple[bytes, ...]:
+        """The slot keys a grant's transaction reads when its slot is taken: all, if they fit.
+
+        A semaphore of more permits than one transaction may read
+        (:data:`~dmutex._backends.etcd.names.TXN_OPS`) reads them after it
+        (:meth:`_read_slots`).
+        """
+        if self._permits > TXN_OPS:
+            return ()
         return tuple(self._slot_key(key, slot) for slot in range(self._permits))
+
+    def _read_slots(self, key: str) -> Steps[list[Record]]:
+        """Every slot key of ``key`` that exists: one transaction per :data:`TXN_OPS` slots."""
+        dialect = self._dialect
+        names = [self._slot_key(key, slot) for slot in range(self._permits)]
+        records: list[Record] = []
+        for first in range(0, len(names), TXN_OPS):
+            reads = tuple(names[first : first + TXN_OPS])
+            records.extend(dialect.outcome((yield dialect.txn(Txn(None, None, reads)))).records)
+        return records
 
     def acquire(
         self, key: str, token: str, ttl_ms: int, waiter: Waiter | None = None
@@ -169,7 +194,7 @@ class EtcdStore:
                 if waiter is not None:
                     self._watching.pop(waiter.name, None)
                 return Lease(key, token, slot, expires, outcome.revision if self._fencing else None)
-            records = outcome.records
+            records = outcome.records if self._slots(key) else (yield from self._read_slots(key))
             slot = self._free_slot(key, records)
         if waiter is not None and not waiter.last and records:
             self._watch_point(waiter, records)
@@ -191,17 +216,17 @@ class EtcdStore:
             kept = 0
         if kept <= 0:
             yield dialect.grant(lease, seconds)
-        outcome = dialect.outcome((yield dialect.txn(Txn(None, None, self._slots(key)))))
-        for record in outcome.records:
+        records = yield from self._read_slots(key)
+        for record in records:
             if record.lease == lease and record.value == value:
                 return self._slot_of(key, record), record.create_revision
-        return outcome.records
+        return records
 
     def _slot_of(self, key: str, record: Record) -> int:
-        for slot in range(self._permits):
-            if record.key == self._slot_key(key, slot):
-                return slot
-        raise AssertionError("a record read from the lock's slot keys is one of them")
+        """The slot of a record read from ``key``'s slot keys."""
+        head = f"{self._prefix}permit:".encode()
+        slot = record.key[len(head) :].partition(b":")[0]
+        return int(slot)
 
     def _free_slot(self, key: str, records: Sequence[Record]) -> int | None:
         """A slot of ``key`` that ``records`` (every slot's, as read) show free; None if full.
@@ -255,10 +280,39 @@ class EtcdStore:
         else:
             waiter.woken = True
 
+    def _current(self, key: str, token: str) -> int:
+        """The lease ``token``'s hold of ``key`` is under, as far as this store knows (rule 5)."""
+        return self._moved.get((key, token)) or lease_id(self._prefix, key, token)
+
+    def _held(self, key: str, token: str, slot: int | None) -> Steps[Record | None]:
+        """The slot key of ``key`` that holds ``token``, read: one request per 128 slots."""
+        value = token.encode()
+        if slot is not None:
+            reply = yield self._dialect.txn(Txn(None, None, (self._slot_key(key, slot),)))
+            records = self._dialect.outcome(reply).records
+        else:
+            records = yield from self._read_slots(key)
+        return next((record for record in records if record.value == value), None)
+
     def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
-        """Revoke ``token``'s lease, deleting its slot key (rule 5): one request."""
+        """Revoke ``token``'s lease, deleting its slot key (rule 5): one request.
+
+        A lease that is gone costs one read more: the hold may be under
+        another lease (a longer extend made in another store, rule 5).
+        """
+        lease = self._current(key, token)
+        self._moved.pop((key, token), None)
+        if (yield from self._revoked(lease)):
+            return True
+        found = yield from self._held(key, token, slot)
+        if found is None or found.lease in (0, lease):
+            return False
+        return (yield from self._revoked(found.lease))
+
+    def _revoked(self, lease: int) -> Steps[bool]:
+        """Revoke ``lease``; whether it existed."""
         try:
-            yield self._dialect.revoke(lease_id(self._prefix, key, token))
+            yield self._dialect.revoke(lease)
         except Exception as error:
             if lease_missing(error):
                 return False
@@ -266,18 +320,61 @@ class EtcdStore:
         return True
 
     def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
-        """Renew ``token``'s lease (rule 5): one request; None if it is gone."""
+        """Renew ``token``'s lease (rule 5): one request; None if the hold is gone.
+
+        A ``ttl_ms`` longer than the lease's TTL moves the hold to a lease of
+        its own (:meth:`_move`). A lease that is gone costs one read more, as
+        in :meth:`release`.
+        """
         expires = now_ms(self._clock) + ttl_ms
         dialect = self._dialect
-        kept = dialect.kept((yield dialect.keepalive(lease_id(self._prefix, key, token))))
+        lease = self._current(key, token)
+        kept = dialect.kept((yield dialect.keepalive(lease)))
         if kept <= 0:
+            self._moved.pop((key, token), None)
+            found = yield from self._held(key, token, slot)
+            if found is None or found.lease in (0, lease):
+                return None
+            lease = found.lease
+            kept = dialect.kept((yield dialect.keepalive(lease)))
+            if kept <= 0:
+                return None
+            slot = self._slot_of(key, found)
+        if kept * 1000 >= ttl_ms:
+            return expires
+        moved = yield from self._move(key, token, slot, lease, ttl_ms)
+        return None if moved is None else expires
+
+    def _move(
+        self, key: str, token: str, slot: int | None, lease: int, ttl_ms: int
+    ) -> Steps[int | None]:
+        """Put ``token``'s slot key under a new lease of ``ttl_ms`` (rule 5); its ID, or None.
+
+        Three requests (four without the slot): a grant (the server picks
+        the ID), a transaction that moves the key only if it still holds the
+        token, and the old lease's revoke. The old lease was just renewed,
+        so the key never goes without one.
+        """
+        dialect = self._dialect
+        if slot is None:
+            found = yield from self._held(key, token, None)
+            if found is None:
+                return None
+            slot = self._slot_of(key, found)
+        moved = dialect.granted_id((yield dialect.grant(0, lease_seconds(ttl_ms))))
+        name, value = self._slot_key(key, slot), token.encode()
+        outcome = dialect.outcome(
+            (yield dialect.txn(Txn(None, (name, value, moved), (), (name, value))))
+        )
+        if not outcome.succeeded:
+            yield from self._revoke_quietly(moved)
             return None
-        if kept * 1000 < ttl_ms:
-            raise InvalidArgumentError(
-                f"etcd renews a lease to the TTL it was granted with ({kept} s): it cannot "
-                f"extend this one to {ttl_ms / 1000:g} s; acquire with the longer ttl"
-            )
-        return expires
+        self._moved[(key, token)] = moved
+        self._moved.move_to_end((key, token))
+        while len(self._moved) > MOVED:
+            self._moved.popitem(last=False)
+        yield from self._revoke_quietly(lease)
+        return moved
 
     def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
         """One keep-alive per lease: etcd's gateway takes one lease a request."""
@@ -291,9 +388,8 @@ class EtcdStore:
         """
         dialect = self._dialect
         now = now_ms(self._clock)
-        outcome = dialect.outcome((yield dialect.txn(Txn(None, None, self._slots(key)))))
         found = []
-        for record in outcome.records:
+        for record in (yield from self._read_slots(key)):
             left = dialect.remaining((yield dialect.time_to_live(record.lease)))
             if left > 0:
                 token = record.value.decode(errors="replace")
