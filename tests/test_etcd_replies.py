@@ -140,7 +140,7 @@ def test_a_regrant_after_a_lost_reply_finds_its_own_slot() -> None:
     assert lock is not None
     assert (lock.token, lock.slot, lock.fence) == (token, 0, 12)
     assert client.paths == ["/lease/grant", "/lease/keepalive", "/kv/txn"]
-    assert "compare" not in client.requests[2][1]  # a read of every slot, before any put
+    assert client.requests[2][1]["compare"] == []  # a read of every slot, before any put
 
 
 def test_a_semaphore_tries_a_slot_its_read_showed_free() -> None:

@@ -29,20 +29,27 @@ from __future__ import annotations
 import base64
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 from ..._core.effects import Call
 from ..._errors import DMutexError
 
 __all__ = [
+    "Absent",
+    "Delete",
     "Dialect",
     "Gateway",
     "Grpc",
+    "Holds",
     "Outcome",
+    "Put",
+    "Read",
     "Record",
     "Txn",
     "lease_exists",
     "lease_missing",
     "prefix_end",
+    "reads",
 ]
 
 
@@ -58,18 +65,64 @@ class Record:
 
 
 @dataclass(frozen=True, slots=True)
-class Txn:
-    """A transaction: if its comparison holds, ``put``; else (or with none) ``reads``.
+class Absent:
+    """A comparison: no key in ``[key, end)`` exists (``version == 0``); no ``end``: ``key``."""
 
-    The comparison: ``absent`` does not exist, or ``holds`` (a key and a
-    value) is that key's value; at most one of the two. ``put`` is ``(key,
-    value, lease ID)``. With neither, the transaction reads ``reads``.
+    key: bytes
+    end: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Holds:
+    """A comparison: ``key`` exists and holds ``value``."""
+
+    key: bytes
+    value: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """An operation: put ``value`` at ``key`` under lease ``lease``."""
+
+    key: bytes
+    value: bytes
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    """An operation: delete ``key``."""
+
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """An operation: read the keys in ``[key, end)``; ``end`` None: ``key`` alone."""
+
+    key: bytes
+    end: bytes | None = None
+
+
+Compare: TypeAlias = "Absent | Holds"
+Op: TypeAlias = "Put | Delete | Read"
+
+
+@dataclass(frozen=True, slots=True)
+class Txn:
+    """A transaction: if every comparison holds, ``success``; else ``failure``.
+
+    No comparison: ``success`` runs.
     """
 
-    absent: bytes | None
-    put: tuple[bytes, bytes, int] | None
-    reads: tuple[bytes, ...]
-    holds: tuple[bytes, bytes] | None = None
+    compare: tuple[Compare, ...]
+    success: tuple[Op, ...]
+    failure: tuple[Op, ...] = ()
+
+
+def reads(*keys: bytes) -> Txn:
+    """A transaction that reads ``keys`` and changes nothing."""
+    return Txn((), tuple(Read(key) for key in keys))
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,31 +311,43 @@ class Gateway(Dialect):
         return _int(_mapping(reply, "a lease's time to live").get("TTL"), "TTL")
 
     def txn(self, txn: Txn) -> Call:
-        reads = [{"request_range": {"key": _b64(key)}} for key in txn.reads]
-        compare: dict[str, object]
-        if txn.absent is not None:
-            compare = {
-                "key": _b64(txn.absent),
-                "target": "VERSION",
-                "result": "EQUAL",
-                "version": 0,
-            }
-        elif txn.holds is not None:
-            held, value = txn.holds
-            compare = {
-                "key": _b64(held),
+        payload = {
+            "compare": [self._compare(compare) for compare in txn.compare],
+            "success": [self._op(op) for op in txn.success],
+            "failure": [self._op(op) for op in txn.failure],
+        }
+        return self._call("/kv/txn", payload)
+
+    @staticmethod
+    def _compare(compare: Compare) -> dict[str, object]:
+        if isinstance(compare, Holds):
+            return {
+                "key": _b64(compare.key),
                 "target": "VALUE",
                 "result": "EQUAL",
-                "value": _b64(value),
+                "value": _b64(compare.value),
             }
-        else:
-            return self._call("/kv/txn", {"success": reads})
-        success = []
-        if txn.put is not None:
-            key, value, lease = txn.put
-            put = {"key": _b64(key), "value": _b64(value), "lease": lease}
-            success.append({"request_put": put})
-        return self._call("/kv/txn", {"compare": [compare], "success": success, "failure": reads})
+        found: dict[str, object] = {
+            "key": _b64(compare.key),
+            "target": "VERSION",
+            "result": "EQUAL",
+            "version": 0,
+        }
+        if compare.end is not None:
+            found["range_end"] = _b64(compare.end)
+        return found
+
+    @staticmethod
+    def _op(op: Op) -> dict[str, object]:
+        if isinstance(op, Put):
+            put = {"key": _b64(op.key), "value": _b64(op.value), "lease": op.lease}
+            return {"request_put": put}
+        if isinstance(op, Delete):
+            return {"request_delete_range": {"key": _b64(op.key)}}
+        read = {"key": _b64(op.key)}
+        if op.end is not None:
+            read["range_end"] = _b64(op.end)
+        return {"request_range": read}
 
     def outcome(self, reply: object) -> Outcome:
         body = _mapping(reply, "a transaction")
@@ -293,11 +358,13 @@ class Gateway(Dialect):
             op = _mapping(item, "a transaction")
             if "response_put" in op:
                 put = _mapping(op["response_put"], "a put")
-                revision = _int(_mapping(put.get("header"), "a put").get("revision"), "revision")
+                revision = revision or _int(
+                    _mapping(put.get("header"), "a put").get("revision"), "revision"
+                )
             elif "response_range" in op:
                 found = _mapping(op["response_range"], "a read")
                 records.extend(self._record(kv) for kv in _list(found.get("kvs"), "kvs"))
-            else:
+            elif "response_delete_range" not in op:
                 raise DMutexError(f"unexpected reply from etcd to a transaction: {reply!r}")
         return Outcome(succeeded, revision, records)
 
@@ -375,19 +442,26 @@ class Grpc(Dialect):
         return found
 
     def txn(self, txn: Txn) -> Call:
-        reads = [self._builder("get")(key) for key in txn.reads]
-        transaction = self._method("transaction")
-        if txn.absent is not None:
-            compare = self._builder("version")(txn.absent) == 0
-        elif txn.holds is not None:
-            compare = self._builder("value")(txn.holds[0]) == txn.holds[1]
-        else:
-            return Call(transaction, (), {"compare": [], "success": reads, "failure": []})
-        success = []
-        if txn.put is not None:
-            key, value, lease = txn.put
-            success.append(self._builder("put")(key, value, lease=lease))
-        return Call(transaction, (), {"compare": [compare], "success": success, "failure": reads})
+        compare = [self._compare(item) for item in txn.compare]
+        success = [self._op(op) for op in txn.success]
+        failure = [self._op(op) for op in txn.failure]
+        return Call(
+            self._method("transaction"),
+            (),
+            {"compare": compare, "success": success, "failure": failure},
+        )
+
+    def _compare(self, compare: Compare) -> object:
+        if isinstance(compare, Holds):
+            return self._builder("value")(compare.key) == compare.value
+        return self._builder("version")(compare.key, compare.end) == 0
+
+    def _op(self, op: Op) -> object:
+        if isinstance(op, Put):
+            return self._builder("put")(op.key, op.value, lease=op.lease)
+        if isinstance(op, Delete):
+            return self._builder("delete")(op.key)
+        return self._builder("get")(op.key, op.end)
 
     def outcome(self, reply: object) -> Outcome:
         if not isinstance(reply, tuple) or len(reply) != 2 or not isinstance(reply[0], bool):
@@ -399,9 +473,12 @@ class Grpc(Dialect):
             if isinstance(response, list):  # a read: aetcd's (value, key-value) pairs
                 records.extend(self._record(pair) for pair in response)
                 continue
-            put = getattr(response, "response_put", None)
-            header = getattr(put, "header", None)
-            revision = _int(getattr(header, "revision", None), "revision")
+            which = getattr(response, "WhichOneof", None)
+            if not callable(which):
+                raise DMutexError(f"unexpected reply from etcd to a transaction: {reply!r}")
+            if which("response") == "response_put":  # aetcd hands protobuf's ResponseOp over
+                header = getattr(getattr(response, "response_put", None), "header", None)
+                revision = revision or _int(getattr(header, "revision", None), "revision")
         return Outcome(succeeded, revision, records)
 
     @staticmethod

@@ -77,7 +77,19 @@ from ..._core.effects import Sleep, Steps
 from ..._core.lease import MAX_EXPIRY_MS, Lease, now_ms
 from ..._core.waiting import Waiter, lost_pause
 from .names import TXN_OPS
-from .requests import Dialect, Outcome, Record, Txn, lease_exists, lease_missing
+from .requests import (
+    Absent,
+    Dialect,
+    Holds,
+    Outcome,
+    Put,
+    Read,
+    Record,
+    Txn,
+    lease_exists,
+    lease_missing,
+)
+from .requests import reads as read_keys
 
 __all__ = ["EtcdStore", "lease_id", "lease_seconds"]
 
@@ -162,7 +174,7 @@ class EtcdStore:
         records: list[Record] = []
         for first in range(0, len(names), TXN_OPS):
             reads = tuple(names[first : first + TXN_OPS])
-            records.extend(dialect.outcome((yield dialect.txn(Txn(None, None, reads)))).records)
+            records.extend(dialect.outcome((yield dialect.txn(read_keys(*reads)))).records)
         return records
 
     def acquire(
@@ -188,7 +200,10 @@ class EtcdStore:
         slot = 0 if records is None else self._free_slot(key, records)
         while slot is not None:
             put = (self._slot_key(key, slot), value, lease)
-            reply = yield dialect.txn(Txn(put[0], put, self._slots(key)))
+            txn = Txn(
+                (Absent(put[0]),), (Put(*put),), tuple(Read(name) for name in self._slots(key))
+            )
+            reply = yield dialect.txn(txn)
             outcome: Outcome = dialect.outcome(reply)
             if outcome.succeeded:
                 if waiter is not None:
@@ -288,7 +303,7 @@ class EtcdStore:
         """The slot key of ``key`` that holds ``token``, read: one request per 128 slots."""
         value = token.encode()
         if slot is not None:
-            reply = yield self._dialect.txn(Txn(None, None, (self._slot_key(key, slot),)))
+            reply = yield self._dialect.txn(read_keys(self._slot_key(key, slot)))
             records = self._dialect.outcome(reply).records
         else:
             records = yield from self._read_slots(key)
@@ -364,7 +379,7 @@ class EtcdStore:
         moved = dialect.granted_id((yield dialect.grant(0, lease_seconds(ttl_ms))))
         name, value = self._slot_key(key, slot), token.encode()
         outcome = dialect.outcome(
-            (yield dialect.txn(Txn(None, (name, value, moved), (), (name, value))))
+            (yield dialect.txn(Txn((Holds(name, value),), (Put(name, value, moved),))))
         )
         if not outcome.succeeded:
             yield from self._revoke_quietly(moved)
