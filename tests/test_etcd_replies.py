@@ -21,8 +21,9 @@ from dmutex import (
 )
 from dmutex._backends import detect
 from dmutex._backends.address import BadURL
+from dmutex._backends.etcd.leases import lease_id, lease_seconds
 from dmutex._backends.etcd.requests import Gateway, prefix_end
-from dmutex._backends.etcd.store import EtcdStore, _key_of_slot, lease_id, lease_seconds
+from dmutex._backends.etcd.store import PERMIT, EtcdStore, _key_of_slot
 from dmutex._backends.etcd.url import endpoints
 from dmutex._clock import SYSTEM_CLOCK
 from dmutex._runtime.drivers import SyncDriver
@@ -101,7 +102,7 @@ def test_a_free_mutex_is_two_requests_and_its_fence_is_the_puts_revision() -> No
     assert lock.fence == 41
     assert client.paths == ["/lease/grant", "/kv/txn"]
     grant, txn = (payload for _, payload in client.requests)
-    assert grant == {"TTL": 30, "ID": lease_id("_dmutex_svc:", "k", lock.token)}
+    assert grant == {"TTL": 30, "ID": lease_id(PERMIT, "_dmutex_svc:", "k", lock.token)}
     (compare,) = txn["compare"]
     assert compare == {
         "key": b64("_dmutex_svc:permit:0:k"),
@@ -124,7 +125,7 @@ def test_a_held_mutex_fails_in_three_requests_and_revokes_its_lease() -> None:
 
 def test_a_regrant_after_a_lost_reply_finds_its_own_slot() -> None:
     token = "t-1"
-    lease = lease_id("p:", "k", token)
+    lease = lease_id(PERMIT, "p:", "k", token)
     own = kv("p:permit:0:k", token, lease, 12)
     client = Scripted(
         GatewayError("etcdserver: lease already exists"),
@@ -162,11 +163,11 @@ def test_release_is_the_leases_revoke_and_a_missing_lease_answers_false_after_a_
     assert semaphore.release("k", "t") is True
     assert semaphore.release("k", "t") is False  # after a read: no slot holds the token
     assert client.paths == ["/kv/lease/revoke", "/kv/lease/revoke", "/kv/txn"]
-    assert client.requests[0][1] == {"ID": lease_id("_dsemaphore_svc:", "k", "t")}
+    assert client.requests[0][1] == {"ID": lease_id(PERMIT, "_dsemaphore_svc:", "k", "t")}
 
 
 def test_extend_is_one_keepalive_and_a_longer_ttl_moves_the_hold_to_a_new_lease() -> None:
-    first = lease_id("_dmutex_svc:", "k", "t")
+    first = lease_id(PERMIT, "_dmutex_svc:", "k", "t")
     own = kv("_dmutex_svc:permit:0:k", "t", first, 5)
     client = Scripted(
         {"result": {"TTL": "30"}},
@@ -221,11 +222,18 @@ def test_a_malformed_transaction_reply_is_an_error_naming_it(reply: object) -> N
         DMutex("svc", client).acquire("k")
 
 
-def test_lease_ids_are_positive_63_bit_and_name_the_namespace_key_and_token() -> None:
-    ids = {lease_id(p, k, t) for p in ("a:", "b:") for k in ("k", "k2") for t in ("t", "u")}
-    assert len(ids) == 8
+def test_lease_ids_are_positive_63_bit_and_name_the_kind_namespace_key_and_token() -> None:
+    ids = {
+        lease_id(kind, p, k, t)
+        for kind in (PERMIT, "w")
+        for p in ("a:", "b:")
+        for k in ("k", "k2")
+        for t in ("t", "u")
+    }
+    assert len(ids) == 16
     assert all(0 < lease < 2**63 for lease in ids)
-    assert lease_id("a:", "k\x00t", "") != lease_id("a:", "k", "t\x00")  # separators count
+    # A NUL in a part does not make two tuples one: each part is hashed after its length.
+    assert lease_id("w", "a:", "k\x00t", "") != lease_id("w", "a:", "k", "t\x00")
 
 
 @pytest.mark.parametrize(

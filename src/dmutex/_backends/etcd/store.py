@@ -11,8 +11,8 @@ watches the key).
 Rules of this store:
 
 1. One lease per grant, its ID derived from the namespace, the key and the
-   token (:func:`lease_id`), so that every request about a hold names its
-   lease without reading it first, and a re-sent grant finds its own.
+   token (``leases.lease_id``), so that every request about a hold names
+   its lease without reading it first, and a re-sent grant finds its own.
 2. A grant is two requests: the lease grant, then one transaction that puts
    the slot key under it only if the key does not exist (etcd's
    ``version == 0``), and otherwise reads every slot key of the lock (a
@@ -31,11 +31,8 @@ Rules of this store:
 5. Release is the lease's revoke: one request, which deletes the slot key
    and answers whether the lease existed. Extend is its keep-alive: one
    request, which renews the lease to its granted TTL from the moment the
-   server handles it. etcd cannot lengthen a lease: an extend to a longer
-   TTL than the lease's moves the slot key to a new lease of that TTL
-   (three requests), which the store remembers for the hold; a lease that
-   is gone makes release and extend read the slot, in case the hold moved
-   in another store.
+   server handles it. A longer TTL than the lease's moves the key to a new
+   lease, and a lease that is gone costs a read (``leases.py``, rules 3-4).
 6. The fence is the revision of the transaction that put the slot key (its
    ``create_revision``): etcd's one counter for the whole cluster, which
    only grows, and survives a leader change.
@@ -65,8 +62,6 @@ Limits:
 
 from __future__ import annotations
 
-import hashlib
-import math
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -76,47 +71,28 @@ from ..._core.abc import Holder, Inspection, Renewed, extend_each
 from ..._core.effects import Sleep, Steps
 from ..._core.lease import MAX_EXPIRY_MS, Lease, now_ms
 from ..._core.waiting import Waiter, lost_pause
+from .leases import Find, LeaseBook, lease_id, lease_seconds
 from .names import TXN_OPS
 from .requests import (
     Absent,
     Dialect,
-    Holds,
     Outcome,
     Put,
     Read,
     Record,
     Txn,
     lease_exists,
-    lease_missing,
 )
 from .requests import reads as read_keys
 
-__all__ = ["EtcdStore", "lease_id", "lease_seconds"]
+__all__ = ["PERMIT", "EtcdStore"]
+
+PERMIT = "permit"
+"""The kind of a mutex's or semaphore's hold, in its lease ID (``leases.lease_id``)."""
 
 # How many waiters' watch points a store remembers between a failed attempt
 # and its wait: an acquire given up between the two leaves its point behind.
 WATCHING = 4096
-# How many moved holds (rule 5) a store remembers; one it forgot costs its
-# release or extend a read more.
-MOVED = 65536
-
-
-def lease_id(prefix: str, key: str, token: str) -> int:
-    """The etcd lease ID of ``token``'s hold of ``key`` in ``prefix`` (rule 1): 1 .. 2**63 - 1.
-
-    64 bits of BLAKE2b over the three, each after its length in bytes (so
-    that no two triples hash the same text), kept positive: two holds share
-    one only by a collision of that hash.
-    """
-    parts = [part.encode() for part in (prefix, key, token)]
-    text = b"".join(len(part).to_bytes(4, "big") + part for part in parts)
-    digest = hashlib.blake2b(text, digest_size=8, person=b"dmutex.lease").digest()
-    return int.from_bytes(digest, "big") & (2**63 - 1) or 1
-
-
-def lease_seconds(ttl_ms: int) -> int:
-    """The TTL of the lease for ``ttl_ms``: whole seconds, rounded up, at least 1."""
-    return max(1, math.ceil(ttl_ms / 1000))
 
 
 class EtcdStore:
@@ -137,7 +113,7 @@ class EtcdStore:
         self._clock = clock
         self._fencing = fencing is not False
         self._watching: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
-        self._moved: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._book = LeaseBook(dialect)
 
     @property
     def clock(self) -> Clock:
@@ -181,7 +157,7 @@ class EtcdStore:
         self, key: str, token: str, ttl_ms: int, waiter: Waiter | None = None
     ) -> Steps[Lease | None]:
         """Grant a slot of ``key`` to ``token`` (rules 2-4): two requests when it is free."""
-        lease = lease_id(self._prefix, key, token)
+        lease = self._lease(key, token)
         seconds = lease_seconds(ttl_ms)
         expires = now_ms(self._clock) + ttl_ms
         dialect = self._dialect
@@ -213,7 +189,7 @@ class EtcdStore:
             slot = self._free_slot(key, records)
         if waiter is not None and not waiter.last and records:
             self._watch_point(waiter, records)
-        yield from self._revoke_quietly(lease)
+        yield from self._book.revoke_quietly(lease)
         return None
 
     def _find_own(
@@ -227,7 +203,7 @@ class EtcdStore:
         dialect = self._dialect
         kept = dialect.kept((yield dialect.keepalive(lease)))
         if 0 < kept * 1000 < ttl_ms:
-            yield from self._revoke_quietly(lease)
+            yield from self._book.revoke_quietly(lease)
             kept = 0
         if kept <= 0:
             yield dialect.grant(lease, seconds)
@@ -262,13 +238,6 @@ class EtcdStore:
         while len(self._watching) > WATCHING:
             self._watching.popitem(last=False)
 
-    def _revoke_quietly(self, lease: int) -> Steps[None]:
-        """Revoke ``lease``; a failure is left to its TTL (rule 4)."""
-        try:
-            yield self._dialect.revoke(lease)
-        except Exception:  # noqa: BLE001 - the lease expires by itself; nothing depends on it
-            return
-
     def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
         """Watch the slot key the last attempt noted for its deletion, up to ``seconds`` (rule 7).
 
@@ -295,101 +264,46 @@ class EtcdStore:
         else:
             waiter.woken = True
 
-    def _current(self, key: str, token: str) -> int:
-        """The lease ``token``'s hold of ``key`` is under, as far as this store knows (rule 5)."""
-        return self._moved.get((key, token)) or lease_id(self._prefix, key, token)
+    def _lease(self, key: str, token: str) -> int:
+        """The lease ID of ``token``'s hold of ``key`` (rule 1)."""
+        return lease_id(PERMIT, self._prefix, key, token)
 
-    def _held(self, key: str, token: str, slot: int | None) -> Steps[Record | None]:
-        """The slot key of ``key`` that holds ``token``, read: one request per 128 slots."""
+    def _finder(self, key: str, token: str, slot: int | None) -> Find:
+        """Reads the slot key of ``key`` that holds ``token``: one request per 128 slots."""
         value = token.encode()
-        if slot is not None:
-            reply = yield self._dialect.txn(read_keys(self._slot_key(key, slot)))
-            records = self._dialect.outcome(reply).records
-        else:
-            records = yield from self._read_slots(key)
-        return next((record for record in records if record.value == value), None)
+
+        def find() -> Steps[Record | None]:
+            if slot is not None:
+                reply = yield self._dialect.txn(read_keys(self._slot_key(key, slot)))
+                records = self._dialect.outcome(reply).records
+            else:
+                records = yield from self._read_slots(key)
+            return next((record for record in records if record.value == value), None)
+
+        return find
 
     def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
         """Revoke ``token``'s lease, deleting its slot key (rule 5): one request.
 
-        A lease that is gone costs one read more: the hold may be under
-        another lease (a longer extend made in another store, rule 5).
+        A lease that is gone costs one read more (``leases.py``, rule 4).
         """
-        lease = self._current(key, token)
-        self._moved.pop((key, token), None)
-        if (yield from self._revoked(lease)):
-            return True
-        found = yield from self._held(key, token, slot)
-        if found is None or found.lease in (0, lease):
-            return False
-        return (yield from self._revoked(found.lease))
-
-    def _revoked(self, lease: int) -> Steps[bool]:
-        """Revoke ``lease``; whether it existed."""
-        try:
-            yield self._dialect.revoke(lease)
-        except Exception as error:
-            if lease_missing(error):
-                return False
-            raise
-        return True
+        return self._book.release(
+            (key, token), self._lease(key, token), self._finder(key, token, slot)
+        )
 
     def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
         """Renew ``token``'s lease (rule 5): one request; None if the hold is gone.
 
         A ``ttl_ms`` longer than the lease's TTL moves the hold to a lease of
-        its own (:meth:`_move`). A lease that is gone costs one read more, as
-        in :meth:`release`.
+        its own (``leases.py``, rule 3: three requests more, four without
+        the slot). A lease that is gone costs one read more.
         """
         expires = now_ms(self._clock) + ttl_ms
-        dialect = self._dialect
-        lease = self._current(key, token)
-        kept = dialect.kept((yield dialect.keepalive(lease)))
-        if kept <= 0:
-            self._moved.pop((key, token), None)
-            found = yield from self._held(key, token, slot)
-            if found is None or found.lease in (0, lease):
-                return None
-            lease = found.lease
-            kept = dialect.kept((yield dialect.keepalive(lease)))
-            if kept <= 0:
-                return None
-            slot = self._slot_of(key, found)
-        if kept * 1000 >= ttl_ms:
-            return expires
-        moved = yield from self._move(key, token, slot, lease, ttl_ms)
-        return None if moved is None else expires
-
-    def _move(
-        self, key: str, token: str, slot: int | None, lease: int, ttl_ms: int
-    ) -> Steps[int | None]:
-        """Put ``token``'s slot key under a new lease of ``ttl_ms`` (rule 5); its ID, or None.
-
-        Three requests (four without the slot): a grant (the server picks
-        the ID), a transaction that moves the key only if it still holds the
-        token, and the old lease's revoke. The old lease was just renewed,
-        so the key never goes without one.
-        """
-        dialect = self._dialect
-        if slot is None:
-            found = yield from self._held(key, token, None)
-            if found is None:
-                return None
-            slot = self._slot_of(key, found)
-        moved = dialect.granted_id((yield dialect.grant(0, lease_seconds(ttl_ms))))
-        name, value = self._slot_key(key, slot), token.encode()
-        outcome = dialect.outcome(
-            (yield dialect.txn(Txn((Holds(name, value),), (Put(name, value, moved),))))
+        find = self._finder(key, token, slot)
+        kept = yield from self._book.extend(
+            (key, token), self._lease(key, token), token, find, ttl_ms
         )
-        if not outcome.succeeded:
-            yield from self._revoke_quietly(moved)
-            return None
-        self._moved[(key, token)] = moved
-        self._moved.move_to_end((key, token))
-        while len(self._moved) > MOVED:
-            self._moved.popitem(last=False)
-        yield from self._revoke_quietly(lease)
-        return moved
+        return expires if kept else None
 
     def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
         """One keep-alive per lease: etcd's gateway takes one lease a request."""
