@@ -223,8 +223,8 @@ class Dialect:
         """The keys a range's ``reply`` read, and whether more are in the range."""
         raise NotImplementedError
 
-    def watch(self, key: bytes, revision: int, seconds: float) -> Call:
-        """Wait up to ``seconds`` for a change of ``key`` at ``revision`` or later.
+    def watch(self, key: bytes, end: bytes | None, revision: int, seconds: float) -> Call:
+        """Wait up to ``seconds`` for a change of ``key`` (or ``[key, end)``) at ``revision`` on.
 
         Returns an event when one came; raises when ``seconds`` passed (each
         client its own error) or the watch failed.
@@ -391,13 +391,16 @@ class Gateway(Dialect):
         ]
         return found, body.get("more", False) is True
 
-    def watch(self, key: bytes, revision: int, seconds: float) -> Call:
+    def watch(self, key: bytes, end: bytes | None, revision: int, seconds: float) -> Call:
         # NOPUT: only a key's deletion (a release, an expiry) ends the wait.
-        return Call(
-            self._watch,
-            (key,),
-            {"timeout": seconds, "start_revision": revision, "filters": ["NOPUT"]},
-        )
+        options: dict[str, object] = {
+            "timeout": seconds,
+            "start_revision": revision,
+            "filters": ["NOPUT"],
+        }
+        if end is not None:
+            options["range_end"] = end  # etcd3gw base64-encodes bytes as they are
+        return Call(self._watch, (key,), options)
 
 
 class Grpc(Dialect):
@@ -513,7 +516,9 @@ class Grpc(Dialect):
             found.append(key)
         return found, getattr(reply, "more", False) is True
 
-    def watch(self, key: bytes, revision: int, seconds: float) -> Call:
-        return Call(
-            self._method("watch_once"), (key,), {"timeout": seconds, "start_revision": revision}
-        )
+    def watch(self, key: bytes, end: bytes | None, revision: int, seconds: float) -> Call:
+        # aetcd filters by event kind only through its own enum: a put wakes too (a hint).
+        options: dict[str, object] = {"timeout": seconds, "start_revision": revision}
+        if end is not None:
+            options["range_end"] = end
+        return Call(self._method("watch_once"), (key,), options)

@@ -36,11 +36,10 @@ Rules of this store:
 6. The fence is the revision of the transaction that put the slot key (its
    ``create_revision``): etcd's one counter for the whole cluster, which
    only grows, and survives a leader change.
-7. A failed attempt notes the slot key to watch and the revision to watch
-   from (the one after the holder's put), and the wait watches it for its
-   deletion: a release, an expiry or a revoke ends the wait at once, and a
-   deletion between the attempt and the watch is replayed from etcd's
-   history. A semaphore's waiter watches one slot, the one held longest.
+7. A failed attempt notes a slot key to watch (``watching.py``): a
+   release, an expiry or a revoke ends the wait at once, one between the
+   attempt and the watch included. A semaphore's waiter watches one slot,
+   the one held longest.
 
 Limits:
 
@@ -63,14 +62,13 @@ Limits:
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from ..._clock import Clock
 from ..._core.abc import Holder, Inspection, Renewed, extend_each
-from ..._core.effects import Sleep, Steps
+from ..._core.effects import Steps
 from ..._core.lease import MAX_EXPIRY_MS, Lease, now_ms
-from ..._core.waiting import Waiter, lost_pause
+from ..._core.waiting import Waiter
 from .leases import Find, LeaseBook, lease_id, lease_seconds
 from .names import TXN_OPS
 from .requests import (
@@ -84,15 +82,12 @@ from .requests import (
     lease_exists,
 )
 from .requests import reads as read_keys
+from .watching import Watches
 
 __all__ = ["PERMIT", "EtcdStore"]
 
 PERMIT = "permit"
 """The kind of a mutex's or semaphore's hold, in its lease ID (``leases.lease_id``)."""
-
-# How many waiters' watch points a store remembers between a failed attempt
-# and its wait: an acquire given up between the two leaves its point behind.
-WATCHING = 4096
 
 
 class EtcdStore:
@@ -112,7 +107,7 @@ class EtcdStore:
         self._permits = max_permits
         self._clock = clock
         self._fencing = fencing is not False
-        self._watching: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
+        self._watches = Watches(dialect, clock)
         self._book = LeaseBook(dialect)
 
     @property
@@ -182,13 +177,14 @@ class EtcdStore:
             reply = yield dialect.txn(txn)
             outcome: Outcome = dialect.outcome(reply)
             if outcome.succeeded:
-                if waiter is not None:
-                    self._watching.pop(waiter.name, None)
+                self._watches.forget(waiter)
                 return Lease(key, token, slot, expires, outcome.revision if self._fencing else None)
             records = outcome.records if self._slots(key) else (yield from self._read_slots(key))
             slot = self._free_slot(key, records)
         if waiter is not None and not waiter.last and records:
-            self._watch_point(waiter, records)
+            # The slot held longest, its holder likeliest to leave first (rule 7).
+            oldest = min(records, key=lambda record: record.mod_revision)
+            self._watches.note(waiter, oldest.key, None, [oldest])
         yield from self._book.revoke_quietly(lease)
         return None
 
@@ -229,40 +225,9 @@ class EtcdStore:
         free = [slot for slot in range(self._permits) if self._slot_key(key, slot) not in held]
         return random.choice(free) if free else None  # spreading, not secrecy
 
-    def _watch_point(self, waiter: Waiter, records: Sequence[Record]) -> None:
-        """Note the slot key ``waiter`` will watch, and from which revision (rule 7)."""
-        oldest = min(records, key=lambda record: record.mod_revision)
-        self._watching[waiter.name] = (oldest.key, oldest.mod_revision + 1)
-        self._watching.move_to_end(waiter.name)
-        waiter.registered = True
-        while len(self._watching) > WATCHING:
-            self._watching.popitem(last=False)
-
     def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
-        """Watch the slot key the last attempt noted for its deletion, up to ``seconds`` (rule 7).
-
-        Sleeps when there is nothing to watch. A watch that fails early
-        sleeps the rest: it never raises, and never ends a wait early
-        without a deletion.
-        """
-        if waiter.woken:
-            # Woken, then beaten to the permit: pause before watching (waiting.py, rule 4).
-            waiter.woken = False
-            yield Sleep(lost_pause(seconds))
-            return
-        point = self._watching.pop(waiter.name, None)
-        if point is None or seconds <= 0:
-            yield Sleep(seconds)
-            return
-        started = self._clock.monotonic()
-        try:
-            yield self._dialect.watch(point[0], point[1], seconds)
-        except Exception:  # noqa: BLE001 - a timeout, or a failed watch: waiting.py, rule 3
-            rest = seconds - (self._clock.monotonic() - started)
-            if rest > 0:
-                yield Sleep(rest)
-        else:
-            waiter.woken = True
+        """Watch the slot key the last attempt noted, up to ``seconds`` (``watching.py``)."""
+        return self._watches.wait(waiter, seconds)
 
     def _lease(self, key: str, token: str) -> int:
         """The lease ID of ``token``'s hold of ``key`` (rule 1)."""
