@@ -628,6 +628,8 @@ class Rig:
         """A DReadWriteLock of this face over the rig's client (sync methods either way)."""
         if self.clock is not None:
             options.setdefault("clock", self.clock)
+        if isinstance(self.backend, Etcd):
+            options["key_prefix"] = self.backend.key_prefix("rwlock", options)
         if isinstance(self.backend, (Postgres, MySQL)):
             for name, value in self.backend.options.items():
                 options.setdefault(name, value)

@@ -89,6 +89,14 @@ class Etcd:
             if pattern.search(record["key"]) and record["lease"]:
                 request(self._endpoint, "/v3/kv/lease/revoke", {"ID": record["lease"]})
 
+    def expire_hold(self, key: str, token: str) -> None:
+        """Make ``token``'s read-write hold of ``key`` end now, as its lease's expiry would."""
+        name = key.encode()
+        base = f"rwlock:{len(name)}:".encode() + name + b":"
+        for record in self._records(""):
+            if base in record["key"].encode() and record["value"] == token and record["lease"]:
+                request(self._endpoint, "/v3/kv/lease/revoke", {"ID": record["lease"]})
+
     def active(self, prefix: str) -> dict[str, str]:
         return {
             record["key"]: record["value"]

@@ -168,6 +168,7 @@ READ_WRITE_BACKENDS = (
     "pymongo-",
     *(f"{variant}-" for variant in POSTGRES_VARIANTS),
     *(f"{variant}-" for variant in MYSQL_VARIANTS),
+    *(f"{client}-" for client in ETCD_CLIENTS.values()),
 )
 
 

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 from ..._clock import Clock
-from ..._core.readwrite import ReadWriteStore
-from ..._errors import InvalidArgumentError
 from ..._options import Options
 from ..abc import Descriptor
 from ..shapes import Packages, refuse_other_face
 from .names import check_etcd_prefix
+from .readwrite import EtcdReadWriteStore
 from .shapes import dialect, face, recognises
 from .store import EtcdStore
 from .url import FORM
 
 PACKAGES = Packages(sync=("etcd3gw",), asyncio=("aetcd",))
+
+
+def _checked(client: object, options: Options, asynchronous: bool) -> None:
+    """The key prefix and the client's face, checked before any request."""
+    check_etcd_prefix(options.key_prefix, options.key_origin)
+    refuse_other_face(client, face(client), "client", PACKAGES, asynchronous=asynchronous)
 
 
 def open_store(client: object, options: Options, clock: Clock, *, asynchronous: bool) -> EtcdStore:
@@ -22,8 +27,7 @@ def open_store(client: object, options: Options, clock: Clock, *, asynchronous: 
     The fence is the grant's revision: it costs no request, and is kept
     unless ``fencing=False``.
     """
-    check_etcd_prefix(options.key_prefix, options.key_origin)
-    refuse_other_face(client, face(client), "client", PACKAGES, asynchronous=asynchronous)
+    _checked(client, options, asynchronous)
     return EtcdStore(
         dialect(client), options.key_prefix, options.max_permits, clock, fencing=options.fencing
     )
@@ -31,10 +35,11 @@ def open_store(client: object, options: Options, clock: Clock, *, asynchronous: 
 
 def open_readwrite_store(
     client: object, options: Options, clock: Clock, *, asynchronous: bool
-) -> ReadWriteStore:
-    """Not yet: read-write locks on etcd are refused before any request."""
-    raise InvalidArgumentError(
-        "read-write locks on etcd are not available yet: use DMutex or DSemaphore on etcd"
+) -> EtcdReadWriteStore:
+    """The namespace (key prefix) of ``options``' read-write locks; fences as the mutexes'."""
+    _checked(client, options, asynchronous)
+    return EtcdReadWriteStore(
+        dialect(client), options.key_prefix, options.max_readers, clock, fencing=options.fencing
     )
 
 
