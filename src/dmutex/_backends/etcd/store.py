@@ -278,17 +278,20 @@ class EtcdStore:
         """Every slot key of ``key`` (one transaction), and each one's lease's time left.
 
         One request more per holder; expiries are whole seconds from now.
-        ``fence`` is None: etcd keeps no counter per lock.
+        ``fence``: the newest holder's (etcd keeps no counter per lock), None
+        when no one holds the key.
         """
         dialect = self._dialect
         now = now_ms(self._clock)
         found = []
+        fences = []
         for record in (yield from self._read_slots(key)):
             left = dialect.remaining((yield dialect.time_to_live(record.lease)))
             if left > 0:
                 token = record.value.decode(errors="replace")
                 found.append(Holder(self._slot_of(key, record), token, now + left * 1000))
-        return Inspection(sorted(found), None, now)
+                fences.append(record.create_revision)
+        return Inspection(sorted(found), max(fences, default=None), now)
 
     def keys(self, limit: int) -> Steps[list[str]]:
         """Up to ``limit`` held keys of the namespace, sorted: ranges over its slot keys.
