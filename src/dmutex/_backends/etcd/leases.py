@@ -100,9 +100,19 @@ class LeaseBook:
         return (yield from self.revoked(found.lease))
 
     def extend(
-        self, hold: Hashable, derived: int, token: str, find: Find, ttl_ms: int
+        self,
+        hold: Hashable,
+        derived: int,
+        token: str,
+        find: Find,
+        ttl_ms: int,
+        name: bytes | None = None,
     ) -> Steps[bool]:
-        """Renew ``hold`` for at least ``ttl_ms`` from now (rules 2-4); False if it is gone."""
+        """Renew ``hold`` for at least ``ttl_ms`` from now (rules 2-4); False if it is gone.
+
+        ``name``: the hold's key, where the caller knows it (a move then reads
+        nothing first: its transaction checks the key holds the token).
+        """
         dialect = self._dialect
         lease = self.current(hold, derived)
         kept = dialect.kept((yield dialect.keepalive(lease)))
@@ -118,11 +128,14 @@ class LeaseBook:
                 return False
         if kept * 1000 >= ttl_ms:
             return True
-        if found is None:
+        if found is not None:
+            name = found.key
+        elif name is None:
             found = yield from find()
             if found is None:
                 return False
-        return (yield from self._move(hold, token, found.key, lease, ttl_ms))
+            name = found.key
+        return (yield from self._move(hold, token, name, lease, ttl_ms))
 
     def _move(
         self, hold: Hashable, token: str, name: bytes, lease: int, ttl_ms: int

@@ -277,7 +277,8 @@ class EtcdReadWriteStore:
             side = WRITE_SLOT if kind == WRITER else READ_SLOT
             find = self._finder(key, token, side)
             lease = self._lease(kind, key, token)
-            if (yield from self._book.extend((key, token, kind), lease, token, find, ttl_ms)):
+            name = self._base(key) + b"w" if kind == WRITER and slot is not None else None
+            if (yield from self._book.extend((key, token, kind), lease, token, find, ttl_ms, name)):
                 return expires
         return None
 

@@ -265,8 +265,9 @@ class EtcdStore:
         """
         expires = now_ms(self._clock) + ttl_ms
         find = self._finder(key, token, slot)
+        name = None if slot is None else self._slot_key(key, slot)
         kept = yield from self._book.extend(
-            (key, token), self._lease(key, token), token, find, ttl_ms
+            (key, token), self._lease(key, token), token, find, ttl_ms, name
         )
         return expires if kept else None
 
