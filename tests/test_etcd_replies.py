@@ -24,7 +24,7 @@ from dmutex._backends.address import BadURL
 from dmutex._backends.etcd.leases import lease_id, lease_seconds
 from dmutex._backends.etcd.requests import Gateway, prefix_end
 from dmutex._backends.etcd.store import PERMIT, EtcdStore, _key_of_slot
-from dmutex._backends.etcd.url import endpoints
+from dmutex._backends.etcd.url import Endpoints, endpoints
 from dmutex._clock import SYSTEM_CLOCK
 from dmutex._runtime.drivers import SyncDriver
 
@@ -296,3 +296,37 @@ def test_bad_etcd_urls_are_refused_before_any_io(url: str) -> None:
     with pytest.raises(BadURL) as caught:
         endpoints(url)
     assert ":p@" not in str(caught.value)
+
+
+class Unreached(Exception):
+    """Stands in for etcd3gw's ConnectionFailedError."""
+
+
+class Member:
+    """One member's etcd3gw-shaped client, answering or failing every request."""
+
+    def __init__(self, name: str, fails: bool) -> None:
+        self.name, self.fails = name, fails
+        self.sent: list[str] = []
+
+    def get_url(self, path: str) -> str:
+        return f"http://{self.name}/v3{path}"
+
+    def post(self, url: str, *, json: Mapping[str, object]) -> object:
+        self.sent.append(url)
+        if self.fails:
+            raise Unreached(url)
+        return {"member": self.name}
+
+
+def test_the_commands_endpoints_go_on_to_the_next_member_and_stay_there() -> None:
+    first, second = Member("a", fails=True), Member("b", fails=False)
+    members = Endpoints([first, second], (Unreached,))
+    assert members.post(members.get_url("/kv/txn"), json={}) == {"member": "b"}
+    assert members.post(members.get_url("/kv/txn"), json={}) == {"member": "b"}
+    assert first.sent == ["http://a/v3/kv/txn"]  # left once, not asked again
+    assert second.sent == ["http://b/v3/kv/txn"] * 2
+    second.fails = True
+    with pytest.raises(Unreached):
+        members.post("/kv/txn", json={})
+    assert detect(members, None) == "etcd"
