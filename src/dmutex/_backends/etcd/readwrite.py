@@ -133,6 +133,7 @@ class EtcdReadWriteStore:
         lease = self._lease(kind, key, token)
         expires = now_ms(self._clock) + ttl_ms
         slot = WRITE_SLOT if write else READ_SLOT
+        value = token.encode()
         try:
             yield dialect.grant(lease, lease_seconds(ttl_ms))
         except Exception as error:
@@ -152,6 +153,12 @@ class EtcdReadWriteStore:
                 self._watches.forget(waiter)
                 return Lease(key, token, slot, expires, outcome.revision if self._fencing else None)
             records = outcome.records
+            copy = next((r for r in records if r.lease == lease and r.value == value), None)
+            if copy is not None:
+                # A copy of this transaction (a client that sent it again) was there first.
+                self._watches.forget(waiter)
+                fence = copy.create_revision if self._fencing else None
+                return Lease(key, token, slot, expires, fence)
             reader_slot = None if reader_slot is None else self._free_slot(key, records)
             if reader_slot is None:
                 break

@@ -26,7 +26,9 @@ Rules:
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -521,4 +523,24 @@ class Grpc(Dialect):
         options: dict[str, object] = {"timeout": seconds, "start_revision": revision}
         if end is not None:
             options["range_end"] = end
-        return Call(self._method("watch_once"), (key,), options)
+        return Call(self._watch_once, (key, options))
+
+    async def _watch_once(self, key: bytes, options: Mapping[str, object]) -> object:
+        """Aetcd's ``watch_once``, in a task of its own, cancelled with the caller.
+
+        aetcd waits through ``asyncio.wait_for``, which on Python <= 3.11
+        returns a result that arrives with a cancellation and drops the
+        cancellation (CPython gh-86296): awaited directly, a waiter cancelled
+        as a release woke it went on to take the lock. ``asyncio.wait``
+        raises the caller's cancellation whatever the task did.
+        """
+        started = self._method("watch_once")(key, **options)
+        if not inspect.isawaitable(started):
+            return started  # a sync client's answer: the driver refuses it as of the other face
+        task = asyncio.ensure_future(started)
+        try:
+            await asyncio.wait((task,))
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        return task.result()

@@ -24,10 +24,14 @@ Rules of this store:
    again. The lease is renewed first (so that a slot it holds lasts from
    this attempt on, renewal rule 1), then every slot key is read: a slot
    that holds it is this attempt's grant (the lost-reply rule of every
-   store); none, and the grant goes on as rule 2 says.
+   store); none, and the grant goes on as rule 2 says. A transaction that
+   finds its slot taken looks for its own lease among the slots it read
+   too: a copy of it that a client sent again may have been there first.
 4. A failed attempt revokes its lease (one request more), so that a lease
-   of this namespace exists only while its slot key does, or for the span
-   of one attempt. A revoke that fails is left to the lease's TTL.
+   of this namespace outlives its slot key only for the span of one
+   attempt. A revoke that fails, or a grant that a cancellation cut in
+   flight and that reached the server after the attempt's revoke, leaves a
+   lease holding no key, to its TTL: it blocks no one.
 5. Release is the lease's revoke: one request, which deletes the slot key
    and answers whether the lease existed. Extend is its keep-alive: one
    request, which renews the lease to its granted TTL from the moment the
@@ -165,8 +169,8 @@ class EtcdStore:
                 raise
             found = yield from self._find_own(key, lease, value, seconds, ttl_ms)
             if isinstance(found, tuple):
-                own, fence = found
-                return Lease(key, token, own, expires, fence if self._fencing else None)
+                own, revision = found
+                return Lease(key, token, own, expires, revision if self._fencing else None)
             records = found
         slot = 0 if records is None else self._free_slot(key, records)
         while slot is not None:
@@ -180,6 +184,12 @@ class EtcdStore:
                 self._watches.forget(waiter)
                 return Lease(key, token, slot, expires, outcome.revision if self._fencing else None)
             records = outcome.records if self._slots(key) else (yield from self._read_slots(key))
+            copy = _own(records, lease, value)
+            if copy is not None:
+                # A copy of this transaction (a client that sent it again) was there first.
+                self._watches.forget(waiter)
+                fence = copy.create_revision if self._fencing else None
+                return Lease(key, token, self._slot_of(key, copy), expires, fence)
             slot = self._free_slot(key, records)
         if waiter is not None and not waiter.last and records:
             # The slot held longest, its holder likeliest to leave first (rule 7).
@@ -204,9 +214,9 @@ class EtcdStore:
         if kept <= 0:
             yield dialect.grant(lease, seconds)
         records = yield from self._read_slots(key)
-        for record in records:
-            if record.lease == lease and record.value == value:
-                return self._slot_of(key, record), record.create_revision
+        own = _own(records, lease, value)
+        if own is not None:
+            return self._slot_of(key, own), own.create_revision
         return records
 
     def _slot_of(self, key: str, record: Record) -> int:
@@ -312,6 +322,11 @@ class EtcdStore:
             if not more or not names or len(found) >= limit:
                 return sorted(found)[:limit]
             start = names[-1] + b"\x00"
+
+
+def _own(records: Sequence[Record], lease: int, value: bytes) -> Record | None:
+    """The record among ``records`` that holds ``value`` under ``lease``: this attempt's own."""
+    return next((r for r in records if r.lease == lease and r.value == value), None)
 
 
 def _key_of_slot(rest: bytes, permits: int) -> str | None:
