@@ -30,6 +30,7 @@ pytest_plugins = [
     "tests._support.plugins.mongodb",
     "tests._support.plugins.postgresql",
     "tests._support.plugins.mysql",
+    "tests._support.plugins.etcd",
 ]
 
 FAULTS = Path(__file__).parent / "faults"

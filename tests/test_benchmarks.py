@@ -17,10 +17,17 @@ are checked too: they are what that script reports beside its timings, and the k
 that it counted what it claims. ``redis_readwrite.py``'s counts are checked likewise: one
 request per acquire and per release (mutex, read and write, both faces), and no reader granted
 after a waiting writer's first attempt (writer preference; the grants placed by their fences).
+The etcd scripts run on the member the test harness finds (``tests/_support/etcd_servers.py``),
+each starting its own; their request counts, taken at the client, are checked: three requests
+a cycle for every contender of ``etcd_cycle.py`` (the store's grant, transaction and revoke, as
+its docstring promises), a watching waiter's exact requests per hand-off in
+``etcd_handoff.py`` (a failed attempt, one watch, the winning attempt) and none of a refused
+watch's, and in ``etcd_renewal.py`` one keep-alive per renewal and nothing else in its window.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -30,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._support import fault_servers, mysql_servers, postgres_servers
+from tests._support import etcd_servers, fault_servers, mysql_servers, postgres_servers
 from tests._support.redis_servers import discovered
 
 ROOT = Path(__file__).parent.parent
@@ -49,7 +56,8 @@ REDIS = [
 EVERY_REDIS = {"redis_cycle", "renewal_scale", "semaphore_scale"}
 POSTGRES = ["postgres_cycle", "postgres_semaphore", "postgres_handoff"]
 MYSQL = ["mysql_cycle"]
-SCRIPTS = ["sqlite_cycle", *REDIS, *POSTGRES, *MYSQL]
+ETCD = ["etcd_cycle", "etcd_handoff", "etcd_renewal"]
+SCRIPTS = ["sqlite_cycle", *REDIS, *POSTGRES, *MYSQL, *ETCD]
 # What mysql_cycle.py must count: its raw SQL's, and the MySQL store's documented ones.
 MYSQL_STATEMENTS = {
     "DMutex(fencing=False).acquire, granted": 1,
@@ -64,6 +72,24 @@ MYSQL_STATEMENTS = {
     "cycle: raw 1": 2,
     "cycle: dmutex aiomysql": 2,
 }
+
+# What etcd_cycle.py must count at the client, per cycle: every contender sends three
+# requests; dmutex's are the store's lease grant, put-if-absent transaction and revoke.
+# tooz's driver is measured when tooz (the bench extra) is installed.
+ETCD_CYCLE_REQUESTS = dict.fromkeys(
+    ("dmutex", "raw", "etcd3gw-lock", "dmutex-async", "raw-async", "aetcd-lock"), 3
+)
+ETCD_CYCLE_KINDS = {
+    "dmutex": {"kv/lease/revoke": 1, "kv/txn": 1, "lease/grant": 1},
+    "dmutex-async": {"lease": 1, "revoke_lease": 1, "transaction": 1},
+}
+# What etcd_handoff.py's watching waiter sends per hand-off: a failed attempt (grant,
+# transaction, revoke), one watch, the winning attempt (grant, transaction).
+ETCD_HANDOFF_WATCH = {
+    "watch": {"kv/lease/revoke": 1, "kv/txn": 2, "lease/grant": 2, "watch": 1},
+    "watch-async": {"lease": 2, "revoke_lease": 1, "transaction": 2, "watch_once": 1},
+}
+ETCD_KEEPALIVES = {"lease/keepalive", "refresh_lease"}
 
 # What redis_replicas.py must count: WAIT rides in the write's pipeline, a release does not wait.
 REPLICAS_REQUESTS = {
@@ -120,6 +146,10 @@ def test_a_quick_run_writes_its_figures(script: str, tmp_path: Path) -> None:
         discovery = mysql_servers.new_session().discovery
         if not discovery.sources:
             pytest.skip(discovery.reason)
+    if script in ETCD and not etcd_servers.required():
+        found_etcd = etcd_servers.new_session().discovery
+        if not found_etcd.sources:
+            pytest.skip(found_etcd.reason)
     if script == "redis_replicas" and fault_servers.redis_executable() is None:
         pytest.skip("no redis-server executable to start a primary and a replica")
     out = tmp_path / "figures.json"
@@ -168,3 +198,26 @@ def test_a_quick_run_writes_its_figures(script: str, tmp_path: Path) -> None:
             preference = run["preference"]
             assert preference["after_first_attempt"] == 0, preference
             assert preference["trials"] > 0, preference
+    if script == "etcd_cycle":
+        for run in runs.values():
+            expected = dict(ETCD_CYCLE_REQUESTS)
+            if importlib.util.find_spec("tooz") is not None:
+                expected["tooz"] = 3
+            assert run["requests"] == expected
+            kinds = run["requests_by_kind"]
+            assert {name: kinds[name] for name in ETCD_CYCLE_KINDS} == ETCD_CYCLE_KINDS
+    if script == "etcd_handoff":
+        for run in runs.values():
+            kinds = run["requests_by_kind"]
+            assert {name: kinds[name] for name in ETCD_HANDOFF_WATCH} == ETCD_HANDOFF_WATCH
+            for poller in ("poll", "poll-async"):
+                assert run["requests_per_handoff"][poller] > 0, run["requests_per_handoff"]
+                assert not {"watch", "watch_once"} & set(kinds[poller]), kinds[poller]
+    if script == "etcd_renewal":
+        for run in runs.values():
+            assert {hold["face"] for hold in run["renewal"]} == {"sync", "async"}
+            for hold in run["renewal"]:
+                assert hold["hold_renewals"] > 0, hold["face"]
+                assert hold["hold_renewals"] == hold["hold_keepalives"], hold["face"]
+                assert hold["window_requests"], hold["face"]
+                assert set(hold["window_requests"]) <= ETCD_KEEPALIVES, hold["window_requests"]

@@ -24,6 +24,8 @@ import redis
 from psycopg import sql
 
 import dmutex
+from tests._support.etcd_servers import Session as EtcdSession
+from tests._support.etcd_servers import count_prefix
 from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
 from tests._support.mysql_rows import NOW_MS, quoted
 from tests._support.mysql_servers import Session as MySQLSession
@@ -55,6 +57,7 @@ RUNNABLE = [(where, block) for where, block in BLOCKS if NOT_RUN not in block]
 REDIS = [(where, block) for where, block in RUNNABLE if "import redis" in block]
 # A MySQL example says so on its import line (a SQLAlchemy one imports sqlalchemy too).
 MYSQL = [(where, block) for where, block in RUNNABLE if "# needs a MySQL server" in block]
+ETCD = [(where, block) for where, block in RUNNABLE if "# needs an etcd member" in block]
 POSTGRES = [
     (where, block)
     for where, block in RUNNABLE
@@ -62,7 +65,9 @@ POSTGRES = [
     and (where, block) not in MYSQL
 ]
 LOCAL = [
-    (where, block) for where, block in RUNNABLE if (where, block) not in REDIS + POSTGRES + MYSQL
+    (where, block)
+    for where, block in RUNNABLE
+    if (where, block) not in REDIS + POSTGRES + MYSQL + ETCD
 ]
 
 
@@ -264,6 +269,27 @@ def test_mysql_example_runs(where: str, block: str, mysql_session: MySQLSession)
                 f"WHERE `key` LIKE 'permit:%' AND `expired_at` > {NOW_MS}"
             )
             assert cursor.fetchone() == (0,), f"an example left a lock behind in {table}"
+
+
+ETCD_ADDRESS = 'host="localhost", port=2379'
+
+
+@pytest.mark.parametrize(("where", "block"), ETCD, ids=ids(ETCD))
+def test_etcd_example_runs(where: str, block: str, etcd_session: EtcdSession) -> None:
+    """The etcd examples, pointed at the test member instead of localhost:2379.
+
+    They lock under their services' default prefixes (the member is the
+    tests' own unless the user named one): each must leave no slot key there.
+    """
+    server = etcd_session.server()
+    code = "\n".join(line.partition("#")[0] for line in block.splitlines())
+    assert code.count(ETCD_ADDRESS) == code.count("localhost") > 0, f"{where}: cannot point it"
+    run(where, block.replace(ETCD_ADDRESS, f"host={server.host!r}, port={server.port}"), {})
+    endpoint = server.endpoints[0]
+    for service in sorted(set(SERVICE.findall(block))):
+        for prefix in ("_dmutex_", "_dsemaphore_"):
+            left = count_prefix(endpoint, f"{prefix}{service}:permit:".encode())
+            assert left == 0, f"an example left a lock behind under {prefix}{service}:"
 
 
 API = DOCS / "api.md"

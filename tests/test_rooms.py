@@ -26,7 +26,7 @@ from dmutex._backends import BACKENDS, URL_FORMS
 from dmutex._validate import BackendName
 from tests.test_layers import SRC, all_imports, modules, where
 
-ROOMS = ("memory", "sqlite", "redis", "mongodb", "postgresql", "mysql")
+ROOMS = ("memory", "sqlite", "redis", "mongodb", "postgresql", "mysql", "etcd")
 SHARED = "sql"
 MAY_IMPORT_ROOMS = {"dmutex", "dmutex._backends", "dmutex._backends.clients"}
 # What a backend's name looks like in an identifier.

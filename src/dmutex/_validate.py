@@ -9,10 +9,10 @@ from typing import Literal, cast
 from ._clock import Clock
 from ._errors import ArgumentTypeError, InvalidArgumentError
 
-BackendName = Literal["mongodb", "mysql", "postgresql", "redis"]
+BackendName = Literal["etcd", "mongodb", "mysql", "postgresql", "redis"]
 """The values ``backend=`` takes: the backend to use instead of detecting it from the client."""
 
-_BACKENDS: tuple[BackendName, ...] = ("mongodb", "mysql", "postgresql", "redis")
+_BACKENDS: tuple[BackendName, ...] = ("etcd", "mongodb", "mysql", "postgresql", "redis")
 
 MAX_PERMITS = 1024
 """The largest ``max_permits`` a semaphore may have.
@@ -183,14 +183,14 @@ def check_replicas_timeout(value: object) -> int:
 
 
 def check_backend(value: object) -> BackendName | None:
-    """Return ``None``, ``"mongodb"``, ``"mysql"``, ``"postgresql"`` or ``"redis"``."""
+    """Return ``None``, ``"etcd"``, ``"mongodb"``, ``"mysql"``, ``"postgresql"`` or ``"redis"``."""
     if value is None:
         return None
     for name in _BACKENDS:
         if isinstance(value, str) and value == name:
             return name
     raise InvalidArgumentError(
-        f"backend must be 'mongodb', 'mysql', 'postgresql', 'redis' or None, not {value!r}"
+        f"backend must be 'etcd', 'mongodb', 'mysql', 'postgresql', 'redis' or None, not {value!r}"
     )
 
 

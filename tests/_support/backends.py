@@ -33,6 +33,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from dmutex import InMemoryBackend, ManualClock, SQLiteBackend
 from dmutex._core.lease import now_ms
+from tests._support.etcd_backend import Etcd
 from tests._support.faces import Face, FaceName, Kind, LoopThread
 from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
 from tests._support.mongo_servers import AsyncRedirectedClient, RedirectedClient, Session
@@ -616,6 +617,8 @@ class Rig:
         """A DMutex/DSemaphore of this face over the rig's client (sync methods either way)."""
         if self.clock is not None:
             options.setdefault("clock", self.clock)
+        if isinstance(self.backend, Etcd):
+            options["key_prefix"] = self.backend.key_prefix(kind, options)
         if isinstance(self.backend, (Postgres, MySQL)):
             for name, value in self.backend.options.items():
                 options.setdefault(name, value)
@@ -625,6 +628,8 @@ class Rig:
         """A DReadWriteLock of this face over the rig's client (sync methods either way)."""
         if self.clock is not None:
             options.setdefault("clock", self.clock)
+        if isinstance(self.backend, Etcd):
+            options["key_prefix"] = self.backend.key_prefix("rwlock", options)
         if isinstance(self.backend, (Postgres, MySQL)):
             for name, value in self.backend.options.items():
                 options.setdefault(name, value)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -26,12 +27,14 @@ from pathlib import Path
 from typing import IO
 from urllib.parse import quote, urlsplit, urlunsplit
 
+import etcd3gw
 import psycopg
 import pytest
 import redis
 from psycopg import sql
 
 from dmutex import SQLiteBackend, SyncClient
+from tests._support import etcd_servers
 from tests._support.sampling import process_state, until
 
 RUN_TIMEOUT = 30.0  # one dmutex run, start to exit, on a loaded 2-core machine
@@ -217,6 +220,8 @@ class Store:
     redis_client: redis.Redis | None = None
     postgres_schema: str | None = None
     """PostgreSQL: the schema of the tables; ``client`` has it first on its search path."""
+    etcd: etcd_servers.Endpoint | None = None
+    """etcd: the member the test reads and deletes keys through."""
 
     def delete_lease(self, key: str, slot: int = 0, service: str = SERVICE) -> None:
         """Delete the mutex lease of ``key`` from storage, under its holder; fails if none."""
@@ -228,6 +233,12 @@ class Store:
         elif isinstance(self.client, psycopg.Connection):
             query = sql.SQL("DELETE FROM {} WHERE key = %s").format(self._table(service))
             deleted = self.client.execute(query, (f"permit:{slot}:{key}",)).rowcount
+        elif self.etcd is not None:
+            # As etcd ends a lease: its revoke deletes the key, and a keep-alive finds it gone.
+            found = self._etcd_record(f"_dmutex_{service}:permit:{slot}:{key}")
+            if found is not None:
+                etcd_servers.request(self.etcd, "/v3/kv/lease/revoke", {"ID": found["lease"]})
+            deleted = 0 if found is None else 1
         else:
             assert self.redis_client is not None
             deleted = self.redis_client.delete(f"_dmutex_{service}:permit:{slot}:{key}")
@@ -246,9 +257,19 @@ class Store:
             query = sql.SQL("SELECT value FROM {} WHERE key = %s").format(self._table(service))
             found = self.client.execute(query, (f"permit:{slot}:{key}",)).fetchone()
             return None if found is None else str(found[0])
+        if self.etcd is not None:
+            record = self._etcd_record(f"_dmutex_{service}:permit:{slot}:{key}")
+            return None if record is None else base64.b64decode(record["value"]).decode()
         assert self.redis_client is not None
         value = self.redis_client.get(f"_dmutex_{service}:permit:{slot}:{key}")
         return None if value is None else value.decode() if isinstance(value, bytes) else value
+
+    def _etcd_record(self, name: str) -> dict[str, str] | None:
+        """The etcd key ``name`` as the gateway answers it (base64 key and value), or None."""
+        assert self.etcd is not None
+        body = {"key": base64.b64encode(name.encode()).decode()}
+        found = etcd_servers.request(self.etcd, "/v3/kv/range", body).get("kvs") or []
+        return dict(found[0]) if found else None
 
     def _table(self, service: str, prefix: str = "_dmutex_") -> sql.Identifier:
         """The PostgreSQL table of ``service``'s locks, in the store's schema."""
@@ -261,6 +282,8 @@ class Store:
             self.client.close()
         if self.redis_client is not None:
             self.redis_client.close()
+        if isinstance(self.client, etcd3gw.Etcd3Client):
+            self.client.session.close()
 
 
 def sqlite_store(tmp_path: Path) -> Store:
@@ -273,6 +296,27 @@ def redis_store(url: str) -> Store:
     """The (emptied) Redis database at ``url``."""
     client = redis.Redis.from_url(url)
     return Store("redis", url, client, redis_client=client)
+
+
+def etcd_store(server: etcd_servers.Server) -> Store:
+    """A member the tests started, the command's namespaces (service ``SERVICE``) emptied.
+
+    The command keeps its keys under the service's default prefixes, not the
+    tests' own (it takes no key prefix): on an etcd the user named, the test
+    skips rather than touch keys outside the tests' prefix.
+    """
+    if server.pid is None:
+        pytest.skip("the command's keys would be outside the tests' prefix on the user's etcd")
+    endpoint = server.endpoints[0]
+    for kind in ("_dmutex_", "_dsemaphore_", "_drwlock_"):
+        start = f"{kind}{SERVICE}:".encode()
+        body = {
+            "key": base64.b64encode(start).decode(),
+            "range_end": base64.b64encode(etcd_servers.prefix_end(start)).decode(),
+        }
+        etcd_servers.request(endpoint, "/v3/kv/deleterange", body)
+    client = etcd3gw.Etcd3Client(host=endpoint.host, port=endpoint.port, timeout=10)
+    return Store("etcd", f"etcd://{endpoint.address}", client, etcd=endpoint)
 
 
 def postgres_store(server_url: str, schema: str) -> Store:

@@ -21,6 +21,9 @@ MySQL cases (``tests/_support/mysql_backend.py``, on the server of
 mysqlclient, mysql-connector and its pool, a SQLAlchemy Engine (sync);
 aiomysql and asyncmy connections and pools, a SQLAlchemy AsyncEngine
 (asyncio). ``DMUTEX_MYSQL_VARIANTS`` runs a subset.
+
+etcd cases (``tests/_support/etcd_backend.py``, on the member of
+``tests/_support/etcd_servers.py``): etcd3gw (sync) and aetcd (asyncio).
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ from tests._support.backends import (
     Rig,
     SQLite,
 )
+from tests._support.etcd_backend import Etcd
+from tests._support.etcd_servers import Session as EtcdSession
+from tests._support.etcd_servers import etcd_label
 from tests._support.faces import FaceName
 from tests._support.mongo_servers import Session as MongoSession
 from tests._support.mongo_servers import mongo_label
@@ -64,6 +70,7 @@ class Servers:
     mongo: MongoSession
     postgres: PostgresSession
     mysql: MySQLSession
+    etcd: EtcdSession
 
 
 Case = Callable[[Servers], Backend]
@@ -128,7 +135,13 @@ def _cases() -> dict[str, tuple[FaceName, Case]]:
         for variant in MYSQL_CASES[face]:
             if variant in chosen_variants():
                 cases[f"{variant}-{face}@{mysql_label()}"] = (face, _mysql_case(variant))
+        client = ETCD_CLIENTS[face]
+        cases[f"{client}-{face}@{etcd_label()}"] = (face, lambda servers: Etcd(servers.etcd))
     return cases
+
+
+# etcd clients per face: etcd3gw is sync only, aetcd asyncio only.
+ETCD_CLIENTS: dict[FaceName, str] = {"sync": "etcd3gw", "async": "aetcd"}
 
 
 CASES = _cases()
@@ -155,6 +168,7 @@ READ_WRITE_BACKENDS = (
     "pymongo-",
     *(f"{variant}-" for variant in POSTGRES_VARIANTS),
     *(f"{variant}-" for variant in MYSQL_VARIANTS),
+    *(f"{client}-" for client in ETCD_CLIENTS.values()),
 )
 
 
@@ -192,9 +206,10 @@ def rw_env(
     mongo_session: MongoSession,
     postgres_session: PostgresSession,
     mysql_session: MySQLSession,
+    etcd_session: EtcdSession,
 ) -> Iterator[Rig]:
     """``env``, on a case whose backend serves read-write locks."""
-    servers = Servers(redis_pool, mongo_session, postgres_session, mysql_session)
+    servers = Servers(redis_pool, mongo_session, postgres_session, mysql_session, etcd_session)
     with _rig(request.param, servers) as rig:
         yield rig
 
@@ -206,7 +221,8 @@ def env(
     mongo_session: MongoSession,
     postgres_session: PostgresSession,
     mysql_session: MySQLSession,
+    etcd_session: EtcdSession,
 ) -> Iterator[Rig]:
-    servers = Servers(redis_pool, mongo_session, postgres_session, mysql_session)
+    servers = Servers(redis_pool, mongo_session, postgres_session, mysql_session, etcd_session)
     with _rig(request.param, servers) as rig:
         yield rig

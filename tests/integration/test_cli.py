@@ -57,13 +57,15 @@ def redis_cli_url(redis_pool: Pool) -> str:
     return flushed(newest(redis_pool).url)
 
 
-@pytest.fixture(params=["sqlite", "redis", "postgresql"])
+@pytest.fixture(params=["sqlite", "redis", "postgresql", "etcd"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     """Each backend the command must interoperate with the library on."""
     if request.param == "sqlite":
         found = cli.sqlite_store(tmp_path)
     elif request.param == "redis":
         found = cli.redis_store(request.getfixturevalue("redis_cli_url"))
+    elif request.param == "etcd":
+        found = cli.etcd_store(request.getfixturevalue("etcd_session").server())
     else:
         server = request.getfixturevalue("postgres_server")
         found = cli.postgres_store(server, request.getfixturevalue("postgres_schema"))

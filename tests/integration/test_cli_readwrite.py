@@ -67,14 +67,18 @@ class Backend:
         return ["--backend", self.url, "--service", self.service]
 
 
-@pytest.fixture(params=["sqlite", "redis", "mongodb", "postgresql", "mysql"])
+@pytest.fixture(params=["sqlite", "redis", "mongodb", "postgresql", "mysql", "etcd"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
     """Each backend that serves read-write locks to the command."""
-    if request.param == "sqlite":
+    if request.param == "etcd":
+        member = cli.etcd_store(request.getfixturevalue("etcd_session").server())
+        found = Backend(member.url, cli.SERVICE, DReadWriteLock(cli.SERVICE, member.client))
+        close: Callable[[], None] = member.close
+    elif request.param == "sqlite":
         path = tmp_path / "locks.sqlite3"
         sqlite = SQLiteBackend(path)
         found = Backend(f"sqlite://{path}", cli.SERVICE, DReadWriteLock(cli.SERVICE, sqlite))
-        close: Callable[[], None] = sqlite.close
+        close = sqlite.close
     elif request.param == "redis":
         pool: Pool = request.getfixturevalue("redis_pool")
         store = cli.redis_store(flushed(newest(pool).url))

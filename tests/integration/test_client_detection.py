@@ -9,7 +9,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aetcd
 import asyncpg
+import etcd3gw
 import fakeredis
 import mongomock
 import motor.motor_asyncio
@@ -63,6 +65,9 @@ CLIENTS: dict[str, tuple[Callable[[], Any], BackendName, bool]] = {
     "valkey.asyncio.Valkey": (valkey.asyncio.Valkey, "redis", True),
     "fakeredis.FakeRedis": (fakeredis.FakeRedis, "redis", False),
     "fakeredis.FakeAsyncRedis": (fakeredis.FakeAsyncRedis, "redis", True),
+    # Neither connects before its first request.
+    "etcd3gw.Etcd3Client": (lambda: etcd3gw.Etcd3Client(port=1), "etcd", False),
+    "aetcd.Client": (lambda: aetcd.Client(port=1), "etcd", True),
 }
 
 

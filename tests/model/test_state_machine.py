@@ -36,6 +36,8 @@ from hypothesis.stateful import (
 
 from dmutex._core.lease import EPOCH
 from tests._support.backends import Backend, Memory, Mongomock, Postgres, RealRedis, Rig, SQLite
+from tests._support.etcd_backend import Etcd
+from tests._support.etcd_servers import Session as EtcdSession
 from tests._support.faces import FaceName, Handle, Kind
 from tests._support.mysql_backend import MySQL
 from tests._support.mysql_servers import Session as MySQLSession
@@ -424,3 +426,15 @@ def test_mysql(mysql_session: MySQLSession, face: FaceName, kind: Kind, max_perm
     variant = "pymysql" if face == "sync" else "asyncmy"
     examples = max(1, EXAMPLES // 2)
     check_machine(lambda: MySQL(mysql_session, variant), face, kind, max_permits, examples)
+
+
+@pytest.mark.parametrize(("face", "kind", "max_permits"), CONFIGS)
+def test_etcd(etcd_session: EtcdSession, face: FaceName, kind: Kind, max_permits: int) -> None:
+    """The same machine against a real etcd member: etcd3gw (sync), aetcd (asyncio).
+
+    A quarter of the examples: each costs the member a lease per grant and
+    its revoke (about 60 s for the six configurations at half), the contract
+    suite checks the store's decisions again on both clients, and CI's whole
+    run must stay under 25 minutes.
+    """
+    check_machine(lambda: Etcd(etcd_session), face, kind, max_permits, FEWER_EXAMPLES)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import sqlite3
 
+import aetcd
+import etcd3gw
 import fakeredis
 import mongomock
 import pymongo
@@ -38,12 +40,14 @@ def asyncio_clients_to_sync_classes() -> None:
     DMutex("svc", valkey.asyncio.Valkey())  # type: ignore[arg-type]  # negative
     DMutex("svc", fakeredis.FakeAsyncRedis())  # type: ignore[arg-type]  # negative
     DSemaphore("svc", redis.asyncio.Redis(), max_permits=2)  # type: ignore[arg-type]  # negative
+    DMutex("svc", aetcd.Client())  # type: ignore[arg-type]  # negative
 
 
 def sync_clients_to_async_classes() -> None:
     AsyncDMutex("svc", pymongo.MongoClient(connect=False))  # type: ignore[arg-type]  # negative
     AsyncDMutex("svc", mongomock.MongoClient())  # type: ignore[arg-type]  # negative
     AsyncDSemaphore("svc", pymongo.MongoClient(), max_permits=2)  # type: ignore[arg-type]  # negative
+    AsyncDMutex("svc", etcd3gw.Etcd3Client())  # type: ignore[arg-type]  # negative
 
 
 def postgresql_clients_of_the_other_face(c: PostgresClients) -> None:

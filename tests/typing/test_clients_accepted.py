@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import aetcd
+import etcd3gw
 import fakeredis
 import mongomock
 import motor.motor_asyncio
@@ -47,6 +49,8 @@ def test_sync_clients_are_accepted_by_sync_classes() -> None:
     recognised(lambda: DSemaphore("svc", redis.Redis(), max_permits=3))
     recognised(lambda: DSemaphore("svc", valkey.Valkey(), max_permits=3))
     recognised(lambda: DSemaphore("svc", fakeredis.FakeRedis(), max_permits=3))
+    recognised(lambda: DMutex("svc", etcd3gw.Etcd3Client(port=1)))
+    recognised(lambda: DSemaphore("svc", etcd3gw.Etcd3Client(port=1), max_permits=3))
 
 
 def test_asyncio_clients_are_accepted_by_async_classes() -> None:
@@ -61,6 +65,9 @@ def test_asyncio_clients_are_accepted_by_async_classes() -> None:
     recognised(lambda: AsyncDSemaphore("svc", redis.asyncio.Redis(), max_permits=3))
     recognised(lambda: AsyncDSemaphore("svc", valkey.asyncio.Valkey(), max_permits=3))
     recognised(lambda: AsyncDSemaphore("svc", fakeredis.FakeAsyncRedis(), max_permits=3))
+    # aetcd ships no annotations: mypy reads the tests' stub (stubs/aetcd), as it types aetcd.
+    recognised(lambda: AsyncDMutex("svc", aetcd.Client(port=1)))
+    recognised(lambda: AsyncDSemaphore("svc", aetcd.Client(port=1), max_permits=3))
 
 
 def postgresql_clients_are_accepted_by_their_face(c: PostgresClients) -> None:

@@ -7,7 +7,8 @@ return awaitables, so that a type checker can tell an asyncio client handed
 to a sync class wherever the client package's own annotations allow it.
 
 Each backend writes its own contracts (``redis/clients.py``,
-``mongodb/clients.py``, ``postgresql/clients.py``, ``mysql/clients.py``, and
+``mongodb/clients.py``, ``postgresql/clients.py``, ``mysql/clients.py``,
+``etcd/clients.py``, and
 ``sql/clients.py`` for the SQLAlchemy engines both SQL backends accept);
 this module gathers them for ``dmutex`` to publish, with the unions of
 everything each face accepts. Arguments that dmutex passes are
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from typing import TypeAlias
 
+from .etcd.clients import AsyncEtcdClientLike, EtcdGatewayClientLike
 from .memory import InMemoryBackend
 from .mongodb.clients import (
     AsyncMongoClientLike,
@@ -67,6 +69,7 @@ from .sqlite import SQLiteBackend
 
 __all__ = [
     "AsyncClient",
+    "AsyncEtcdClientLike",
     "AsyncMongoClientLike",
     "AsyncMongoCollectionLike",
     "AsyncMongoDatabaseLike",
@@ -81,6 +84,7 @@ __all__ = [
     "AsyncSQLAlchemyConnectionLike",
     "AsyncSQLAlchemyEngineLike",
     "AsyncpgLike",
+    "EtcdGatewayClientLike",
     "MongoClientLike",
     "MongoCollectionLike",
     "MongoDatabaseLike",
@@ -115,6 +119,7 @@ SyncClient: TypeAlias = (
     | SQLAlchemyEngineLike
     | MySQLConnectionLike
     | MySQLConnectorPoolLike
+    | EtcdGatewayClientLike
 )
 """Any client a sync class accepts."""
 
@@ -130,5 +135,6 @@ AsyncClient: TypeAlias = (
     | AsyncSQLAlchemyEngineLike
     | AsyncMySQLConnectionLike
     | AsyncMySQLPoolLike
+    | AsyncEtcdClientLike
 )
 """Any client an asyncio class accepts."""

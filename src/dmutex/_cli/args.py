@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dmutex",
         description="Run commands under distributed locks (mutexes, semaphores and read-write "
-        "locks, kept in SQLite, Redis, MongoDB, PostgreSQL or MySQL/MariaDB).",
+        "locks, kept in SQLite, Redis, MongoDB, PostgreSQL, MySQL/MariaDB or etcd).",
         epilog=_MAIN_EPILOG,
         formatter_class=_Formatter,
     )
