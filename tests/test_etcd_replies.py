@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +28,7 @@ from dmutex._backends.etcd.requests import Gateway, prefix_end
 from dmutex._backends.etcd.store import PERMIT, EtcdStore, _key_of_slot
 from dmutex._backends.etcd.url import Endpoints, endpoints
 from dmutex._clock import SYSTEM_CLOCK
+from dmutex._core.lease import Lease
 from dmutex._runtime.drivers import SyncDriver
 
 
@@ -330,3 +333,49 @@ def test_the_commands_endpoints_go_on_to_the_next_member_and_stay_there() -> Non
     with pytest.raises(Unreached):
         members.post("/kv/txn", json={})
     assert detect(members, None) == "etcd"
+
+
+class ByLease:
+    """An etcd3gw-shaped client answering keep-alives by lease ID, from any thread."""
+
+    def __init__(self, ttl: dict[int, int | Exception]) -> None:
+        self.ttl = ttl
+        self.paths: list[str] = []
+        self._lock = threading.Lock()
+
+    def get_url(self, path: str, /) -> str:
+        return path
+
+    def post(self, url: str, /, *, json: Mapping[str, Any]) -> object:
+        with self._lock:
+            self.paths.append(url)
+        if url == "/kv/txn":
+            return {"header": {"revision": "9"}, "succeeded": True}
+        answer = self.ttl[int(json["ID"])]
+        if isinstance(answer, Exception):
+            raise answer
+        return {"result": {"TTL": str(answer)}} if answer else {"result": {}}
+
+    def watch_once(self, key: bytes, /, timeout: float, **options: Any) -> object:
+        raise AssertionError("no watch here")
+
+
+def test_a_renewal_sends_every_keep_alive_at_once_and_each_lease_gets_its_own_answer() -> None:
+    leases = [Lease(key, "t", 0, 0, ttl_ms=30_000) for key in ("a", "b", "c", "d")]
+    failed = OSError("cut")
+    ids = [lease_id(PERMIT, "p:", lease.key, "t") for lease in leases]
+    client = ByLease({ids[0]: 30, ids[1]: 0, ids[2]: failed, ids[3]: 30})
+    leases[3].ended = True  # released meanwhile: no request
+    store = EtcdStore(Gateway(client), "p:", 1, SYSTEM_CLOCK)
+    before = round(time.time() * 1000)
+    answers = SyncDriver(store.clock, store.ready)(store.extend_many(leases))
+    after = round(time.time() * 1000)
+    first, gone, error, ended = answers
+    assert isinstance(first, int)
+    assert before + 30_000 <= first <= after + 30_000
+    assert gone is None  # its lease is gone, and no slot holds the token
+    assert error is failed
+    assert ended is None
+    # Three keep-alives together, then the gone one's own (the general path) and its read.
+    assert sorted(client.paths[:3]) == ["/lease/keepalive"] * 3
+    assert client.paths[3:] == ["/lease/keepalive", "/kv/txn"]

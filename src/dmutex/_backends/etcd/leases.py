@@ -11,6 +11,8 @@ Rules:
    lease without reading it first, and a re-sent grant finds its own.
 2. Release is the lease's revoke, extend its keep-alive: one request each.
    A revoke answers whether the lease existed; it deletes the hold's key.
+   A renewal of many holds sends their keep-alives together, several in
+   flight at once (``requests.py``, rule 4).
 3. etcd cannot lengthen a lease: an extend to a longer TTL than the lease's
    moves the hold's key to a new lease of that TTL (a grant with an ID the
    server picks, a transaction that moves the key only if it still holds
@@ -26,12 +28,15 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 
+from ..._core.abc import Renewed
 from ..._core.effects import Steps
+from ..._errors import DMutexError
 from .requests import Dialect, Holds, Put, Record, Txn, lease_missing
 
-__all__ = ["MOVED", "Find", "LeaseBook", "lease_id", "lease_seconds"]
+__all__ = ["MOVED", "Find", "LeaseBook", "Renewal", "lease_id", "lease_seconds"]
 
 # How many moved holds (rule 3) a book remembers; one it forgot costs its
 # release or extend a read more (rule 4).
@@ -39,6 +44,18 @@ MOVED = 65536
 
 Find = Callable[[], Steps["Record | None"]]
 """Reads the key that holds a hold's token: its record, or None if no key holds it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Renewal:
+    """One hold to renew: what :meth:`LeaseBook.extend` takes for it."""
+
+    hold: Hashable
+    derived: int
+    token: str
+    find: Find
+    ttl_ms: int
+    name: bytes | None = None
 
 
 def lease_id(kind: str, prefix: str, key: str, token: str) -> int:
@@ -136,6 +153,34 @@ class LeaseBook:
                 return False
             name = found.key
         return (yield from self._move(hold, token, name, lease, ttl_ms))
+
+    def renew(self, holds: Sequence[Renewal], now: int) -> Steps[list[Renewed]]:
+        """Renew each of ``holds`` from ``now``: one batch of keep-alives (rule 2).
+
+        A hold whose lease is gone, or too short for its TTL, then goes the
+        way of :meth:`extend` (a read, a move). Answers each one's new
+        expiry, None (gone), or the error its request raised.
+        """
+        leases = [self.current(hold.hold, hold.derived) for hold in holds]
+        answers = yield self._dialect.keepalives(leases)
+        if not isinstance(answers, list) or len(answers) != len(holds):
+            raise DMutexError(f"unexpected answers to {len(holds)} keep-alives: {answers!r}")
+        renewed: list[Renewed] = []
+        for hold, answer in zip(holds, answers, strict=True):
+            if isinstance(answer, Exception):
+                renewed.append(answer)
+            elif isinstance(answer, int) and answer * 1000 >= hold.ttl_ms:
+                renewed.append(now + hold.ttl_ms)
+            else:
+                try:
+                    kept = yield from self.extend(
+                        hold.hold, hold.derived, hold.token, hold.find, hold.ttl_ms, hold.name
+                    )
+                except Exception as error:  # noqa: BLE001 - this hold's answer; the others go on
+                    renewed.append(error)
+                else:
+                    renewed.append(now + hold.ttl_ms if kept else None)
+        return renewed
 
     def _move(
         self, hold: Hashable, token: str, name: bytes, lease: int, ttl_ms: int

@@ -22,6 +22,10 @@ Rules:
    dialects: "lease already exists" for a grant of a lease ID in use, and
    "requested lease not found" for a revoke of one that is gone
    (:func:`lease_exists`, :func:`lease_missing`).
+4. etcd renews one lease a keep-alive, and neither client sends several in
+   one request: a renewal of many leases keeps :data:`IN_FLIGHT` of them
+   in flight at once, on threads shared by every gateway dialect (etcd3gw's
+   session is one pool of connections) or as tasks on aetcd's channel.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import inspect
+import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -146,6 +152,26 @@ def _text(error: BaseException) -> str:
     return f"{error} {detail if isinstance(detail, str) else ''}"
 
 
+IN_FLIGHT = 8
+"""How many keep-alives a renewal keeps in flight at once (rule 4).
+
+Eight: urllib3 keeps ten connections a host by default, so etcd3gw's session
+opens none it would then discard.
+"""
+
+_THREADS: ThreadPoolExecutor | None = None
+_THREADS_LOCK = threading.Lock()
+
+
+def _threads() -> ThreadPoolExecutor:
+    """The threads that carry the gateway's keep-alives, started on first use."""
+    global _THREADS
+    with _THREADS_LOCK:
+        if _THREADS is None:
+            _THREADS = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="dmutex-etcd-keepalive")
+        return _THREADS
+
+
 def lease_exists(error: BaseException) -> bool:
     """Whether ``error`` is etcd's refusal of a grant whose lease ID is in use (rule 3).
 
@@ -192,6 +218,14 @@ class Dialect:
 
     def kept(self, reply: object) -> int:
         """The TTL (seconds) a keep-alive's ``reply`` renewed the lease to; 0: it is gone."""
+        raise NotImplementedError
+
+    def keepalives(self, leases: Sequence[int]) -> Call:
+        """Renew every lease of ``leases`` (rule 4): several keep-alives in flight at once.
+
+        The reply is each lease's answer, in order: the TTL it was renewed to
+        (0: it is gone), or the exception its request raised.
+        """
         raise NotImplementedError
 
     def revoke(self, lease: int) -> Call:
@@ -302,6 +336,21 @@ class Gateway(Dialect):
     def kept(self, reply: object) -> int:
         result = _mapping(_mapping(reply, "a keep-alive").get("result"), "a keep-alive")
         return _int(result.get("TTL"), "TTL")
+
+    def keepalives(self, leases: Sequence[int]) -> Call:
+        return Call(self._keepalives, (tuple(leases),))
+
+    def _keepalives(self, leases: Sequence[int]) -> list[int | Exception]:
+        """One keep-alive a lease, :data:`IN_FLIGHT` at once on threads (rule 4)."""
+        pool = _threads()
+        sent = [pool.submit(self._request, "/lease/keepalive", {"ID": lease}) for lease in leases]
+        answers: list[int | Exception] = []
+        for future in sent:
+            try:
+                answers.append(self.kept(future.result()))
+            except Exception as error:  # noqa: BLE001 - this lease's answer; the others go on
+                answers.append(error)
+        return answers
 
     def revoke(self, lease: int) -> Call:
         return self._call("/kv/lease/revoke", {"ID": lease})
@@ -432,6 +481,24 @@ class Grpc(Dialect):
 
     def kept(self, reply: object) -> int:
         return _int(getattr(reply, "TTL", None), "TTL")
+
+    def keepalives(self, leases: Sequence[int]) -> Call:
+        return Call(self._keepalives, (tuple(leases),))
+
+    async def _keepalives(self, leases: Sequence[int]) -> list[int | Exception]:
+        """One keep-alive a lease, :data:`IN_FLIGHT` at once on the client's channel (rule 4)."""
+        refresh = self._method("refresh_lease")
+        turns = asyncio.Semaphore(IN_FLIGHT)
+
+        async def one(lease: int) -> int | Exception:
+            async with turns:
+                try:
+                    reply = refresh(lease)
+                    return self.kept(await reply if inspect.isawaitable(reply) else reply)
+                except Exception as error:  # noqa: BLE001 - this lease's answer
+                    return error
+
+        return list(await asyncio.gather(*(one(lease) for lease in leases)))
 
     def revoke(self, lease: int) -> Call:
         return Call(self._method("revoke_lease"), (lease,))
