@@ -21,9 +21,9 @@ The member is the one the tests find, as in ``etcd_cycle.py``
    ``--workers`` threads at once), then ``AsyncDMutex`` on one aetcd client
    (``--workers`` acquires in flight), one face at a time (``--faces``).
    dmutex renews each lease a third of its TTL after its last renewal, less
-   up to 10% (the nominal interval: ``ttl / 3 * 0.95``), one engine's
-   renewals one after another, each one keep-alive request (the store's
-   ``extend_many`` sends one per lease). The window: ``--hold`` nominal
+   up to 10% (the nominal interval: ``ttl / 3 * 0.95``), each one
+   keep-alive request (the store's ``extend_many`` sends one per lease, 8 in
+   flight at once). The window: ``--hold`` nominal
    intervals, opened when the acquisitions end if they took an interval or
    more (the renewals then come as a stream), else half an interval after
    the first pass (``renewal_scale.window_start``). Then every lease is
@@ -134,8 +134,11 @@ def watch_renewals(face: DMutex | AsyncDMutex) -> Renewals:
     """Wrap the face's store's ``extend`` and ``extend_many`` (instance attributes) to note them.
 
     Reached through dmutex's private ``_engine._store``, as
-    ``renewal_scale.py`` does; the etcd store's ``extend_many`` calls its
-    ``extend`` once per lease, and both are looked up on the instance.
+    ``renewal_scale.py`` does; both are looked up on the instance. The etcd
+    store's ``extend_many`` renews its batch together (one keep-alive a
+    lease, several in flight), so a lease's renewal is noted from the
+    batch's answers: each new expiry is one; ``extend`` notes the others
+    (an ``extend`` by handle).
     """
     store = face._engine._store
     extend: Callable[..., Any] = store.extend
@@ -152,7 +155,13 @@ def watch_renewals(face: DMutex | AsyncDMutex) -> Renewals:
         start = seen.running = clock()
         result = yield from extend_many(leases)
         seen.running = None
-        seen.spans.append((start, clock()))
+        end = clock()
+        seen.spans.append((start, end))
+        seen.stamps.extend(
+            (end, lease.key)
+            for lease, answer in zip(leases, result, strict=True)
+            if isinstance(answer, int) and not isinstance(answer, bool)
+        )
         return result
 
     vars(store)["extend"] = one
