@@ -140,14 +140,21 @@ MONGO_TTLS = (1.5, 3.0)  # SecantusDB answers in milliseconds, not microseconds
 # Per client chunk (about one request), as in network/test_proxy.py but more often.
 RATES = Rates(drop_request=0.10, drop_reply=0.08, delay=0.10, cut=0.04)
 OUTAGE = Rates(drop_request=1.0)  # nothing reaches the server; nothing is executed
+CLEAN = Rates()  # every chunk passes
 # (seconds, steady proxy's rates, outage proxy's rates), one after another.
+# The first phase is clean and outlasts a third of every TTL: each lease is
+# renewed at least once before the faults start, so the liveness check
+# (common_asserts) cannot depend on where the first dropped chunk falls. With
+# faults from the start, one dropped renewal holds up every later renewal of
+# its engine for the socket timeout (renewers.py, rule 4): in one run in ~50
+# all seven leases on the steady proxy were lost after 8 renewals in all.
 PHASES: tuple[tuple[float, Rates, Rates], ...] = (
-    (1.0, RATES, RATES),
+    (1.0, CLEAN, CLEAN),  # > 1.5 s / 3
     (2.2, RATES, OUTAGE),  # longer than every TTL of the outage leases
     (0.8, RATES, RATES),
 )
 MONGO_PHASES: tuple[tuple[float, Rates, Rates], ...] = (
-    (1.0, RATES, RATES),
+    (1.5, CLEAN, CLEAN),  # > 3.0 s / 3
     (3.3, RATES, OUTAGE),
     (0.7, RATES, RATES),
 )
@@ -905,7 +912,8 @@ def common_asserts(checker: Checker, proxies: list[FaultProxy], text: str) -> No
     unexpected = set(checker.renewals.errors) - FAULT_ERRORS
     assert not unexpected, f"renewals failed otherwise than by a fault: {unexpected}\n{text}"
     assert checker.renewals.recoveries() > 0, f"no renewal failed and then recovered\n{text}"
-    assert checker.renewals.outcomes()["ok"] > LEASES, f"renewals did not get through\n{text}"
+    # Each lease is renewed in the clean first phase (PHASES).
+    assert checker.renewals.outcomes()["ok"] >= LEASES, f"renewals did not get through\n{text}"
     assert checker.flips == 0, f"lost went from True back to False\n{text}"
     checker.fail_if_problems(text)
 
