@@ -107,8 +107,8 @@ COLUMNS = {  # contender: its column in the summary
 CONTENDED = (DMUTEX, DMUTEX_ASYNC, REDIS_PY, PRL, SEMAPHORE)
 OPTIONS = {  # name: (default, under --quick)
     "cycles": (2000, 300), "rounds": (7, 2), "chunk": (100, 100), "warmup": (300, 50),
-    "counted": (500, 50), "processes": (4, 4), "contended_cycles": (500, 40),
-    "contended_rounds": (5, 1), "handoffs": (300, 20), "polled_handoffs": (60, 6),
+    "counted": (500, 50), "processes": (4, 2), "contended_cycles": (500, 20),
+    "contended_rounds": (5, 1), "handoffs": (300, 10), "polled_handoffs": (60, 4),
 }  # fmt: skip
 
 

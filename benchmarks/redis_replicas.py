@@ -1,7 +1,7 @@
 """What ``replicas=1`` costs: each contender with and without it, in one run (issue 27).
 
 Run from the repository root (a report, not a test; about 1.5 minutes on 2
-cores, ``--quick``: about 11 seconds)::
+cores, ``--quick``: about 5 seconds)::
 
     .venv/bin/python benchmarks/redis_replicas.py
     .venv/bin/python benchmarks/redis_replicas.py --quick --json out.json
@@ -84,7 +84,7 @@ PAIRS = {  # contender: its twin without WAIT
     "extend-r1": "extend",
 }
 OPTIONS = {  # name: (default, under --quick)
-    "cycles": (2000, 500), "rounds": (7, 3), "chunk": (100, 100), "warmup": (300, 50),
+    "cycles": (2000, 200), "rounds": (7, 2), "chunk": (100, 100), "warmup": (300, 50),
     "counted": (500, 100),
 }  # fmt: skip
 URL_HELP = "measure this Redis primary, which has replicas online (its own keys only)"
