@@ -146,7 +146,7 @@ CLEAN = Rates()  # every chunk passes
 # renewed at least once before the faults start, so the liveness check
 # (common_asserts) cannot depend on where the first dropped chunk falls. With
 # faults from the start, one dropped renewal holds up every later renewal of
-# its engine for the socket timeout (renewers.py, rule 4): in one run in ~50
+# its engine for the socket timeout (renewers.py, rule 4): in one idle CI run
 # all seven leases on the steady proxy were lost after 8 renewals in all.
 PHASES: tuple[tuple[float, Rates, Rates], ...] = (
     (1.0, CLEAN, CLEAN),  # > 1.5 s / 3
