@@ -9,9 +9,10 @@ the benchmarks' own targets print PASS/MISS and are read by people, on a
 quiet machine). ``handoff.py`` is left out: its quickest run takes about a
 minute; its measurement of one process's cycle is ``redis_cycle.py``'s,
 which runs here, and ``redis_peers.py``'s quick run (about 15 seconds) runs
-its hand-off and contended parts. The PostgreSQL scripts run on the server the test harness
-finds (``tests/_support/postgres_servers.py``), each starting its own; ``mysql_cycle.py`` on
-the MariaDB/MySQL server it finds (``tests/_support/mysql_servers.py``), whose statement counts
+its hand-off and contended parts. The PostgreSQL scripts run on the session's PostgreSQL server
+(``--postgres-url``, from ``tests/_support/postgres_servers.py``), each in a schema of its own;
+``mysql_cycle.py`` on the session's MariaDB/MySQL server (``--url``), in a database of its own,
+whose statement counts
 are checked too: they are what that script reports beside its timings, and the known counts
 (its raw contenders' own, one statement per mutex acquire, a semaphore's read and take) show
 that it counted what it claims. ``redis_readwrite.py``'s counts are checked likewise: one
