@@ -11,6 +11,7 @@ import pytest
 
 import dmutex
 from dmutex import (
+    AsyncDElection,
     AsyncDMutex,
     AsyncDMutexLock,
     AsyncDReadLock,
@@ -18,6 +19,8 @@ from dmutex import (
     AsyncDSemaphore,
     AsyncDSemaphorePermit,
     AsyncDWriteLock,
+    AsyncLeadership,
+    DElection,
     DMutex,
     DMutexLock,
     DReadLock,
@@ -26,6 +29,7 @@ from dmutex import (
     DSemaphorePermit,
     DWriteLock,
     InMemoryBackend,
+    Leadership,
     ManualClock,
 )
 
@@ -37,6 +41,8 @@ PAIRS: list[tuple[type[Any], type[Any]]] = [
     (DReadWriteLock, AsyncDReadWriteLock),
     (DReadLock, AsyncDReadLock),
     (DWriteLock, AsyncDWriteLock),
+    (DElection, AsyncDElection),
+    (Leadership, AsyncLeadership),
 ]
 
 
@@ -51,11 +57,14 @@ def public_members(cls: type[Any]) -> dict[str, Any]:
 def _same_shape(annotation: object) -> object:
     """An async callback returns Awaitable[T] where a sync one returns T.
 
-    And the asyncio handles are named as the sync ones with ``Async`` before.
+    And the asyncio handles are named as the sync ones with ``Async`` before,
+    as is an asyncio iterator (an election's ``observe``).
     """
     if not isinstance(annotation, str):
         return annotation
-    return annotation.replace("Awaitable[T]", "T").replace("AsyncD", "D")
+    for asynchronous in ("Awaitable[T]", "AsyncD", "AsyncLeadership", "AsyncIterator"):
+        annotation = annotation.replace(asynchronous, asynchronous.removeprefix("Async"))
+    return annotation.replace("Awaitable[T]", "T")
 
 
 def parameters(function: Any) -> list[tuple[str, Any, Any, Any]]:
@@ -86,6 +95,9 @@ def test_same_methods_with_same_parameters(sync: type[Any], async_: type[Any]) -
             assert not inspect.iscoroutinefunction(other), f"{async_.__name__}.{name} is async"
             continue
         assert not inspect.iscoroutinefunction(member), f"{sync.__name__}.{name} is async"
+        if inspect.isgeneratorfunction(member):  # an iterator: an asyncio iterator there
+            assert inspect.isasyncgenfunction(other), f"{async_.__name__}.{name} is no async iterator"
+            continue
         assert inspect.iscoroutinefunction(other), f"{async_.__name__}.{name} is not async"
     for sync_name, async_name in SYNC_ONLY.items():
         if hasattr(sync, sync_name):
@@ -95,7 +107,13 @@ def test_same_methods_with_same_parameters(sync: type[Any], async_: type[Any]) -
 # Issue 11's names: renewal, loss and fencing.
 # Issue 21's: the deadline by which the holder counts the lease lost.
 LIFECYCLE = ("fence", "auto_renew", "lost", "raise_if_lost", "on_lost", "wait_lost", "time_left")
-COMMON = ("ready", "acquire", "acquire_with_retry", "run", "run_with_retry", "extend")
+# Issue 41's: who holds a key (holders), and the election with its leadership handle.
+COMMON = ("ready", "acquire", "acquire_with_retry", "run", "run_with_retry", "extend", "holders")
+ELECTION = ("mutex", "campaign", "leader", "observe", "run")
+LEADERSHIP = (
+    "name", "term", "identity", "since", "until", "lost", "time_left", "raise_if_lost",
+    "resign", "wait_lost", "on_lost",
+)  # fmt: skip
 # Issue 28's: each of the mutex's acquiring methods per side, release and extend by token.
 READ_WRITE = (
     "ready", "release", "extend",
@@ -119,6 +137,10 @@ SPEC_NAMES: dict[type[Any], tuple[str, ...]] = {
     AsyncDReadLock: ("key", "token", "expired_at", "release", "extend", *LIFECYCLE),
     DWriteLock: ("key", "token", "expired_at", "release", "extend", *LIFECYCLE),
     AsyncDWriteLock: ("key", "token", "expired_at", "release", "extend", *LIFECYCLE),
+    DElection: ELECTION,
+    AsyncDElection: ELECTION,
+    Leadership: LEADERSHIP,
+    AsyncLeadership: LEADERSHIP,
 }  # fmt: skip
 
 

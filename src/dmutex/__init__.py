@@ -35,6 +35,8 @@ from ._faces.aio import (
     AsyncDSemaphorePermit,
     AsyncDWriteLock,
 )
+from ._faces.elections import AsyncDElection, AsyncLeadership, DElection, Leader, Leadership
+from ._faces.holders import LockHolder
 from ._faces.sync import (
     DMutex,
     DMutexLock,
@@ -53,6 +55,7 @@ __all__ = [
     "MAX_PERMITS",
     "AmbiguousClientError",
     "ArgumentTypeError",
+    "AsyncDElection",
     "AsyncDMutex",
     "AsyncDMutexLock",
     "AsyncDReadLock",
@@ -60,8 +63,10 @@ __all__ = [
     "AsyncDSemaphore",
     "AsyncDSemaphorePermit",
     "AsyncDWriteLock",
+    "AsyncLeadership",
     "BackendName",
     "Clock",
+    "DElection",
     "DMutex",
     "DMutexError",
     "DMutexLock",
@@ -72,7 +77,10 @@ __all__ = [
     "DWriteLock",
     "InMemoryBackend",
     "InvalidArgumentError",
+    "Leader",
+    "Leadership",
     "LeaseLostError",
+    "LockHolder",
     "ManualClock",
     "NotReplicatedError",
     "Observer",

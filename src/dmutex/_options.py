@@ -75,6 +75,8 @@ class Options:
     """Redis: how long the ``WAIT`` for them may last, in whole ms (at least 1)."""
     max_readers: int | None = None
     """A read-write lock's bound on readers at once; None: no bound."""
+    identity: str | None = None
+    """Who the leases say holds them; None: ``host:pid``, ``""``: nobody."""
 
     @classmethod
     def check(
@@ -99,6 +101,7 @@ class Options:
         replicas: object = 0,
         replicas_timeout: object = 1.0,
         max_readers: object = None,
+        identity: object = None,
     ) -> Options:
         """Check every argument, by the names of the constructors' parameters.
 
@@ -138,6 +141,7 @@ class Options:
         waited_for = check_replicas(replicas)
         wait_ms = check_replicas_timeout(replicas_timeout)
         readers = None if max_readers is None else check_max_readers(max_readers)
+        holder = None if identity is None else check_str("identity", identity, allow_empty=True)
         return cls(
             kind=kind,
             service_name=service,
@@ -158,4 +162,5 @@ class Options:
             replicas=waited_for,
             replicas_timeout_ms=wait_ms,
             max_readers=readers,
+            identity=holder,
         )

@@ -34,6 +34,7 @@ from dmutex import (
     DSemaphore,
     DSemaphorePermit,
     DWriteLock,
+    LockHolder,
 )
 
 T = TypeVar("T")
@@ -261,6 +262,11 @@ class Face:
 
     def extend(self, key: str, token: str, ttl: float | None = None) -> bool:
         result: bool = self.wait(self.target.extend(key, token, ttl))
+        return result
+
+    def holders(self, key: str) -> list[LockHolder]:
+        """Who holds ``key``: the face's ``holders()``."""
+        result: list[LockHolder] = self.wait(self.target.holders(key))
         return result
 
     def lock(self, key: str, ttl: float | None = None) -> bool:

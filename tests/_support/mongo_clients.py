@@ -24,6 +24,16 @@ def frozen_ttl_monitor() -> datetime:
     return TTL_MONITOR_NEVER_RUNS
 
 
+class AsyncMongomockCursor:
+    """The documents of a find, handed over by ``await cursor.to_list(None)``."""
+
+    def __init__(self, docs: list[Any]) -> None:
+        self.docs = docs
+
+    async def to_list(self, length: int | None, /) -> list[Any]:
+        return self.docs if length is None else self.docs[:length]
+
+
 class AsyncMongomockCollection:
     """``update_one`` and friends as coroutines, over a mongomock collection."""
 
@@ -45,6 +55,10 @@ class AsyncMongomockCollection:
 
     async def find_one(self, filter: Any, /) -> Any:
         return self.inner.find_one(filter)
+
+    def find(self, filter: Any, /) -> AsyncMongomockCursor:
+        """A cursor read by ``to_list``, as motor's and PyMongo's asyncio cursors are."""
+        return AsyncMongomockCursor(list(self.inner.find(filter)))
 
     async def find_one_and_update(
         self, filter: Any, update: Any, /, *, upsert: bool = False, return_document: bool = False

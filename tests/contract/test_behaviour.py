@@ -112,10 +112,38 @@ def test_semaphore_admits_max_permits_then_none(env: Rig) -> None:
     assert sem.acquire("api") is None
 
 
-def test_tokens_are_uuid4_strings(env: Rig) -> None:
-    lock = held(env.make("mutex").acquire("job"))
-    assert uuid.UUID(lock.token).version == 4
-    assert str(uuid.UUID(lock.token)) == lock.token
+def test_tokens_are_uuid4_strings_stamped_with_their_holder(env: Rig) -> None:
+    lock = held(env.make("mutex", identity="worker 7").acquire("job"))
+    random, since, identity = lock.token.split("|")
+    assert uuid.UUID(random).version == 4
+    assert str(uuid.UUID(random)) == random
+    assert identity == "worker 7"
+    assert int(since) > 0
+    bare = held(env.make("mutex", identity="").acquire("other"))
+    assert str(uuid.UUID(bare.token)) == bare.token, "no identity: a bare UUID4, as TypeScript's"
+
+
+def test_any_instance_reads_who_holds_a_key_from_storage(env: Rig) -> None:
+    sem = env.make("semaphore", max_permits=3, identity="billing-7 (cron)")
+    reader = env.make("semaphore", max_permits=3)
+    assert reader.holders("job") == []
+    before = env.now()
+    first = held(sem.acquire("job", ttl=60))
+    second = held(env.make("semaphore", max_permits=3, identity="").acquire("job", ttl=60))
+    after = env.now()
+    found = reader.holders("job")
+    assert [h.slot for h in found] == sorted([first.slot, second.slot])
+    by_slot = {h.slot: h for h in found}
+    mine, bare = by_slot[first.slot], by_slot[second.slot]
+    assert mine.identity == "billing-7 (cron)"
+    assert mine.since is not None
+    assert before - timedelta(milliseconds=1) <= mine.since <= after + timedelta(milliseconds=1)
+    # As the store reads it: etcd's leases count whole seconds.
+    assert abs(mine.expires_at - first.expired_at) <= timedelta(seconds=1)
+    assert mine.token_prefix == first.token[:8] and mine.key == "job"
+    assert (bare.identity, bare.since) == (None, None), "a bare token says nothing of its holder"
+    assert first.release()
+    assert [h.slot for h in reader.holders("job")] == [second.slot]
 
 
 def test_mutex_and_semaphore_of_one_service_do_not_collide(env: Rig) -> None:

@@ -348,11 +348,12 @@ def active(key: str, permits: int, now_ms: int, slot: int | None) -> dict[str, A
 
 
 def token_of(request: Request) -> str:
-    """The token an acquire upsert sets: a UUID4 string."""
+    """The token an acquire upsert sets: a UUID4 string, then its holder's stamp."""
     token = request.doc["updates"][0]["u"]["$set"]["value"]
     assert isinstance(token, str)
-    assert uuid.UUID(token).version == 4
-    assert str(uuid.UUID(token)) == token
+    random = token.partition("|")[0]
+    assert uuid.UUID(random).version == 4
+    assert str(uuid.UUID(random)) == random
     return token
 
 

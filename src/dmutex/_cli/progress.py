@@ -27,17 +27,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TextIO
 
+from .._core.stamps import token_prefix
 from .errors import one_line
 from .holders import Inspection, Role, role_of
 
 __all__ = ["Progress", "describe_holders", "short_token", "token_prefix"]
-
-TOKEN_SHOWN = 8  # characters of a token shown: enough to tell holders apart, never the whole
-
-
-def token_prefix(token: str) -> str:
-    """The first characters of a token: 8, or half of a short one; never the whole token."""
-    return token[: min(TOKEN_SHOWN, len(token) // 2)]
 
 
 def short_token(token: str) -> str:

@@ -1,9 +1,11 @@
 """``dmutex status``: the active permits of a key, or a service's held keys, as text or JSON.
 
 Guarantee: changes no lease. Exit status 0 if any permit of the key is
-held, 1 if none is. Each permit shows its slot, expiry (UTC), time left and
-a shortened token, never the whole token (whoever has the token can
-release the lock); the key's fence counter (the latest grant's fence) is
+held, 1 if none is. Each permit shows its slot, expiry (UTC), time left, a
+shortened token, never the whole token (whoever has the token can release
+the lock), and its holder as the token's stamp says (``identity`` and
+``since`` in JSON; ``dmutex._core.stamps``): "unknown" for a holder that
+stamped none, such as the TypeScript library; the key's fence counter (the latest grant's fence) is
 shown where the backend keeps one. With ``--read-write``, the key's
 read-write lock: its writer or each reader, a role ("write", "read") in
 place of the slot. The JSON document names its ``kind`` ("mutex",
@@ -39,11 +41,12 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import TextIO
 
+from .._core.stamps import Stamp, read_stamp, token_prefix
 from .._errors import ArgumentTypeError, InvalidArgumentError, UnsupportedClientError
 from .args import StatusArgs
 from .errors import FREE, OK, USAGE, Failure, backend_errors, one_line
 from .holders import Holder, Inspection, Namespace, Reader, role_of
-from .progress import short_token, token_prefix
+from .progress import short_token
 from .urls import Address, Connection, connect, parse
 
 __all__ = ["render_json", "render_namespace_json", "render_namespace_text", "render_text", "status"]
@@ -60,8 +63,12 @@ def _iso(ms: int) -> str:
 
 def _holder_json(args: StatusArgs, h: Holder, now_ms: int) -> dict[str, object]:
     place: dict[str, object] = {"role": role_of(h)} if args.readwrite else {"slot": h.slot}
+    stamp = read_stamp(h.token)
+    since = None if stamp.since_ms is None else _iso(stamp.since_ms)
     return {
         **place,
+        "identity": stamp.identity,
+        "since": since,
         "token_prefix": token_prefix(h.token),
         "expires_at": _iso(h.expires_ms),
         "expires_ms": h.expires_ms,
@@ -129,15 +136,29 @@ def render_text(args: StatusArgs, found: Inspection) -> str:
     lines = [_heading(args, found)]
     if found.holders:
         column = "role" if args.readwrite else "slot"
-        lines.append(f"  {column:<6}{'expires (UTC)':<26}{'left':>10}  token")
+        lines.append(f"  {column:<6}{'expires (UTC)':<26}{'left':>10}  {'token':<13}  holder")
         for h in found.holders:
             left = f"{max(0, h.expires_ms - found.now_ms) / 1000:.1f} s"
             token = short_token(h.token)
             place = role_of(h) if args.readwrite else str(h.slot)
-            lines.append(f"  {place:<6}{_iso(h.expires_ms):<26}{left:>10}  {token}")
+            who = _holder_text(read_stamp(h.token), found.now_ms)
+            lines.append(f"  {place:<6}{_iso(h.expires_ms):<26}{left:>10}  {token:<13}  {who}")
     if found.fence is not None:
         lines.append(f"fence: {found.fence} (the latest grant's)")
     return "\n".join(lines)
+
+
+def _holder_text(stamp: Stamp, now_ms: int) -> str:
+    """``host:4242, for 12.5 s``; ``unknown`` for a token without a stamp (TypeScript's)."""
+    if stamp.identity is None or stamp.since_ms is None:
+        return "unknown"
+    held = max(0, now_ms - stamp.since_ms) / 1000
+    return f"{_shown_identity(stamp.identity)}, for {held:.1f} s"
+
+
+def _shown_identity(identity: str) -> str:
+    """An identity as a line shows it: as it is, or quoted if it has unprintable text."""
+    return identity if identity.isprintable() else repr(identity)
 
 
 def _shown_key(key: str) -> str:

@@ -60,8 +60,8 @@ from .._validate import (
     check_ttl,
 )
 from . import renewal, waiting
+from .abc import Inspection, Store, text_rule
 from .abc import Renewed as Answer
-from .abc import Store, text_rule
 from .effects import Callback, Steps, completing
 from .lease import Lease, new_token, now_ms, ttl_to_ms
 from .observe import (
@@ -79,6 +79,7 @@ from .observe import (
     Started,
     Woken,
 )
+from .stamps import Stamper
 from .waiting import Waiter
 
 H = TypeVar("H")
@@ -105,8 +106,11 @@ class Engine:
         shield: bool = True,
         observe: Observers | None = None,
         source: Source | None = None,
+        identity: str | None = None,
     ) -> None:
         self._store = store
+        # Who the tokens say holds them (stamps.py): None, this process.
+        self._stamper = Stamper(identity)
         self._shield = shield
         # Rule 3: the store's own rule for keys and tokens, if it has one.
         self._refuse = text_rule(store)
@@ -211,16 +215,20 @@ class Engine:
         here a key it cannot serve as configured (rule 3).
         """
         if waiter is None:
-            token = new_token()
+            token = self._mint()
         elif waiter.token:
             token = waiter.token
         else:
             # One token for every attempt of a retrying acquire: a store may
             # send an attempt ahead with a wait (waiting rule 6), and a copy
             # of any attempt is then recognised by the next (store rule 3).
-            token = waiter.token = new_token()
+            token = waiter.token = self._mint()
             waiter.ttl_ms = ttl_ms
         return key, token, ttl_ms, self._store.acquire(key, token, ttl_ms, waiter)
+
+    def _mint(self) -> str:
+        """A new token, stamped with its holder and the time (``stamps.py``)."""
+        return new_token() + self._stamper.suffix(now_ms(self.clock))
 
     def _attempt(
         self,
@@ -503,6 +511,10 @@ class Engine:
 
     def _extend_token(self, key: str, token: str, ttl_ms: int) -> Steps[bool]:
         return (yield from self._store.extend(key, token, None, ttl_ms)) is not None
+
+    def holders(self, key: str) -> Steps[Inspection]:
+        """What the store holds for ``key``: its active permits and fence; changes nothing."""
+        return self._store.holders(self._key(key))
 
     def lock(self, key: str, ttl: float | None) -> Steps[bool]:
         """Deprecated ``lock()``: acquire and remember the token for ``unlock``."""

@@ -22,6 +22,7 @@ from .._runtime.renewers import AsyncRenewer
 from .._validate import check_timeout
 from .base import MutexBase, ReadWriteBase, SemaphoreBase, Wrapping
 from .handles import HandleBase, SlotMixin
+from .holders import LockHolder, lock_holders
 
 __all__ = [
     "AsyncDMutex",
@@ -206,6 +207,10 @@ class _AsyncFace(Wrapping[H]):
     async def extend(self, key: str, token: str, ttl: float | None = None) -> bool:
         """Extend the active permit holding ``token``; see :meth:`DMutex.extend`."""
         return await self._drive(self._engine.extend_token(key, token, ttl))
+
+    async def holders(self, key: str) -> list[LockHolder]:
+        """Who holds ``key`` now, by slot; see :meth:`DMutex.holders`."""
+        return lock_holders(key, await self._drive(self._engine.holders(key)))
 
 
 class AsyncDSemaphore(_AsyncFace[AsyncDSemaphorePermit], SemaphoreBase[AsyncClient]):

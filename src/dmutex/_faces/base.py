@@ -48,6 +48,7 @@ class Face(Generic[ClientT]):
             shield=self._ASYNC,
             observe=observe,
             source=source,
+            identity=options.identity,
         )
         self._start_driver(self._engine)
 
@@ -128,6 +129,7 @@ class SemaphoreBase(Face[ClientT]):
         database_name: str | None = None,
         replicas: int = 0,
         replicas_timeout: float = 1.0,
+        identity: str | None = None,
         observers: Sequence[Observer] = (),
     ) -> None:
         """Make a semaphore of ``max_permits`` permits per key for ``service_name``.
@@ -173,6 +175,14 @@ class SemaphoreBase(Face[ClientT]):
         default) waits for none. Another backend with ``replicas`` > 0 is an
         error: MongoDB uses the collection's write concern.
 
+        ``identity``: who this instance's leases say holds them, for whoever
+        reads the lock (``holders()``, ``dmutex status``): None (the
+        default) for ``host:pid``, ``""`` for nobody (a bare UUID4 token, as
+        the TypeScript library writes). It rides in the lease's token,
+        percent-encoded and cut to fit 128 characters in all (MySQL's
+        column); only the token's random part is secret. See the Storage
+        layout page.
+
         ``observers``: callables that are given an event for each operation,
         attempt, grant, renewal and end of a lease of this instance, as it
         happens (:mod:`dmutex.events`; see the Observing page). They add no
@@ -206,6 +216,7 @@ class MutexBase(Face[ClientT]):
         database_name: str | None = None,
         replicas: int = 0,
         replicas_timeout: float = 1.0,
+        identity: str | None = None,
         observers: Sequence[Observer] = (),
     ) -> None:
         """Make a mutex for ``service_name``: one holder per key at a time.
@@ -230,11 +241,22 @@ class ReadWriteFace(Generic[ClientT]):
         ttl, shield = options.default_ttl, self._ASYNC
         observe, reads = _observing(backend.name, options, observers, "read")
         writes = None if reads is None else Source(reads.service, "write", reads.backend)
+        me = options.identity
         self._reading = Engine(
-            side(store, write=False), default_ttl=ttl, shield=shield, observe=observe, source=reads
+            side(store, write=False),
+            default_ttl=ttl,
+            shield=shield,
+            observe=observe,
+            source=reads,
+            identity=me,
         )
         self._writing = Engine(
-            side(store, write=True), default_ttl=ttl, shield=shield, observe=observe, source=writes
+            side(store, write=True),
+            default_ttl=ttl,
+            shield=shield,
+            observe=observe,
+            source=writes,
+            identity=me,
         )
         self._start_driver(self._reading)
 
@@ -265,6 +287,7 @@ class ReadWriteBase(ReadWriteFace[ClientT]):
         database_name: str | None = None,
         replicas: int = 0,
         replicas_timeout: float = 1.0,
+        identity: str | None = None,
         observers: Sequence[Observer] = (),
     ) -> None:
         """Make a read-write lock for ``service_name``: many readers or one writer per key.

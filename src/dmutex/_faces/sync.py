@@ -23,6 +23,7 @@ from .._runtime.renewers import SYNC
 from .._validate import check_timeout
 from .base import MutexBase, ReadWriteBase, SemaphoreBase, Wrapping
 from .handles import HandleBase, SlotMixin
+from .holders import LockHolder, lock_holders
 
 __all__ = [
     "DMutex",
@@ -230,6 +231,16 @@ class _SyncFace(Wrapping[H]):
         Returns False, changing nothing, if no active permit holds ``token``.
         """
         return self._drive(self._engine.extend_token(key, token, ttl))
+
+    def holders(self, key: str) -> list[LockHolder]:
+        """Who holds ``key`` now: its active permits, by slot; changes nothing.
+
+        Any process can ask, with any instance of the same names: each
+        holder's ``identity`` and ``since`` are read from its token (None
+        for a holder that stamped none, such as the TypeScript library). One
+        read; raises what the client raises.
+        """
+        return lock_holders(key, self._drive(self._engine.holders(key)))
 
 
 class DSemaphore(_SyncFace[DSemaphorePermit], SemaphoreBase[SyncClient]):

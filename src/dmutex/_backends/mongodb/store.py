@@ -83,12 +83,19 @@ def _count(result: object, name: str) -> int:
     return value
 
 
-def _found(find: Callable[..., object], query: Mapping[str, object]) -> list[object]:
-    """Every document ``find(query)`` gives: the cursor read to its end."""
+def _found(find: Callable[..., object], query: Mapping[str, object]) -> object:
+    """Every document ``find(query)`` gives: the cursor read to its end.
+
+    An asyncio client's cursor (motor's, PyMongo's ``AsyncCursor``) is read
+    by its ``to_list(None)``, whose awaitable the async driver awaits.
+    """
     cursor = find(query)
-    if not isinstance(cursor, Iterable):
+    if isinstance(cursor, Iterable):
+        return list(cursor)
+    to_list = getattr(cursor, "to_list", None)
+    if not callable(to_list):
         raise DMutexError(f"find() gave {type(cursor).__name__}, not a cursor to read")
-    return list(cursor)
+    return to_list(None)
 
 
 def found_keys(
@@ -302,8 +309,8 @@ class MongoStore:
     def holders(self, key: str) -> Steps[Inspection]:
         """The active slot documents of ``key`` and its fence counter: one ``find``.
 
-        Sync collections only (``find`` returns a cursor, which is read
-        here); the collection needs ``find``, which no other operation uses.
+        The collection needs ``find``, which no other operation uses; an
+        asyncio client's cursor is read with ``to_list``.
         """
         now = now_ms(self._clock)
         names = [*self._ids(key), f"fence:{key}"]
