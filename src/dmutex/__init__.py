@@ -23,6 +23,7 @@ from ._errors import (
     DMutexError,
     InvalidArgumentError,
     LeaseLostError,
+    LockBusyError,
     NotReplicatedError,
     UnsupportedClientError,
 )
@@ -46,6 +47,7 @@ from ._faces.sync import (
     DSemaphorePermit,
     DWriteLock,
 )
+from ._faces.synchronized import OnBusy, synchronized
 from ._observers.otel import OpenTelemetryObserver
 from ._validate import MAX_KEY_LENGTH, MAX_PERMITS, BackendName
 from ._version import __version__
@@ -80,16 +82,19 @@ __all__ = [
     "Leader",
     "Leadership",
     "LeaseLostError",
+    "LockBusyError",
     "LockHolder",
     "ManualClock",
     "NotReplicatedError",
     "Observer",
+    "OnBusy",
     "OpenTelemetryObserver",
     "SQLiteBackend",
     "SystemClock",
     "UnsupportedClientError",
     "__version__",
     "events",
+    "synchronized",
 ]
 __all__ += _clients.__all__
 

@@ -90,3 +90,25 @@ class NotReplicatedError(DMutexError):
 
     def __reduce__(self) -> tuple[type[NotReplicatedError], tuple[str, int, int]]:
         return (type(self), (self.key, self.acknowledged, self.required))
+
+
+class LockBusyError(DMutexError):
+    """The lock was held by others: ``key``, and for ``"wait"`` the ``timeout`` that passed.
+
+    Raised by a function decorated with :func:`~dmutex.synchronized` and
+    ``on_busy="raise"`` when its one try found the lock held, or with
+    ``on_busy="wait"`` when ``timeout`` seconds passed first; the function
+    was not called. ``timeout`` is None for ``"raise"``.
+    """
+
+    def __init__(self, key: str, timeout: float | None = None) -> None:
+        if timeout is None:
+            message = f"the lock {key!r} is held by others"
+        else:
+            message = f"the lock {key!r} was still held by others after {timeout} s"
+        super().__init__(message)
+        self.key = key
+        self.timeout = timeout
+
+    def __reduce__(self) -> tuple[type[LockBusyError], tuple[str, float | None]]:
+        return (type(self), (self.key, self.timeout))
