@@ -52,7 +52,12 @@ class HandleBase(Generic[D]):
 
     @property
     def token(self) -> str:
-        """The ownership token: a random UUID4 string, unique to this permit."""
+        """The ownership token, unique to this permit: a random UUID4 string and the holder's stamp.
+
+        ``uuid|since_ms|identity`` (see the Storage layout page), or the bare
+        UUID4 string for an instance made with ``identity=""``. Whoever has
+        it can release or extend the permit.
+        """
         return self._lease.token
 
     @property
