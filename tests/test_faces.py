@@ -96,7 +96,7 @@ def test_same_methods_with_same_parameters(sync: type[Any], async_: type[Any]) -
             continue
         assert not inspect.iscoroutinefunction(member), f"{sync.__name__}.{name} is async"
         if inspect.isgeneratorfunction(member):  # an iterator: an asyncio iterator there
-            assert inspect.isasyncgenfunction(other), f"{async_.__name__}.{name} is no async iterator"
+            assert inspect.isasyncgenfunction(other), f"{async_.__name__}.{name}: no async iterator"
             continue
         assert inspect.iscoroutinefunction(other), f"{async_.__name__}.{name} is not async"
     for sync_name, async_name in SYNC_ONLY.items():

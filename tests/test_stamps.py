@@ -8,7 +8,6 @@ import uuid
 import pytest
 
 from dmutex import DMutex, InMemoryBackend, ManualClock
-from dmutex._core import stamps
 from dmutex._core.stamps import (
     MAX_TOKEN_LENGTH,
     NO_STAMP,
@@ -39,7 +38,8 @@ def test_an_identity_reads_back_as_written(identity: str) -> None:
 def test_a_stamp_holds_printable_ascii_without_separator_escape_or_braces() -> None:
     token = token_for("ünï|%{x}\n")
     identity = token.split("|", 2)[2]
-    assert identity.isascii() and identity.isprintable()
+    assert identity.isascii()
+    assert identity.isprintable()
     assert not set("|{}") & set(identity)
     # Every byte but those of "n" and "x": ü and ï are two each, then | % { } and the newline.
     assert identity.count("%") == 9
@@ -55,7 +55,8 @@ def test_a_long_identity_is_cut_to_fit_never_inside_an_escape(length: int, char:
     body = encoded.removesuffix("...")
     assert "%" not in body[-2:], "an escape cut in two"
     read = read_stamp(token).identity
-    assert read is not None and read.endswith("...")
+    assert read is not None
+    assert read.endswith("...")
     assert set(read.removesuffix("...")) <= {char}
 
 
@@ -87,8 +88,9 @@ def test_the_default_identity_is_host_and_pid_and_follows_a_fork(
     stamper = Stamper(None)
     host = socket.gethostname()
     first = read_stamp(RANDOM + stamper.suffix(SINCE)).identity
-    assert first is not None and first.startswith(f"{host}:")
-    monkeypatch.setattr(stamps.os, "getpid", lambda: 4_194_303)
+    assert first is not None
+    assert first.startswith(f"{host}:")
+    monkeypatch.setattr("dmutex._core.stamps.os.getpid", lambda: 4_194_303)
     assert read_stamp(RANDOM + stamper.suffix(SINCE)).identity == f"{host}:4194303"
     fixed = Stamper("me")
     assert read_stamp(RANDOM + fixed.suffix(SINCE)).identity == "me", "a given identity stays"
@@ -105,4 +107,5 @@ def test_a_grant_is_stamped_by_the_instance_clock() -> None:
     assert (int(since), identity) == (round(clock.time() * 1000), "batch")
     (holder,) = DMutex("svc", backend).holders("job")
     assert holder.identity == "batch"
-    assert holder.since is not None and holder.since.timestamp() == int(since) / 1000
+    assert holder.since is not None
+    assert holder.since.timestamp() == int(since) / 1000

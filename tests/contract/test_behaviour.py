@@ -140,7 +140,8 @@ def test_any_instance_reads_who_holds_a_key_from_storage(env: Rig) -> None:
     assert before - timedelta(milliseconds=1) <= mine.since <= after + timedelta(milliseconds=1)
     # As the store reads it: etcd's leases count whole seconds.
     assert abs(mine.expires_at - first.expired_at) <= timedelta(seconds=1)
-    assert mine.token_prefix == first.token[:8] and mine.key == "job"
+    assert mine.token_prefix == first.token[:8]
+    assert mine.key == "job"
     assert (bare.identity, bare.since) == (None, None), "a bare token says nothing of its holder"
     assert first.release()
     assert [h.slot for h in reader.holders("job")] == [second.slot]
