@@ -26,6 +26,12 @@ Rules of this module:
    capability too (:class:`TextRule`): the engine asks it when an
    operation is asked for, before the steps exist, so that no request
    (not even the store's preparation) is sent for a text that would fail.
+6. Waking an observer on a release (:class:`Watching`) is a capability too:
+   an election's ``observe`` waits through it while someone leads, and
+   sleeps its poll interval where a store has none. A store has it where a
+   release reaches every listener without taking a waiter's place
+   (:class:`~dmutex.InMemoryBackend`, PostgreSQL's ``LISTEN``); Redis's
+   release signal wakes one waiter, which an observer must not take.
 """
 
 from __future__ import annotations
@@ -156,6 +162,21 @@ class Listing(Protocol):
         its requests by ``limit`` where its server can (a ``LIMIT``, a
         cursor's limit); Redis's ``SCAN`` walks the database until it found
         ``limit`` keys or came round.
+        """
+        ...
+
+
+@runtime_checkable
+class Watching(Protocol):
+    """A store that wakes an observer when a key is released (rule 6); changes nothing."""
+
+    def watch(self, key: str, seconds: float) -> Steps[bool]:
+        """Wait up to ``seconds`` for a release of ``key``; True when one ended it early.
+
+        Never longer, and never raises an ``Exception``: a failed request
+        turns into sleeping out the rest (False). A release that falls
+        between the caller's last read and the start of the watch may go
+        unseen: the wait then lasts its ``seconds``.
         """
         ...
 

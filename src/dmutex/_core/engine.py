@@ -60,7 +60,7 @@ from .._validate import (
     check_ttl,
 )
 from . import renewal, waiting
-from .abc import Inspection, Store, text_rule
+from .abc import Inspection, Store, Watching, sleep, text_rule
 from .abc import Renewed as Answer
 from .effects import Callback, Steps, completing
 from .lease import Lease, new_token, now_ms, ttl_to_ms
@@ -516,6 +516,18 @@ class Engine:
         """What the store holds for ``key``: its active permits and fence; changes nothing."""
         return self._store.holders(self._key(key))
 
+    def watch(self, key: str, seconds: float) -> Steps[bool]:
+        """Wait up to ``seconds`` for a release of ``key``: True when one ended it early.
+
+        Through the store where it wakes observers (``abc.Watching``); a
+        store that cannot sleeps the whole time and answers False.
+        """
+        key = self._key(key)
+        store = self._store
+        if isinstance(store, Watching):
+            return store.watch(key, seconds)
+        return _slept(seconds)
+
     def lock(self, key: str, ttl: float | None) -> Steps[bool]:
         """Deprecated ``lock()``: acquire and remember the token for ``unlock``."""
         return self._lock(self.acquire(key, ttl))
@@ -560,3 +572,9 @@ def _answer(value: bool) -> Steps[bool]:
     """Steps that make no request and return ``value``."""
     yield from ()
     return value
+
+
+def _slept(seconds: float) -> Steps[bool]:
+    """``Engine.watch`` where nothing wakes: the whole wait, never woken."""
+    yield from sleep(seconds)
+    return False

@@ -23,8 +23,12 @@ Rules of this module:
    each a retrying acquire with a token of its own: a retrying acquire keeps
    one token (engine rule 6), whose stamp's ``since`` is when it began, so a
    leader's ``since`` is at most one slice before its grant.
-5. Observing reads who leads, then waits: woken by a change where the store
-   can tell one, never longer than the poll interval (``poll``) anyway.
+5. Observing reads who leads, then waits for its next read: while someone
+   leads, a watch that a release ends early where the store tells one
+   (``abc.Watching``: in memory, PostgreSQL's ``LISTEN``), never longer than
+   the poll interval (``poll``); while nobody leads, the poll interval (no
+   store tells a grant). A read that follows a wake and finds no change
+   waits :data:`QUIET` before it watches again.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from datetime import datetime
 from .abc import Inspection
 from .lease import expiry_datetime
 from .stamps import read_stamp, token_prefix
+
+QUIET = 0.05
+"""Rule 5: seconds an observer pauses after a wake that showed no change."""
 
 CAMPAIGN_SLICE = 1.0
 """Rule 4: the longest a campaign's retrying acquire lasts before it starts another."""

@@ -29,10 +29,12 @@ from typing import Generic, TypeVar, cast
 from .._backends.clients import AsyncClient, SyncClient
 from .._clock import Clock
 from .._core.abc import sleep
+from .._core.effects import Steps
+from .._core.engine import Engine
 from .._core.lease import expiry_datetime
 from .._core.observe import Observer
 from .._core.stamps import read_stamp
-from .._core.terms import CAMPAIGN_SLICE, Leader, changed, leader_of
+from .._core.terms import CAMPAIGN_SLICE, QUIET, Leader, changed, leader_of
 from .._errors import InvalidArgumentError, LeaseLostError
 from .._validate import BackendName, check_callback, check_key, check_retry_delay, check_timeout
 from .aio import AsyncDMutex, AsyncDMutexLock
@@ -249,6 +251,25 @@ def _slices(timeout: float | None, monotonic: Callable[[], float]) -> Iterator[f
             return
 
 
+def _between_reads(
+    engine: Engine, key: str, leader: Leader | None, poll: float, quiet: bool
+) -> Steps[bool]:
+    """An observer's wait for its next read (terms rule 5).
+
+    While someone leads, a watch that a release ends early where the store
+    tells one; while nobody does, the poll interval (no store tells a grant).
+    ``quiet``: the last wait was woken and the read after it showed no
+    change; this one pauses :data:`QUIET` first, so that wakes that change
+    nothing cannot make it spin. Answers whether a release woke it.
+    """
+    if leader is None:
+        yield from sleep(poll)
+        return False
+    if quiet:
+        yield from sleep(min(QUIET, poll))
+    return (yield from engine.watch(key, poll))
+
+
 def _check_poll(poll: object) -> float:
     """``observe``'s poll interval: seconds, more than none."""
     seconds = check_timeout(poll)
@@ -300,20 +321,24 @@ class DElection(_ElectionBase[DMutex, SyncClient]):
     def observe(self, name: str, *, poll: float = 1.0) -> Iterator[Leader | None]:
         """Who leads ``name``, then each change of leader (a new one, or nobody), forever.
 
-        Reads storage every ``poll`` seconds: a change is seen within
-        ``poll`` seconds plus a read. A renewal is no change; two changes
-        within one poll are seen as the last of them.
+        A change is seen within ``poll`` seconds and a read; a resignation
+        sooner where the store tells observers of a release (in memory,
+        PostgreSQL through a psycopg pool or asyncpg, etcd): its wait ends
+        then. A renewal is no change; two changes within one wait are seen
+        as the last of them. Redis, MongoDB, MySQL and SQLite poll (Redis's
+        release signal wakes one waiter, which an observer must not take).
         """
         key, seconds = check_key(name), _check_poll(poll)
-        mutex = self._mutex
+        drive, engine = self._mutex._drive, self._mutex._engine
         last: Leader | None = None
-        first = True
+        first, woken = True, False
         while True:
-            now = leader_of(key, mutex._drive(mutex._engine.holders(key)))
-            if first or changed(last, now):
+            now = leader_of(key, drive(engine.holders(key)))
+            news = first or changed(last, now)
+            if news:
                 first, last = False, now
                 yield now
-            mutex._drive(sleep(seconds))
+            woken = drive(_between_reads(engine, key, now, seconds, woken and not news))
 
     def run(
         self,
@@ -373,15 +398,17 @@ class AsyncDElection(_ElectionBase[AsyncDMutex, AsyncClient]):
     async def observe(self, name: str, *, poll: float = 1.0) -> AsyncIterator[Leader | None]:
         """Who leads ``name``, then each change; see :meth:`DElection.observe`."""
         key, seconds = check_key(name), _check_poll(poll)
-        mutex = self._mutex
+        drive, engine = self._mutex._drive, self._mutex._engine
         last: Leader | None = None
-        first = True
+        first, woken = True, False
         while True:
-            now = leader_of(key, await mutex._drive(mutex._engine.holders(key)))
-            if first or changed(last, now):
+            now = leader_of(key, await drive(engine.holders(key)))
+            news = first or changed(last, now)
+            if news:
                 first, last = False, now
                 yield now
-            await mutex._drive(sleep(seconds))
+            quiet = woken and not news
+            woken = await drive(_between_reads(engine, key, now, seconds, quiet))
 
     async def run(
         self,

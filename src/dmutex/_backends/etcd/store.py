@@ -70,7 +70,7 @@ from collections.abc import Sequence
 
 from ..._clock import Clock
 from ..._core.abc import Holder, Inspection, Renewed
-from ..._core.effects import Steps
+from ..._core.effects import Sleep, Steps
 from ..._core.lease import MAX_EXPIRY_MS, Lease, now_ms
 from ..._core.waiting import Waiter
 from .leases import Find, LeaseBook, Renewal, lease_id, lease_seconds
@@ -238,6 +238,29 @@ class EtcdStore:
     def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
         """Watch the slot key the last attempt noted, up to ``seconds`` (``watching.py``)."""
         return self._watches.wait(waiter, seconds)
+
+    def watch(self, key: str, seconds: float) -> Steps[bool]:
+        """Watch the slot of ``key`` held longest for its end, up to ``seconds`` (``abc.Watching``).
+
+        One read of the slot keys, then a watch from the revision after that
+        slot's newest put: its release, expiry or revoke ends it, one since
+        the read included. Nothing held, or a failed or timed-out watch:
+        sleeps out the rest (False).
+        """
+        started = self._clock.monotonic()
+        try:
+            records = yield from self._read_slots(key)
+            if records:
+                oldest = min(records, key=lambda record: record.mod_revision)
+                revision = oldest.mod_revision + 1
+                yield self._dialect.watch(oldest.key, None, revision, seconds)
+                return True
+        except Exception:  # noqa: BLE001 - a timeout, or a failed watch: sleep the rest
+            pass
+        rest = seconds - (self._clock.monotonic() - started)
+        if rest > 0:
+            yield Sleep(rest)
+        return False
 
     def _lease(self, key: str, token: str) -> int:
         """The lease ID of ``token``'s hold of ``key`` (rule 1)."""

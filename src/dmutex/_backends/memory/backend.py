@@ -251,6 +251,18 @@ def wake(wakeups: Iterable[Wakeup]) -> None:
         wakeup.set()
 
 
+def watch_key(backend: InMemoryBackend, prefix: str, key: str, wakeup: Wakeup) -> None:
+    """Have the next release of ``prefix``'s ``key`` set ``wakeup`` too (an observer's).
+
+    The set holds it weakly: a watch that ran out leaves nothing behind once
+    its wakeup is gone. The caller holds the backend's lock.
+    """
+    wakeups = backend._waiters.get((prefix, key))
+    if wakeups is None:
+        wakeups = backend._waiters[(prefix, key)] = weakref.WeakSet()
+    wakeups.add(wakeup)
+
+
 def register(
     backend: InMemoryBackend, prefix: str, key: str, waiter: Waiter, expires_in: float | None
 ) -> None:

@@ -9,8 +9,8 @@ from ..._clock import Clock
 from ..._core.abc import Holder, Inspection, Renewed, extend_each
 from ..._core.effects import Steps, Wait
 from ..._core.lease import MAX_EXPIRY_MS, Lease, now_ms
-from ..._core.waiting import Waiter
-from .backend import InMemoryBackend, Slots, register, wake
+from ..._core.waiting import Waiter, Wakeup
+from .backend import InMemoryBackend, Slots, register, wake, watch_key
 
 
 class MemoryStore:
@@ -80,6 +80,18 @@ class MemoryStore:
 
     def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
         yield Wait(waiter.wakeup, seconds)
+
+    def watch(self, key: str, seconds: float) -> Steps[bool]:
+        """Wait for a release of ``key`` (``abc.Watching``), its earliest expiry, or ``seconds``."""
+        wakeup = Wakeup()
+        with self._backend._lock:
+            slots = self._backend._records.get(self._prefix, {}).get(key)
+            if slots is not None and slots.records:
+                left = (slots.earliest() - now_ms(self.clock)) / 1000
+                seconds = max(0.0, min(seconds, left))
+            watch_key(self._backend, self._prefix, key, wakeup)
+        yield Wait(wakeup, seconds)
+        return wakeup.is_set()
 
     def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
         yield from ()

@@ -329,15 +329,20 @@ class PostgresStore:
         """Whether its waiters listen for releases (rule 5); else they poll."""
         return self._listen is not None
 
-    def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
-        """Listen for a release of ``key`` up to ``seconds``, else sleep (rule 5); never raises."""
-        if waiter.woken:
-            waiter.woken = False
-            yield Sleep(lost_pause(seconds))
-            return
+    def watch(self, key: str, seconds: float) -> Steps[bool]:
+        """Listen for a release of ``key`` up to ``seconds`` (``abc.Watching``), else sleep.
+
+        As a waiter listens (rule 5): a pool or an asyncpg connection is
+        woken; a single connection, an engine or a pooler sleeps it out.
+        """
         if self._listen is None or seconds <= 0:
             yield Sleep(seconds)
-            return
+            return False
+        return (yield from self._listened(key, seconds)) is True
+
+    def _listened(self, key: str, seconds: float) -> Steps[bool | None]:
+        """One listen for ``key``: True woken, False timed out, None it could not (slept out)."""
+        assert self._listen is not None  # the callers check
         started = self._clock.monotonic()
         try:
             woken = yield Call(self._listen, (key, seconds))
@@ -350,5 +355,18 @@ class PostgresStore:
             rest = seconds - (self._clock.monotonic() - started)
             if rest > 0:
                 yield Sleep(rest)
+            return None
+        return woken is True
+
+    def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
+        """Listen for a release of ``key`` up to ``seconds``, else sleep (rule 5); never raises."""
+        if waiter.woken:
+            waiter.woken = False
+            yield Sleep(lost_pause(seconds))
             return
-        waiter.woken = woken is True
+        if self._listen is None or seconds <= 0:
+            yield Sleep(seconds)
+            return
+        woken = yield from self._listened(key, seconds)
+        if woken is not None:
+            waiter.woken = woken
