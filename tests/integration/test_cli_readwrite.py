@@ -176,10 +176,10 @@ def test_readers_share_the_key_and_a_writer_is_refused_meanwhile(
     assert held.status == 0, held.stderr
     lines = held.stdout.splitlines()
     assert lines[0] == f"{KEY!r} (service {backend.service!r}, read-write lock): held by 2 readers"
-    assert lines[1].split() == ["role", "expires", "(UTC)", "left", "token"]
+    assert lines[1].split() == ["role", "expires", "(UTC)", "left", "token", "holder"]
     rows = [line.split() for line in lines[2:4]]
     assert [row[0] for row in rows] == ["read", "read"]
-    assert {row[-1] for row in rows} == {f"{t[:8]}..." for t in tokens}
+    assert {row[4] for row in rows} == {f"{t[:8]}..." for t in tokens}
     assert all(t not in held.stdout for t in tokens)  # shortened, never whole
     assert lines[4].startswith("fence: ")
 
@@ -256,7 +256,7 @@ def test_a_waiting_writer_keeps_new_readers_out_and_gets_in_after_the_readers(
     lines = held.stdout.splitlines()
     assert lines[0].endswith("read-write lock): held by the writer")
     assert lines[2].split()[0] == "write"
-    assert lines[2].split()[-1] == f"{token[:8]}..."
+    assert lines[2].split()[4] == f"{token[:8]}..."
     assert token not in held.stdout
     document = json.loads(status(backend, env, "--read-write", "--json").stdout)
     assert [(h["role"], h["token_prefix"]) for h in document["holders"]] == [("write", token[:8])]

@@ -1,4 +1,4 @@
-"""The ``dmutex`` command: run a command under a distributed lock, or show who holds one.
+"""The ``dmutex`` command: run a command under a lock or as a leader, or show who holds one.
 
 ``dmutex run [options] KEY -- COMMAND [ARG...]`` takes the lock KEY (a
 semaphore of ``--limit`` permits; with ``--read`` or ``--write``, KEY's
@@ -6,7 +6,11 @@ read-write lock as a reader or as the writer), runs COMMAND as a child with
 the lease renewed in the background, and releases it when the child ends.
 ``dmutex status [options] KEY`` shows the active permits (``--read-write``:
 the read-write lock's writer or readers); without KEY, every held key of
-the service, up to ``--max-keys``. See ``dmutex --help``.
+the service, up to ``--max-keys``. ``dmutex lead [options] NAME -- COMMAND
+[ARG...]`` campaigns for the leadership of NAME, runs COMMAND while it
+leads, and campaigns again once COMMAND has ended, until signalled: one
+host at a time runs COMMAND (its rules: :mod:`dmutex._cli.lead`). See
+``dmutex --help``.
 
 The rules of the command:
 
@@ -20,6 +24,9 @@ The rules of the command:
    after the lease was lost while the child ran (the child got SIGTERM,
    then SIGKILL after ``--kill-grace``); 127 / 126 when COMMAND is not
    found / not executable, as in the shell. ``status``: 0 held, 1 free.
+   ``lead`` ends only by a signal (then the child's status, or 128+N when
+   no child ran) or by 64, 69 (at its first attempt), 70 (no watchdog),
+   127 / 126; a lost leadership stops the child and campaigns again.
 3. A failure prints one line on stderr, ``dmutex: ...``, with any password
    in the backend URL hidden; a lock that stayed held prints nothing
    without ``-v``, as ``flock(1)`` does.
@@ -35,7 +42,9 @@ The rules of the command:
 
 6. The command never outlives the lease, even when ``dmutex`` is killed or
    stopped: a watchdog process stops it by the deadline
-   (:mod:`dmutex._cli.watchdog`).
+   (:mod:`dmutex._cli.watchdog`), under ``run`` and ``lead`` alike.
+7. A lease of ``run`` or ``lead`` says who holds it: ``host:pid`` of
+   ``dmutex`` and the command, what ``status`` shows as its holder.
 
 Caveats: POSIX only (signals, process groups). The child stays in
 ``dmutex``'s process group, as under ``flock(1)``, when ``dmutex`` is in its
@@ -49,8 +58,9 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from .args import RunArgs, parse
+from .args import LeadArgs, RunArgs, parse
 from .errors import BROKEN, Failure
+from .lead import lead
 from .run import run
 from .status import status
 
@@ -69,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parsed = parse(arguments, env)
         if isinstance(parsed, RunArgs):
             return run(parsed, env, sys.stderr)
+        if isinstance(parsed, LeadArgs):
+            return lead(parsed, env, sys.stderr)
         try:
             return status(parsed, env, sys.stdout)
         except Failure:

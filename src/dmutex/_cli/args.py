@@ -1,12 +1,15 @@
-"""The command line: ``dmutex run`` and ``dmutex status``, parsed into checked dataclasses.
+"""The command line: ``dmutex run``, ``lead`` and ``status``, parsed into checked dataclasses.
 
-Guarantee: :func:`parse` returns a :class:`RunArgs` or :class:`StatusArgs`
-whose every value is in range, or raises :class:`~dmutex._cli.errors.Failure`
+Guarantee: :func:`parse` returns a :class:`RunArgs`, :class:`LeadArgs` or
+:class:`StatusArgs` whose every value is in range, or raises :class:`~dmutex._cli.errors.Failure`
 (status 64 for a usage error, 0 after ``--help`` / ``--version``, with the
 text already printed). It never raises ``SystemExit``. Each names one kind
 of lock (:attr:`RunArgs.kind`): a mutex, a semaphore (``--limit N``) or a
 read-write lock (``run --read`` / ``--write``, ``status --read-write``),
 never two: a read-write lock with a ``--limit`` other than 1 is a usage error.
+``lead`` campaigns for a name of the service's mutexes (an election is a
+mutex with fencing): it takes no ``--limit``, and its ``--ttl`` defaults to
+:data:`DEFAULT_LEAD_TTL`, the election's own default.
 
 ``status`` without KEY lists the service's namespace: the held keys, at
 most ``--max-keys`` of them (:data:`DEFAULT_MAX_KEYS`, at most
@@ -14,8 +17,9 @@ most ``--max-keys`` of them (:data:`DEFAULT_MAX_KEYS`, at most
 SECONDS`` (at least :data:`LEAST_WATCH`) reads again every SECONDS, a key's
 status or the namespace's, until interrupted.
 
-Caveats: as with ``flock(1)``, the options of ``run`` come before KEY:
-everything after KEY is the command (a first ``--`` after KEY is dropped).
+Caveats: as with ``flock(1)``, the options of ``run`` come before KEY (of
+``lead``, before NAME): everything after it is the command (a first ``--``
+after it is dropped).
 """
 
 from __future__ import annotations
@@ -36,10 +40,19 @@ from .._version import __version__
 from .errors import CONFLICT, USAGE, Failure, one_line
 from .holders import Role
 
-__all__ = ["RunArgs", "StatusArgs", "build_parser", "parse"]
+__all__ = ["LeadArgs", "RunArgs", "StatusArgs", "build_parser", "parse"]
 
 DEFAULT_SERVICE = "dmutex"
 DEFAULT_TTL = 60.0
+# dmutex lead: DElection's default lease, so that a leader that dies is
+# replaced within about 15 s (run's 60 s suits a job, not a standby).
+DEFAULT_LEAD_TTL = 15.0
+# dmutex lead's pause before it campaigns again once COMMAND has ended: the
+# first, doubled after each run shorter than STEADY_RUN (a command that fails
+# at once does not spin), at most LONGEST_PAUSE; a longer run resets it.
+FIRST_PAUSE = 1.0
+STEADY_RUN = 10.0
+LONGEST_PAUSE = 60.0
 DEFAULT_KILL_GRACE = 10.0
 # COMMAND must be dead by the lease's deadline, and gets SIGTERM --kill-grace
 # before it: a grace of at most a quarter of the TTL leaves a renewal and a
@@ -116,8 +129,38 @@ examples:
   dmutex status --limit 4 --watch 2                # its semaphores of 4, every 2 s
 """
 
+_LEAD_DESCRIPTION = textwrap.fill(
+    "Campaign for the leadership of NAME (a mutex key of the service, with fencing), run "
+    "COMMAND while leading (the lease renewed in the background), stop it before the lease "
+    "can lapse when leadership is lost, and campaign again when COMMAND has ended, until a "
+    "signal: SIGINT, SIGTERM and SIGHUP are passed on to a running COMMAND, then dmutex "
+    f"resigns and exits. Before campaigning again it pauses {FIRST_PAUSE:g} s, twice as long "
+    f"after each run shorter than {STEADY_RUN:g} s, at most {LONGEST_PAUSE:g} s.",
+    width=78,
+    break_on_hyphens=False,
+)
+
+_LEAD_EPILOG = """\
+exit status (it campaigns again after COMMAND exits, or is stopped for a lost
+leadership, until a signal ends it):
+  after SIGINT, SIGTERM or SIGHUP: the command's own (128+N if a signal N killed
+       it), or 128+N when the signal came while no command ran
+  64   usage error          69   the backend cannot be reached at the start
+  70   the command's watchdog could not start
+  126  COMMAND cannot be executed       127  COMMAND not found
+
+the command's environment gains DMUTEX_KEY (NAME), DMUTEX_FENCE (the term of
+this leadership: greater than every earlier leader's, for fencing its writes)
+and DMUTEX_SLOT (0).
+
+examples:
+  dmutex lead --backend redis://cache:6379/0 scheduler -- python -m myapp.scheduler
+                                                   # on every replica: one runs it
+  dmutex status --backend redis://cache:6379/0 scheduler     # who leads
+"""
+
 _MAIN_EPILOG = """\
-Run 'dmutex run --help' or 'dmutex status --help' for their options.
+Run 'dmutex run --help', 'dmutex lead --help' or 'dmutex status --help' for their options.
 """
 
 
@@ -217,7 +260,8 @@ def _exit_code(text: str) -> int:
     return value
 
 
-def _add_common(parser: argparse.ArgumentParser) -> None:
+def _add_place(parser: argparse.ArgumentParser) -> None:
+    """``--backend`` and ``--service``: where the locks live."""
     parser.add_argument("--backend", metavar="URL", help=_BACKEND_HELP)
     parser.add_argument(
         "--service",
@@ -226,6 +270,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_SERVICE,
         help="the namespace of the keys, as the library's service_name (default: %(default)s)",
     )
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    _add_place(parser)
     parser.add_argument(
         "--limit",
         metavar="N",
@@ -246,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     parser.add_argument("--version", action="version", version=f"dmutex {__version__}")
-    commands = parser.add_subparsers(dest="command_name", metavar="{run,status}")
+    commands = parser.add_subparsers(dest="command_name", metavar="{run,lead,status}")
 
     run = commands.add_parser(
         "run",
@@ -259,13 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     _add_common(run)
-    run.add_argument(
-        "--ttl",
-        metavar="SECONDS",
-        type=_ttl,
-        default=DEFAULT_TTL,
-        help="the lease length, renewed every third of it while COMMAND runs; a dmutex "
-        "that dies leaves the lock held this long at most; 1 or more (default: %(default)g)",
+    _add_ttl(
+        run,
+        DEFAULT_TTL,
+        "the lease length, renewed every third of it while COMMAND runs; a dmutex "
+        "that dies leaves the lock held this long at most",
     )
     waiting = run.add_mutually_exclusive_group()
     waiting.add_argument(
@@ -308,15 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=CONFLICT,
         help="the exit status when the lock was not acquired (default: %(default)s)",
     )
-    run.add_argument(
-        "--kill-grace",
-        metavar="SECONDS",
-        type=_seconds_or_zero,
-        default=None,
-        help="how long COMMAND has between SIGTERM and SIGKILL when the lease cannot be "
-        "kept: SIGTERM comes this long before the lease's deadline, SIGKILL at it; at most "
-        f"a quarter of --ttl (default: {DEFAULT_KILL_GRACE:g}, or a quarter of --ttl if less)",
-    )
+    _add_kill_grace(run, "the lease")
     run.add_argument(
         "-v",
         "--verbose",
@@ -325,6 +363,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("key", metavar="KEY", help="the name of the lock")
     run.add_argument("command", metavar="COMMAND", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+    lead = commands.add_parser(
+        "lead",
+        help="keep a command running on one host at a time (the leader)",
+        usage="dmutex lead [options] NAME [--] COMMAND [ARG...]",
+        description=_LEAD_DESCRIPTION,
+        epilog=_LEAD_EPILOG,
+        formatter_class=_Formatter,
+    )
+    _add_place(lead)
+    _add_ttl(
+        lead,
+        DEFAULT_LEAD_TTL,
+        "the leadership's lease, renewed every third of it while leading; a leader "
+        "that dies is replaced after this long at most",
+    )
+    _add_kill_grace(lead, "leadership")
+    lead.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="say on stderr when dmutex campaigns (and who leads), leads, resigns and "
+        "pauses, and how COMMAND ended (default: only what went wrong)",
+    )
+    lead.add_argument("key", metavar="NAME", help="the name to lead: a mutex key of the service")
+    lead.add_argument(
+        "command", metavar="COMMAND", nargs=argparse.REMAINDER, help=argparse.SUPPRESS
+    )
 
     status = commands.add_parser(
         "status",
@@ -372,6 +438,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_ttl(parser: argparse.ArgumentParser, default: float, meaning: str) -> None:
+    parser.add_argument(
+        "--ttl",
+        metavar="SECONDS",
+        type=_ttl,
+        default=default,
+        help=f"{meaning}; 1 or more (default: %(default)g)",
+    )
+
+
+def _add_kill_grace(parser: argparse.ArgumentParser, kept: str) -> None:
+    parser.add_argument(
+        "--kill-grace",
+        metavar="SECONDS",
+        type=_seconds_or_zero,
+        default=None,
+        help=f"how long COMMAND has between SIGTERM and SIGKILL when {kept} cannot be "
+        "kept: SIGTERM comes this long before the lease's deadline, SIGKILL at it; at most "
+        f"a quarter of --ttl (default: {DEFAULT_KILL_GRACE:g}, or a quarter of --ttl if less)",
+    )
+
+
 @dataclass(frozen=True)
 class RunArgs:
     """``dmutex run``: what to lock, what to run, and how."""
@@ -394,6 +482,19 @@ class RunArgs:
     def kind(self) -> Kind:
         """The kind of lock: a read-write lock with a role, else by ``limit``."""
         return lock_kind(self.limit, readwrite=self.role is not None)
+
+
+@dataclass(frozen=True)
+class LeadArgs:
+    """``dmutex lead``: what to lead, what to run while leading, and how."""
+
+    name: str
+    command: list[str]
+    backend: str | None
+    service: str
+    ttl: float
+    kill_grace: float
+    verbose: bool
 
 
 @dataclass(frozen=True)
@@ -425,7 +526,7 @@ def lock_kind(limit: int, *, readwrite: bool) -> Kind:
     return "mutex" if limit == 1 else "semaphore"
 
 
-def parse(argv: Sequence[str], env: Mapping[str, str]) -> RunArgs | StatusArgs:
+def parse(argv: Sequence[str], env: Mapping[str, str]) -> RunArgs | LeadArgs | StatusArgs:
     """Parse ``argv`` (without the program name); ``--backend`` defaults to ``$DMUTEX_BACKEND``."""
     parser = build_parser()
     try:
@@ -434,10 +535,20 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> RunArgs | StatusArgs:
         raise Failure(done.status) from None
     if ns.command_name is None:
         parser.print_usage(sys.stderr)
-        raise Failure(USAGE, "a command is needed: run or status (see dmutex --help)")
+        raise Failure(USAGE, "a command is needed: run, lead or status (see dmutex --help)")
     backend = ns.backend or env.get(BACKEND_ENV) or None
     if ns.key is not None:
-        _check_key(ns.key)
+        _check_key(ns.key, "NAME" if ns.command_name == "lead" else "KEY")
+    if ns.command_name == "lead":
+        return LeadArgs(
+            name=ns.key,
+            command=_command(ns.command, "lead", "NAME"),
+            backend=backend,
+            service=ns.service,
+            ttl=ns.ttl,
+            kill_grace=_kill_grace(ns.kill_grace, ns.ttl),
+            verbose=ns.verbose,
+        )
     if ns.command_name == "status":
         if ns.readwrite:
             _no_limit("--read-write", ns.limit)
@@ -459,22 +570,11 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> RunArgs | StatusArgs:
         )
     if ns.role is not None:
         _no_limit(f"--{ns.role}", ns.limit)
-    command: list[str] = list(ns.command)
-    if command[:1] == ["--"]:
-        command = command[1:]
-    if not command:
-        raise Failure(USAGE, "no COMMAND to run: dmutex run [options] KEY -- COMMAND [ARG...]")
-    if command[0].startswith("-"):
-        raise Failure(
-            USAGE,
-            f"{command[0]!r} after KEY: options go before KEY "
-            "(dmutex run [options] KEY -- COMMAND [ARG...])",
-        )
     wait: float | None = 0.0 if ns.no_wait else ns.wait
     kill_grace = _kill_grace(ns.kill_grace, ns.ttl)
     return RunArgs(
         key=ns.key,
-        command=command,
+        command=_command(ns.command, "run", "KEY"),
         backend=backend,
         service=ns.service,
         limit=ns.limit,
@@ -487,16 +587,29 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> RunArgs | StatusArgs:
     )
 
 
-def _check_key(key: str) -> None:
-    """Refuse a KEY the library would: empty, not UTF-8, too long (status 64)."""
+def _command(given: Sequence[str], subcommand: str, key: str) -> list[str]:
+    """The COMMAND after ``key`` (KEY or NAME), without a first ``--``; 64 if none, or an option."""
+    command = list(given)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    usage = f"dmutex {subcommand} [options] {key} -- COMMAND [ARG...]"
+    if not command:
+        raise Failure(USAGE, f"no COMMAND to run: {usage}")
+    if command[0].startswith("-"):
+        raise Failure(USAGE, f"{command[0]!r} after {key}: options go before {key} ({usage})")
+    return command
+
+
+def _check_key(key: str, what: str) -> None:
+    """Refuse a KEY (``what``: or NAME) the library would: empty, not UTF-8, too long (64)."""
     if not key:
-        raise Failure(USAGE, "KEY must not be empty")
+        raise Failure(USAGE, f"{what} must not be empty")
     try:
         # The library's rule: UTF-8 (argv bytes that are not arrive as lone
         # surrogates), at most MAX_KEY_LENGTH characters.
         check_key(key)
     except (InvalidArgumentError, ArgumentTypeError) as error:
-        raise Failure(USAGE, f"KEY: {one_line(error)}") from None
+        raise Failure(USAGE, f"{what}: {one_line(error)}") from None
 
 
 def _no_limit(option: str, limit: int) -> None:

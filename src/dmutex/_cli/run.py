@@ -6,8 +6,10 @@ signal; the lease is renewed every third of ``--ttl`` meanwhile. The exit
 status is decided here (see :mod:`dmutex._cli`). The lock is a
 :class:`~dmutex.DMutex`, a :class:`~dmutex.DSemaphore` (``--limit``) or one
 side of a :class:`~dmutex.DReadWriteLock` (``--read``, ``--write``), each
-held the same way. A backend that serves no read-write lock is a usage
-error before anything connects or runs.
+held the same way, its leases saying who holds them: ``host:pid`` of
+``dmutex`` and the command (:func:`~dmutex._cli.supervise.holder_identity`).
+A backend that serves no read-write lock is a usage error before anything
+connects or runs.
 
 A wait is one library call per :data:`LONGEST_WAIT` (or what is left of
 ``-w``), never cut short for ``-v``'s lines (they come from a thread): a
@@ -23,8 +25,6 @@ with the lease held to its end.
 
 from __future__ import annotations
 
-import subprocess
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -47,7 +47,7 @@ from .holders import Inspection, read_holders
 from .progress import Progress
 from .urls import Connection, connect, parse
 
-__all__ = ["LONGEST_WAIT", "RETRY_DELAY", "request_timeout", "run"]
+__all__ = ["LONGEST_WAIT", "RETRY_DELAY", "request_timeout", "run", "session"]
 
 Handle = DMutexLock | DSemaphorePermit | DReadLock | DWriteLock
 RETRY_DELAY = 0.2  # seconds between attempts while waiting; a release wakes a waiter sooner
@@ -99,6 +99,7 @@ def _lock(args: RunArgs, backend: Connection) -> _Taker:
     a backend that serves no read-write lock is refused here, a usage error.
     """
     service, client, ttl, options = args.service, backend.client, args.ttl, backend.options
+    identity = sup.holder_identity(args.command)
     try:
         if args.role is not None:
             rw = DReadWriteLock(
@@ -106,6 +107,7 @@ def _lock(args: RunArgs, backend: Connection) -> _Taker:
                 client,
                 default_ttl_seconds=ttl,
                 fencing=True,
+                identity=identity,
                 **options,
             )
             if args.role == "read":
@@ -117,6 +119,7 @@ def _lock(args: RunArgs, backend: Connection) -> _Taker:
                 client,
                 default_ttl_seconds=ttl,
                 fencing=True,
+                identity=identity,
                 **options,
             )
             return _Taker(mutex.acquire, mutex.acquire_with_retry)
@@ -126,6 +129,7 @@ def _lock(args: RunArgs, backend: Connection) -> _Taker:
             max_permits=args.limit,
             default_ttl_seconds=ttl,
             fencing=True,
+            identity=identity,
             **options,
         )
         return _Taker(semaphore.acquire, semaphore.acquire_with_retry)
@@ -167,13 +171,35 @@ def _child_env(env: Mapping[str, str], handle: Handle) -> dict[str, str]:
 
 def run(args: RunArgs, env: Mapping[str, str], stderr: TextIO) -> int:
     """Do one ``dmutex run``; returns the exit status, or raises :class:`Failure`."""
-    address = parse(args.backend, env)
+    return session(
+        args.backend,
+        env,
+        args.ttl,
+        lambda backend, signals: _run(args, env, stderr, backend, signals),
+    )
+
+
+def session(
+    url: str | None,
+    env: Mapping[str, str],
+    ttl: float,
+    body: Callable[[Connection, sup.Signals], int],
+) -> int:
+    """``body(backend, signals)``'s status, with the signals taken over and the backend open.
+
+    The backend is ``url``'s (None: the default file), its requests timed
+    out for leases of ``ttl`` (:func:`request_timeout`), closed after; a
+    forwarded signal that :class:`~dmutex._cli.supervise.Signals` raises
+    (no child runs) ends it with 128+N. The frame of ``dmutex run`` and
+    ``dmutex lead`` alike.
+    """
+    address = parse(url, env)
     signals = sup.Signals()
     signals.install()
     try:
-        backend = connect(address, timeout=request_timeout(args.ttl), waits=True)
+        backend = connect(address, timeout=request_timeout(ttl), waits=True)
         try:
-            return _run(args, env, stderr, backend, signals)
+            return body(backend, signals)
         finally:
             backend.close()
     except sup.Interrupted as stop:
@@ -227,75 +253,24 @@ def _run(
     progress.say(f"acquired {args.key!r}{taken}{fence} after {time.monotonic() - started:.1f} s")
     status: int | None = None
     try:
-        status = _supervised(args, env, stderr, handle, signals)
+        status = sup.guard(
+            args.command,
+            _child_env(env, handle),
+            handle,
+            signals,
+            stderr,
+            what=f"the lease on {args.key!r}",
+            ttl=args.ttl,
+            kill_grace=args.kill_grace,
+        )
     finally:
         # A lease already reported lost needs no second line when its release fails too.
         released = _release(handle, backend, None if status == LOST else stderr)
     if not released and handle.lost and status != LOST:
-        _say(stderr, f"the lease on {args.key!r} was found lost when it was released")
+        sup.say(stderr, f"the lease on {args.key!r} was found lost when it was released")
         return LOST
     progress.say(f"released {args.key!r}")
     return status
-
-
-def _supervised(
-    args: RunArgs, env: Mapping[str, str], stderr: TextIO, handle: Handle, signals: sup.Signals
-) -> int:
-    lost = threading.Event()
-    wake = threading.Event()
-
-    def found_lost(_: object) -> None:
-        lost.set()
-        wake.set()
-
-    handle.on_lost(found_lost)
-    if signals.received:  # a signal came before the command started: do not start it
-        return 128 + signals.received[0]
-    if lost.is_set():  # gone already (a stop longer than the TTL): do not start it unprotected
-        _say(stderr, f"lost the lease on {args.key!r} before {args.command[0]} started")
-        return LOST
-    watchdog = sup.Watchdog(grace=args.kill_grace, deadline=time.monotonic() + handle.time_left)
-    child: subprocess.Popen[bytes] | None = None
-    try:
-        child = sup.start(args.command, _child_env(env, handle), watchdog.group)
-        command = watchdog.watch(child)
-        signals.attach(child)
-        return sup.supervise(
-            child,
-            lost,
-            wake,
-            kill_grace=args.kill_grace,
-            time_left=lambda: handle.time_left,
-            on_lost=_stopping(args, stderr, child.pid),
-            on_unwatched=lambda status: _say(
-                stderr,
-                f"the watchdog of {args.command[0]} ended (status {status}): it runs on "
-                "unguarded should dmutex be killed or stopped",
-            ),
-            watchdog=watchdog,
-            command=command,
-            # Often enough that a renewal reaches the watchdog long before its SIGTERM would.
-            report_every=min(args.ttl / 10, 1.0),
-        )
-    finally:  # supervise() closed it, unless the command did not start or an error came
-        watchdog.close(done=child is None or child.poll() is not None, wait=args.kill_grace + 1.0)
-
-
-def _stopping(args: RunArgs, stderr: TextIO, pid: int) -> Callable[[float], None]:
-    """What dmutex says as it stops the command (pid ``pid``) for the lease."""
-
-    def say(left: float) -> None:
-        grace = f"{min(args.kill_grace, left) if left > 0 else args.kill_grace:.3g} s"
-        why = (
-            f"could not renew the lease on {args.key!r} ({left:.1f} s before it may lapse)"
-            if left > 0
-            else f"lost the lease on {args.key!r}"
-        )
-        _say(
-            stderr, f"{why}: stopping {args.command[0]} (pid {pid}: SIGTERM, SIGKILL after {grace})"
-        )
-
-    return say
 
 
 def _release(handle: Handle, backend: Connection, stderr: TextIO | None) -> bool:
@@ -307,16 +282,8 @@ def _release(handle: Handle, backend: Connection, stderr: TextIO | None) -> bool
         return handle.release()
     except backend.errors as error:
         if stderr is not None:
-            _say(
+            sup.say(
                 stderr,
                 f"could not release {handle.key!r} ({one_line(error)}): it lapses within its TTL",
             )
         return True  # not lost: the command ran to its end with the lease renewed
-
-
-def _say(stderr: TextIO, text: str) -> None:
-    try:
-        stderr.write(f"dmutex: {text}\n")
-        stderr.flush()
-    except (OSError, ValueError):
-        pass

@@ -15,6 +15,10 @@ The same holds when ``dmutex`` itself is killed, stopped or starved: a
 :class:`Watchdog` process, told the deadline as renewals move it, stops the
 command by that deadline (the rules are in :mod:`dmutex._cli.watchdog`).
 
+:func:`guard` runs a command under a held lease, the watchdog and
+:func:`supervise` included: ``dmutex run`` once, ``dmutex lead`` once per
+term. :func:`holder_identity` is who their leases say holds them.
+
 Caveats: POSIX only (signals, process groups). When ``dmutex`` is in its
 terminal's foreground, the child stays in ``dmutex``'s process group, as
 under ``flock(1)``, so that it can read from the terminal and gets Ctrl-C;
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -35,16 +40,22 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
+from typing import Any, Protocol, TextIO
 
+from .._core.stamps import default_identity
 from .errors import BROKEN, LOST, NOT_EXECUTABLE, NOT_FOUND, Failure
 from .watchdog import Command
 
 __all__ = [
     "FORWARDED",
     "Interrupted",
+    "Lease",
     "Signals",
     "Watchdog",
     "exit_status",
+    "guard",
+    "holder_identity",
+    "say",
     "start",
     "supervise",
 ]
@@ -110,6 +121,17 @@ class Signals:
     def held(self) -> None:
         """The lock is held: from now on a signal is recorded, then forwarded, not raised."""
         self._raising = False
+
+    def released(self) -> None:
+        """The lock is no longer held (``dmutex lead`` campaigns again): a signal raises again.
+
+        One recorded since :meth:`held` raises :class:`Interrupted` now; the
+        child that was attached is forgotten.
+        """
+        self._child = None
+        self._raising = True
+        if self.received:
+            raise Interrupted(self.received[0])
 
     def attach(self, child: subprocess.Popen[bytes]) -> None:
         """Forward to ``child`` from now on, first any signal recorded since :meth:`held`."""
@@ -358,3 +380,111 @@ def supervise(
     # Stopped for the lease: the watchdog sweeps up what the command left in its group.
     watchdog.close(done=kill_at is None, wait=kill_grace + 1.0)
     return LOST if kill_at is not None else exit_status(returncode)
+
+
+def holder_identity(command: Sequence[str]) -> str:
+    """``host:pid COMMAND ARG...``: who a lease of ``dmutex run`` or ``dmutex lead`` says holds it.
+
+    ``host:pid`` is ``dmutex``'s own (:func:`~dmutex._core.stamps.default_identity`),
+    the command is shell-quoted; a lone surrogate (argv bytes that are not
+    UTF-8) is shown as U+FFFD, which the library takes. The token's stamp
+    cuts a long one to fit.
+    """
+    text = f"{default_identity()} {shlex.join(command)}"
+    return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+
+
+class Lease(Protocol):
+    """What :func:`guard` needs of what it holds: a lock's handle, or a leadership."""
+
+    @property
+    def time_left(self) -> float: ...
+
+    def on_lost(self, callback: Callable[[Any], object]) -> None: ...
+
+
+def guard(
+    command: Sequence[str],
+    env: Mapping[str, str],
+    lease: Lease,
+    signals: Signals,
+    stderr: TextIO,
+    *,
+    what: str,
+    ttl: float,
+    kill_grace: float,
+) -> int:
+    """Run ``command`` (environment ``env``) while ``lease`` is held; its exit status.
+
+    The command is not started when a signal came since :meth:`Signals.held`
+    (128+N) or the lease is lost already (:data:`LOST`); otherwise it runs
+    under its watchdog and :func:`supervise`, with the signals forwarded to
+    it. ``what`` names the lease in what is said on ``stderr`` ("the lease on
+    'job'"); the watchdog hears the deadline every tenth of ``ttl`` (at most
+    every second). Raises :class:`Failure` 127 / 126 when the command cannot
+    run, 70 when its watchdog cannot start.
+    """
+    lost = threading.Event()
+    wake = threading.Event()
+
+    def found_lost(_: object) -> None:
+        lost.set()
+        wake.set()
+
+    lease.on_lost(found_lost)
+    if signals.received:  # a signal came before the command started: do not start it
+        return 128 + signals.received[0]
+    if lost.is_set():  # gone already (a stop longer than the TTL): do not start it unprotected
+        say(stderr, f"lost {what} before {command[0]} started")
+        return LOST
+    watchdog = Watchdog(grace=kill_grace, deadline=time.monotonic() + lease.time_left)
+    child: subprocess.Popen[bytes] | None = None
+    try:
+        child = start(command, env, watchdog.group)
+        watched = watchdog.watch(child)
+        signals.attach(child)
+        return supervise(
+            child,
+            lost,
+            wake,
+            kill_grace=kill_grace,
+            time_left=lambda: lease.time_left,
+            on_lost=_stopping(stderr, what, command[0], child.pid, kill_grace),
+            on_unwatched=lambda status: say(
+                stderr,
+                f"the watchdog of {command[0]} ended (status {status}): it runs on "
+                "unguarded should dmutex be killed or stopped",
+            ),
+            watchdog=watchdog,
+            command=watched,
+            # Often enough that a renewal reaches the watchdog long before its SIGTERM would.
+            report_every=min(ttl / 10, 1.0),
+        )
+    finally:  # supervise() closed it, unless the command did not start or an error came
+        watchdog.close(done=child is None or child.poll() is not None, wait=kill_grace + 1.0)
+
+
+def _stopping(
+    stderr: TextIO, what: str, name: str, pid: int, kill_grace: float
+) -> Callable[[float], None]:
+    """What dmutex says as it stops the command ``name`` (pid ``pid``) for the lease."""
+
+    def stopping(left: float) -> None:
+        grace = f"{min(kill_grace, left) if left > 0 else kill_grace:.3g} s"
+        why = (
+            f"could not renew {what} ({left:.1f} s before it may lapse)"
+            if left > 0
+            else f"lost {what}"
+        )
+        say(stderr, f"{why}: stopping {name} (pid {pid}: SIGTERM, SIGKILL after {grace})")
+
+    return stopping
+
+
+def say(stderr: TextIO, text: str) -> None:
+    """One line ``dmutex: text`` on ``stderr``; a closed stream is not worth failing for."""
+    try:
+        stderr.write(f"dmutex: {text}\n")
+        stderr.flush()
+    except (OSError, ValueError):
+        pass
