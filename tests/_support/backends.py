@@ -33,6 +33,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from dmutex import InMemoryBackend, ManualClock, SQLiteBackend
 from dmutex._core.lease import now_ms
+from tests._support.elections import ElectionFace
 from tests._support.etcd_backend import Etcd
 from tests._support.faces import Face, FaceName, Kind, LoopThread
 from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
@@ -634,6 +635,20 @@ class Rig:
             for name, value in self.backend.options.items():
                 options.setdefault(name, value)
         return RWFace(self.face, self.client, loop=self.loop, **options)
+
+    def make_election(self, **options: Any) -> ElectionFace:
+        """A DElection of this face over the rig's client, with the options ``make`` gives a mutex.
+
+        An election is a mutex of the same names (etcd: the mutex's key prefix).
+        """
+        if self.clock is not None:
+            options.setdefault("clock", self.clock)
+        if isinstance(self.backend, Etcd):
+            options["key_prefix"] = self.backend.key_prefix("mutex", options)
+        if isinstance(self.backend, (Postgres, MySQL)):
+            for name, value in self.backend.options.items():
+                options.setdefault(name, value)
+        return ElectionFace(self.face, self.client, loop=self.loop, **options)
 
     def settle(self, face: Face | RWFace) -> None:
         """Let the async face's loop run what is ready (its renewer, after a ManualClock moved).

@@ -57,7 +57,7 @@ from .._errors import ArgumentTypeError, InvalidArgumentError
 from .._faces.elections import DElection, Leadership
 from . import supervise as sup
 from .args import FIRST_PAUSE, LONGEST_PAUSE, STEADY_RUN, LeadArgs
-from .errors import USAGE, Failure, backend_errors, one_line
+from .errors import LOST, USAGE, Failure, backend_errors, one_line
 from .run import RETRY_DELAY, session
 from .urls import Connection
 
@@ -200,14 +200,20 @@ def _term(
             kill_grace=args.kill_grace,
         )
     finally:
+        resigned = True  # a failure said here is no loss to report again
         try:
-            leadership.resign()
+            resigned = leadership.resign()
         except backend.errors as error:
             sup.say(
                 stderr,
                 f"could not resign {args.name!r} ({one_line(error)}): "
                 "its lease lapses within its TTL",
             )
+    if not resigned and leadership.lost and status != LOST:
+        # The lease lapsed while nothing could tell (this process stopped,
+        # its COMMAND stopped by the watchdog): as dmutex run says it.
+        sup.say(stderr, f"leadership of {args.name!r} was found lost when it was resigned")
+        status = LOST
     return status, time.monotonic() - started
 
 

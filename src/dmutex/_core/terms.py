@@ -29,6 +29,14 @@ Rules of this module:
    the poll interval (``poll``); while nobody leads, the poll interval (no
    store tells a grant). A read that follows a wake and finds no change
    waits :data:`QUIET` before it watches again.
+6. A term read with a new holder that is not greater than the last one
+   shown is stale (:func:`stale`): MongoDB takes the slot, then moves the
+   fence counter in a second request, and a read between the two finds the
+   new holder with its predecessor's term. An observer reads again, after
+   :data:`QUIET`, up to :data:`STALE_READS` times, before it shows such a
+   leader: a holder that keeps no fence (the TypeScript library, a
+   ``fencing=False`` mutex on the name) keeps showing the last fenced
+   grant's term, and is shown with it then.
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ from .stamps import read_stamp, token_prefix
 
 QUIET = 0.05
 """Rule 5: seconds an observer pauses after a wake that showed no change."""
+
+STALE_READS = 3
+"""Rule 6: how many times an observer reads again before it shows a stale term."""
 
 CAMPAIGN_SLICE = 1.0
 """Rule 4: the longest a campaign's retrying acquire lasts before it starts another."""
@@ -84,3 +95,10 @@ def changed(before: Leader | None, now: Leader | None) -> bool:
     if before is None or now is None:
         return before is not now
     return (before.term, before.token_prefix) != (now.term, now.token_prefix)
+
+
+def stale(before: Leader | None, now: Leader | None) -> bool:
+    """Whether ``now`` shows a new holder with a term not above ``before``'s (rule 6)."""
+    if before is None or now is None or before.term is None or now.term is None:
+        return False
+    return now.token_prefix != before.token_prefix and now.term <= before.term

@@ -34,7 +34,15 @@ from .._core.engine import Engine
 from .._core.lease import expiry_datetime
 from .._core.observe import Observer
 from .._core.stamps import read_stamp
-from .._core.terms import CAMPAIGN_SLICE, QUIET, Leader, changed, leader_of
+from .._core.terms import (
+    CAMPAIGN_SLICE,
+    QUIET,
+    STALE_READS,
+    Leader,
+    changed,
+    leader_of,
+    stale,
+)
 from .._errors import InvalidArgumentError, LeaseLostError
 from .._validate import BackendName, check_callback, check_key, check_retry_delay, check_timeout
 from .aio import AsyncDMutex, AsyncDMutexLock
@@ -314,7 +322,13 @@ class DElection(_ElectionBase[DMutex, SyncClient]):
         return None
 
     def leader(self, name: str) -> Leader | None:
-        """Who leads ``name`` now, read from storage by any process; None: nobody."""
+        """Who leads ``name`` now, read from storage by any process; None: nobody.
+
+        One read. On MongoDB a read that falls between a grant's two
+        requests shows the new leader with its predecessor's term
+        (:meth:`observe` reads again then); a holder that keeps no fence
+        shows the last fenced grant's term.
+        """
         key = check_key(name)
         return leader_of(key, self._mutex._drive(self._mutex._engine.holders(key)))
 
@@ -325,15 +339,24 @@ class DElection(_ElectionBase[DMutex, SyncClient]):
         sooner where the store tells observers of a release (in memory,
         PostgreSQL through a psycopg pool or asyncpg, etcd): its wait ends
         then. A renewal is no change; two changes within one wait are seen
-        as the last of them. Redis, MongoDB, MySQL and SQLite poll (Redis's
-        release signal wakes one waiter, which an observer must not take).
+        as the last of them. The terms it shows only grow: a read that
+        finds a new leader with a term not above the last one shown is made
+        again (MongoDB's grant moves the fence in a second request), unless
+        the holder keeps no fence (a TypeScript service on the name).
+        Redis, MongoDB, MySQL and SQLite poll (Redis's release signal wakes
+        one waiter, which an observer must not take).
         """
         key, seconds = check_key(name), _check_poll(poll)
         drive, engine = self._mutex._drive, self._mutex._engine
         last: Leader | None = None
-        first, woken = True, False
+        first, woken, rereads = True, False, 0
         while True:
             now = leader_of(key, drive(engine.holders(key)))
+            if stale(last, now) and rereads < STALE_READS:  # terms rule 6
+                rereads += 1
+                drive(sleep(QUIET))
+                continue
+            rereads = 0
             news = first or changed(last, now)
             if news:
                 first, last = False, now
@@ -400,9 +423,14 @@ class AsyncDElection(_ElectionBase[AsyncDMutex, AsyncClient]):
         key, seconds = check_key(name), _check_poll(poll)
         drive, engine = self._mutex._drive, self._mutex._engine
         last: Leader | None = None
-        first, woken = True, False
+        first, woken, rereads = True, False, 0
         while True:
             now = leader_of(key, await drive(engine.holders(key)))
+            if stale(last, now) and rereads < STALE_READS:  # terms rule 6
+                rereads += 1
+                await drive(sleep(QUIET))
+                continue
+            rereads = 0
             news = first or changed(last, now)
             if news:
                 first, last = False, now
