@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import re
 import threading
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
@@ -50,6 +49,7 @@ from psycopg import sql
 from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore
 from tests._support import postgres_servers, servers
 from tests._support.fault_proxy import FaultProxy
+from tests._support.tokens import TOKEN
 
 Kind: TypeAlias = Literal["mutex", "semaphore"]
 FaceName: TypeAlias = Literal["sync", "async"]
@@ -63,7 +63,6 @@ TTL = 1.0  # every worker's lease: an orphan lasts this long at most
 CONNECT_TIMEOUT = 2  # seconds: libpq's connect_timeout, asyncpg's timeout
 POOL_TIMEOUT = 5.0  # psycopg_pool's wait for a connection
 
-TOKEN = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 
 # What the clients raise when the network or the server goes away.
 SYNC_FAILURES: tuple[type[Exception], ...] = (psycopg.OperationalError,)

@@ -58,7 +58,6 @@ from __future__ import annotations
 import contextlib
 import heapq
 import random
-import re
 import threading
 import time
 import traceback
@@ -82,6 +81,7 @@ from dmutex import (
     __version__,
 )
 from tests._support import faces, fault_servers, mongo_servers
+from tests._support.tokens import TOKEN
 
 Kind: TypeAlias = Literal["mutex", "semaphore"]
 FaceName: TypeAlias = Literal["sync", "async"]
@@ -105,8 +105,6 @@ DOWN = (0.5, 1.0)  # seconds the server stays down
 STEP_TIMEOUT = 40.0  # any one wait of the test
 SEED = 1042
 MONGO_DB = "dmutex_faults"
-
-TOKEN = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 
 
 # --- which tokens an acquire sent ------------------------------------------------------------
