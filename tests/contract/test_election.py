@@ -14,8 +14,9 @@ from datetime import timedelta
 import pytest
 
 from dmutex import ArgumentTypeError, InvalidArgumentError, Leader
-from tests._support.backends import Memory, Rig
+from tests._support.backends import Memory, Postgres, Rig
 from tests._support.elections import LeadershipHandle, RealSleeps
+from tests._support.etcd_backend import Etcd
 from tests._support.faces import Handle
 
 NAME = "lead"
@@ -227,6 +228,40 @@ def test_observe_yields_the_leader_then_each_change_and_no_renewal(env: Rig) -> 
         seen = leading(watch.next())
     assert second.resign() is True
     assert (seen.term, seen.identity) == (second.term, "node-b")
+
+
+# The cases whose store tells an observer of a release (abc.Watching): PostgreSQL through
+# a psycopg pool or asyncpg (LISTEN; a single connection, an engine or PgBouncer poll), and
+# etcd (a watch). InMemoryBackend tells too; its rig's ManualClock makes every wait a
+# step of the clock, so tests/test_elections.py shows it on the system clock.
+TELLING_POSTGRES = ("psycopg-pool", "asyncpg")
+# Far beyond any wait the test makes: an observer that polled instead would miss the bound.
+LONG_POLL = 30.0
+
+
+def tells(env: Rig) -> bool:
+    backend = env.backend
+    if isinstance(backend, Postgres):
+        return backend.variant in TELLING_POSTGRES
+    return isinstance(backend, Etcd)
+
+
+def test_a_resignation_wakes_an_observer_where_the_store_tells_one(env: Rig) -> None:
+    if not tells(env):
+        pytest.skip("this store tells no observer of a release: observe polls (the test above)")
+    leader_node = env.make_election(identity="node-a", ttl=LONG)
+    closer = env.make_election(identity="closer", ttl=LONG)
+
+    def end() -> None:  # only if the test failed before its last change: make one more
+        closer.campaign(NAME, timeout=0)
+
+    leadership = elected(leader_node.campaign(NAME, timeout=0))
+    with env.make_election().watch(NAME, poll=LONG_POLL, end=end) as watch:
+        assert leading(watch.next()).term == leadership.term
+        time.sleep(0.2)  # the observer is in its watch by now
+        watch.stop_at_next()
+        assert leadership.resign() is True
+        assert watch.next(timeout=5.0) is None, "the resignation ended the watch"
 
 
 def test_bad_arguments_raise_before_any_request(env: Rig) -> None:

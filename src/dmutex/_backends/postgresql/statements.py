@@ -229,6 +229,7 @@ class Statements:
     extend_many: Statement
     holders: Statement
     keys: Statement
+    mark: Statement
     listen: Statement
     unlisten: Statement
 
@@ -287,6 +288,16 @@ class Statements:
                 'WHERE t."key" = asked.name AND t."value" = asked.token\n'
                 f'  AND t."expired_at" > {_NOW}\n'
                 f"RETURNING asked.n, {_ms('t.expired_at')}"
+            ),
+            # Rule 7's mark alone, for an observer (an election's watch) that
+            # makes no attempt: the release after it notifies.
+            mark=Statement.of(
+                f'INSERT INTO {t} AS t ("key", "value", "expired_at")\n'
+                f"VALUES ('waiters:' || %(key)s::text, '{WAITERS}',\n"
+                f"  {_NOW} + %(waiting)s::bigint * interval '1 millisecond')\n"
+                'ON CONFLICT ("key") DO UPDATE\n'
+                'SET "expired_at" = greatest(t."expired_at", EXCLUDED."expired_at")\n'
+                f"WHERE t.\"value\" = '{WAITERS}'"
             ),
             holders=Statement.of(
                 f"WITH slot AS ({_names('0', '%(permits)s::int - 1')})\n"

@@ -64,6 +64,7 @@ Rules of this module:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import cast
 
@@ -71,7 +72,7 @@ from ..._clock import Clock, SystemClock
 from ..._core.abc import Holder, Inspection, Renewed
 from ..._core.effects import Call, Sleep, Steps
 from ..._core.lease import MAX_EXPIRY_MS, Lease
-from ..._core.waiting import Waiter, lost_pause
+from ..._core.waiting import REGISTRATION_MARGIN_MS, Waiter, lost_pause
 from ..._errors import DMutexError
 from ..._validate import refuse_nul
 from ..blocking import REFRESH
@@ -338,7 +339,19 @@ class PostgresStore:
         if self._listen is None or seconds <= 0:
             yield Sleep(seconds)
             return False
-        return (yield from self._listened(key, seconds)) is True
+        started = self._clock.monotonic()
+        # The release notifies while the key's waiters mark is on (statements.py,
+        # rule 7): an observer writes it as a failed attempt does, for its wait.
+        waiting = math.ceil(seconds * 1000) + REGISTRATION_MARGIN_MS
+        try:
+            yield from self._call(self._sql.mark, {"key": key, "waiting": waiting})
+        except Exception:  # noqa: BLE001 - Watching never raises: it sleeps out the rest
+            rest = seconds - (self._clock.monotonic() - started)
+            if rest > 0:
+                yield Sleep(rest)
+            return False
+        rest = seconds - (self._clock.monotonic() - started)
+        return rest > 0 and (yield from self._listened(key, rest)) is True
 
     def _listened(self, key: str, seconds: float) -> Steps[bool | None]:
         """One listen for ``key``: True woken, False timed out, None it could not (slept out)."""
