@@ -65,8 +65,8 @@ class Leader:
     ``term`` is the leader's fence: it only grows from one leader to the
     next. ``identity`` and ``since`` are what the leader's token says of it
     (None for a holder that stamped none, such as a TypeScript service
-    holding the name as a mutex key); ``since`` is when its winning
-    campaign's last attempt began (at most one second before its grant).
+    holding the name as a mutex key); ``since`` is when the slice of its
+    campaign that won began (rule 4: at most one second before its grant).
     ``until`` is when its lease ends unless renewed, as storage holds it.
     ``token_prefix`` tells leaders apart and releases nothing.
     """

@@ -84,7 +84,7 @@ class _LeadershipBase(Generic[L]):
 
     @property
     def since(self) -> datetime | None:
-        """When the winning campaign's last attempt began, as others read it; None unstamped."""
+        """When the slice of the campaign that won began, as others read it; None unstamped."""
         since_ms = read_stamp(self._lock.token).since_ms
         return None if since_ms is None else expiry_datetime(since_ms)
 
