@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
 from typing import Generic, TypeVar, cast
@@ -259,6 +260,39 @@ def _slices(timeout: float | None, monotonic: Callable[[], float]) -> Iterator[f
             return
 
 
+@dataclass(slots=True)
+class _Following:
+    """One observer's memory between two changes it showed (terms rules 3, 5 and 6)."""
+
+    last: Leader | None = None
+    first: bool = True
+    woken: bool = False
+
+
+def _next_change(
+    engine: Engine, key: str, poll: float, following: _Following
+) -> Steps[Leader | None]:
+    """The next leader an observer shows: waits, reads, and reads again, until a change.
+
+    Written once for both faces: each drives it and yields what it answers.
+    The wait after a change shown comes first, when the next change is asked for.
+    """
+    if not following.first:
+        following.woken = yield from _between_reads(engine, key, following.last, poll, False)
+    rereads = 0
+    while True:
+        now = leader_of(key, (yield from engine.holders(key)))
+        if stale(following.last, now) and rereads < STALE_READS:  # terms rule 6
+            rereads += 1
+            yield from sleep(QUIET)
+            continue
+        rereads = 0
+        if following.first or changed(following.last, now):
+            following.first, following.last = False, now
+            return now
+        following.woken = yield from _between_reads(engine, key, now, poll, following.woken)
+
+
 def _between_reads(
     engine: Engine, key: str, leader: Leader | None, poll: float, quiet: bool
 ) -> Steps[bool]:
@@ -348,20 +382,9 @@ class DElection(_ElectionBase[DMutex, SyncClient]):
         """
         key, seconds = check_key(name), _check_poll(poll)
         drive, engine = self._mutex._drive, self._mutex._engine
-        last: Leader | None = None
-        first, woken, rereads = True, False, 0
+        following = _Following()
         while True:
-            now = leader_of(key, drive(engine.holders(key)))
-            if stale(last, now) and rereads < STALE_READS:  # terms rule 6
-                rereads += 1
-                drive(sleep(QUIET))
-                continue
-            rereads = 0
-            news = first or changed(last, now)
-            if news:
-                first, last = False, now
-                yield now
-            woken = drive(_between_reads(engine, key, now, seconds, woken and not news))
+            yield drive(_next_change(engine, key, seconds, following))
 
     def run(
         self,
@@ -422,21 +445,9 @@ class AsyncDElection(_ElectionBase[AsyncDMutex, AsyncClient]):
         """Who leads ``name``, then each change; see :meth:`DElection.observe`."""
         key, seconds = check_key(name), _check_poll(poll)
         drive, engine = self._mutex._drive, self._mutex._engine
-        last: Leader | None = None
-        first, woken, rereads = True, False, 0
+        following = _Following()
         while True:
-            now = leader_of(key, await drive(engine.holders(key)))
-            if stale(last, now) and rereads < STALE_READS:  # terms rule 6
-                rereads += 1
-                await drive(sleep(QUIET))
-                continue
-            rereads = 0
-            news = first or changed(last, now)
-            if news:
-                first, last = False, now
-                yield now
-            quiet = woken and not news
-            woken = await drive(_between_reads(engine, key, now, seconds, quiet))
+            yield await drive(_next_change(engine, key, seconds, following))
 
     async def run(
         self,
