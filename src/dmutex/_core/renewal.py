@@ -47,11 +47,11 @@ clock does not jump forward. Nothing is assumed of the network.
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from .._clock import Clock
+from .chance import CHANCE
 from .effects import Steps
 from .lease import Lease
 
@@ -78,7 +78,7 @@ MAX_MARGIN_MS = 2_000
 
 def interval(ttl_ms: int) -> float:
     """Seconds from a grant or renewal to the next renewal of a ``ttl_ms`` lease."""
-    return ttl_ms / 1000 * FRACTION * random.uniform(1 - JITTER, 1)
+    return ttl_ms / 1000 * FRACTION * CHANCE.uniform(1 - JITTER, 1)
 
 
 def margin_ms(ttl_ms: int) -> int:

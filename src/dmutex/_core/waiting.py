@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from .chance import CHANCE
 from .lease import Lease
 
 # How long past its wait a waiter's registration outlives it on a server: the
@@ -161,7 +161,7 @@ def waiter(retry_delay: float) -> Waiter:
 
 def next_wait(retry_delay: float, remaining: float, expires_in: float | None) -> float:
     """Seconds to wait before the next attempt: rule 1, cut short by a known expiry (rule 2)."""
-    seconds = min(retry_delay * (0.5 + 0.5 * random.random()), MAX_WAIT)  # jitter, not secrecy
+    seconds = min(retry_delay * (0.5 + 0.5 * CHANCE.random()), MAX_WAIT)  # jitter, not secrecy
     if seconds >= 0.001:
         # Whole milliseconds, as every stored time is: a ManualClock's
         # readings stay exact, and a server counts a block in milliseconds.
@@ -173,7 +173,7 @@ def next_wait(retry_delay: float, remaining: float, expires_in: float | None) ->
 
 def lost_pause(seconds: float) -> float:
     """Rule 4: how long a woken waiter that lost pauses, jittered, within a wait of ``seconds``."""
-    return min(seconds, LOST_PAUSE * (0.5 + 0.5 * random.random()))  # jitter, not secrecy
+    return min(seconds, LOST_PAUSE * (0.5 + 0.5 * CHANCE.random()))  # jitter, not secrecy
 
 
 def pieces(seconds: float | None, now: Callable[[], float]) -> Iterator[float]:

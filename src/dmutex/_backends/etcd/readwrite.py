@@ -42,11 +42,11 @@ Rules (``dmutex._core.readwrite``'s, each by etcd's own means):
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 
 from ..._clock import Clock
 from ..._core.abc import Holder, Inspection, Renewed
+from ..._core.chance import CHANCE
 from ..._core.effects import Steps
 from ..._core.lease import MAX_EXPIRY_MS, Lease, now_ms
 from ..._core.readwrite import READ_SLOT, WRITE_SLOT
@@ -145,7 +145,7 @@ class EtcdReadWriteStore:
                 return Lease(key, token, slot, expires, own if self._fencing else None)
         records: list[Record] = []
         bound = 0 if write or self._readers is None else self._readers
-        reader_slot = random.randrange(bound) if bound else None  # spreading, not secrecy
+        reader_slot = CHANCE.randrange(bound) if bound else None  # spreading, not secrecy
         for _ in range(max(bound, 1)):
             txn = self._attempt(key, token, lease, write, reader_slot)
             outcome = dialect.outcome((yield dialect.txn(txn)))
@@ -197,7 +197,7 @@ class EtcdReadWriteStore:
             return None
         assert self._readers is not None
         free = [s for s in range(self._readers) if self._reader_key(key, "", s) not in names]
-        return random.choice(free) if free else None  # spreading, not secrecy
+        return CHANCE.choice(free) if free else None  # spreading, not secrecy
 
     def _find_own(self, key: str, token: str, lease: int, ttl_ms: int) -> Steps[int | None]:
         """Rule 4: the fence of the hold this token's lease holds, renewed; None if it holds none.

@@ -65,11 +65,11 @@ Limits:
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 
 from ..._clock import Clock
 from ..._core.abc import Holder, Inspection, Renewed
+from ..._core.chance import CHANCE
 from ..._core.effects import Sleep, Steps
 from ..._core.lease import MAX_EXPIRY_MS, Lease, now_ms
 from ..._core.waiting import Waiter
@@ -233,7 +233,7 @@ class EtcdStore:
         """
         held = {record.key for record in records}
         free = [slot for slot in range(self._permits) if self._slot_key(key, slot) not in held]
-        return random.choice(free) if free else None  # spreading, not secrecy
+        return CHANCE.choice(free) if free else None  # spreading, not secrecy
 
     def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
         """Watch the slot key the last attempt noted, up to ``seconds`` (``watching.py``)."""

@@ -30,13 +30,13 @@ Limits:
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import cast
 
 from ..._clock import Clock
 from ..._core.abc import Holder, Inspection, Renewed, extend_each, sleep
+from ..._core.chance import CHANCE
 from ..._core.effects import Call, Steps
 from ..._core.lease import EPOCH, MAX_EXPIRY_MS, Lease, expiry_datetime, now_ms
 from ..._core.waiting import Waiter
@@ -262,7 +262,7 @@ class MongoStore:
         now = now_ms(self._clock)
         expires = now + ttl_ms
         permits = self._permits
-        first = 0 if permits == 1 else random.randrange(permits)
+        first = 0 if permits == 1 else CHANCE.randrange(permits)
         if (yield from self._take(first, key, token, now, expires)):
             return Lease(key, token, first, expires)
         if permits == 1:
@@ -276,7 +276,7 @@ class MongoStore:
         held = set(active)
         free = [slot for slot in range(permits) if self._id(slot, key) not in held]
         free = [slot for slot in free if slot != first]
-        random.shuffle(free)
+        CHANCE.shuffle(free)
         for slot in free:
             # Each failure here is a race lost: someone took it since distinct.
             if (yield from self._take(slot, key, token, now, expires)):

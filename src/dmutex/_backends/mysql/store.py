@@ -52,7 +52,6 @@ Rules of this module:
 
 from __future__ import annotations
 
-import random
 import threading
 import weakref
 from collections.abc import Sequence
@@ -60,6 +59,7 @@ from typing import cast
 
 from ..._clock import Clock
 from ..._core.abc import Holder, Inspection, Renewed
+from ..._core.chance import CHANCE
 from ..._core.effects import Call, Sleep, Steps, Wait
 from ..._core.lease import MAX_EXPIRY_MS, Lease
 from ..._core.waiting import Waiter, Wakeup
@@ -328,9 +328,9 @@ class MySQLStore:
                 held[slot] = _int(expires, "expiry")
             free = [slot for slot in range(permits) if slot not in held]
             if free:
-                return random.choice(free), None
+                return CHANCE.choice(free), None
             return None, min(held.values()) - _int(now, "time")
-        start = random.randrange(permits)
+        start = CHANCE.randrange(permits)
         asked = {"key": key, "token": token, "start": start, "first": 0, "last": permits - 1}
         rows = (yield from self._call(self._pick_sql, asked)).rows
         mine, after, ends, now = rows[0]
