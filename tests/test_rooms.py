@@ -26,12 +26,13 @@ from dmutex._backends import BACKENDS, URL_FORMS
 from dmutex._validate import BackendName
 from tests.test_layers import SRC, all_imports, modules, where
 
-ROOMS = ("memory", "sqlite", "redis", "mongodb", "postgresql", "mysql", "etcd")
+ROOMS = ("memory", "sqlite", "redis", "mongodb", "postgresql", "mysql", "etcd", "dynamodb")
 SHARED = "sql"
 MAY_IMPORT_ROOMS = {"dmutex", "dmutex._backends", "dmutex._backends.clients"}
 # What a backend's name looks like in an identifier.
 NAMES = re.compile(
-    r"mysql|mariadb|asyncmy|postgres|psycopg|asyncpg|mongo|motor|redis|valkey|sqlite|inmemory",
+    r"mysql|mariadb|asyncmy|postgres|psycopg|asyncpg|mongo|motor|redis|valkey|sqlite|inmemory"
+    r"|dynamo|boto",
     re.IGNORECASE,
 )
 

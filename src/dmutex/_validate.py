@@ -9,10 +9,10 @@ from typing import Literal, cast
 from ._clock import Clock
 from ._errors import ArgumentTypeError, InvalidArgumentError
 
-BackendName = Literal["etcd", "mongodb", "mysql", "postgresql", "redis"]
+BackendName = Literal["dynamodb", "etcd", "mongodb", "mysql", "postgresql", "redis"]
 """The values ``backend=`` takes: the backend to use instead of detecting it from the client."""
 
-_BACKENDS: tuple[BackendName, ...] = ("etcd", "mongodb", "mysql", "postgresql", "redis")
+_BACKENDS: tuple[BackendName, ...] = ("dynamodb", "etcd", "mongodb", "mysql", "postgresql", "redis")
 
 MAX_PERMITS = 1024
 """The largest ``max_permits`` a semaphore may have.
@@ -183,14 +183,15 @@ def check_replicas_timeout(value: object) -> int:
 
 
 def check_backend(value: object) -> BackendName | None:
-    """Return ``None``, ``"etcd"``, ``"mongodb"``, ``"mysql"``, ``"postgresql"`` or ``"redis"``."""
+    """Return ``None`` or a backend's name: ``"dynamodb"``, ``"etcd"``, ``"mongodb"``, ...."""
     if value is None:
         return None
     for name in _BACKENDS:
         if isinstance(value, str) and value == name:
             return name
     raise InvalidArgumentError(
-        f"backend must be 'etcd', 'mongodb', 'mysql', 'postgresql', 'redis' or None, not {value!r}"
+        "backend must be 'dynamodb', 'etcd', 'mongodb', 'mysql', 'postgresql', 'redis' or None, "
+        f"not {value!r}"
     )
 
 

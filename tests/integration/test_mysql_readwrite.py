@@ -8,7 +8,7 @@ the table behind the store's back:
 - fences: every grant's above the one before, a writer's above every
   earlier reader's, the row's ``"f"`` the last one granted; ``fencing=False``
   shows none;
-- the layout byte for byte (``sql_readwrite.py``, ``rwstate.py``): the table
+- the layout byte for byte (``rwcas.py``, ``rwstate.py``): the table
   ``_drwlock_{service}`` (the mutex table's shape, its ``value`` column
   ``mediumtext`` in a binary collation), its one row ``rwlock:{k}``, that
   row's JSON text (fields in order, tokens sorted, ``"f"`` last), its

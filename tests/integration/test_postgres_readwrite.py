@@ -8,7 +8,7 @@ psycopg connection reading and changing the table behind the store's back:
 - fences: every grant's above the one before, a writer's above every
   earlier reader's, the row's ``"f"`` the last one granted; ``fencing=False``
   shows none;
-- the layout byte for byte (``sql_readwrite.py``, ``rwstate.py``): the one
+- the layout byte for byte (``rwcas.py``, ``rwstate.py``): the one
   row ``rwlock:{k}`` of ``_drwlock_{service}``, its JSON text (fields in
   order, tokens sorted, ``"f"`` last), its ``expired_at`` the forever value,
   the row kept once everything is released;
@@ -326,7 +326,7 @@ def test_a_single_psycopg_connection_does_not_listen_a_pool_and_asyncpg_do(
 def test_a_release_through_a_client_that_does_not_listen_wakes_a_pools_waiter(
     url: str, service: str
 ) -> None:
-    """The release's NOTIFY is the write's (sql_readwrite.py, rule 5), whatever its own client.
+    """The release's NOTIFY is the write's (rwcas.py, rule 5), whatever its own client.
 
     As a mutex's release through a single psycopg connection wakes a pool's
     waiter (docs/usage/readwrite.md: "a change that can let a waiter in ...

@@ -1,8 +1,8 @@
 """The backends: one package each, and the registry that finds a client's.
 
 Each backend package (``memory/``, ``sqlite/``, ``redis/``, ``mongodb/``,
-``postgresql/``, ``mysql/``, ``etcd/``; ``sql/`` holds what the SQL ones
-share) exports
+``postgresql/``, ``mysql/``, ``etcd/``, ``dynamodb/``; ``sql/`` holds what
+the SQL ones share) exports
 one :class:`~dmutex._backends.abc.Descriptor`, ``BACKEND``. Its stores
 implement the protocols the engine talks to, which live below this package
 (``dmutex._core.abc``, ``dmutex._core.readwrite``).
@@ -40,7 +40,7 @@ from .._core.abc import Store
 from .._core.readwrite import ReadWriteStore
 from .._errors import AmbiguousClientError, InvalidArgumentError, UnsupportedClientError
 from .._options import Options
-from . import etcd, memory, mongodb, mysql, postgresql, redis, sqlite
+from . import dynamodb, etcd, memory, mongodb, mysql, postgresql, redis, sqlite
 from .abc import Descriptor
 from .address import Address, BadURL, Connection, URLForm, redact
 from .memory import InMemoryBackend
@@ -54,6 +54,7 @@ BACKENDS: tuple[Descriptor, ...] = (
     postgresql.BACKEND,
     mysql.BACKEND,
     etcd.BACKEND,
+    dynamodb.BACKEND,
     sqlite.BACKEND,
     memory.BACKEND,
 )

@@ -8,7 +8,7 @@ to a sync class wherever the client package's own annotations allow it.
 
 Each backend writes its own contracts (``redis/clients.py``,
 ``mongodb/clients.py``, ``postgresql/clients.py``, ``mysql/clients.py``,
-``etcd/clients.py``, and
+``etcd/clients.py``, ``dynamodb/clients.py``, and
 ``sql/clients.py`` for the SQLAlchemy engines both SQL backends accept);
 this module gathers them for ``dmutex`` to publish, with the unions of
 everything each face accepts. Arguments that dmutex passes are
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TypeAlias
 
+from .dynamodb.clients import AsyncDynamoDBClientLike, DynamoDBClientLike
 from .etcd.clients import AsyncEtcdClientLike, EtcdGatewayClientLike
 from .memory import InMemoryBackend
 from .mongodb.clients import (
@@ -69,6 +70,7 @@ from .sqlite import SQLiteBackend
 
 __all__ = [
     "AsyncClient",
+    "AsyncDynamoDBClientLike",
     "AsyncEtcdClientLike",
     "AsyncMongoClientLike",
     "AsyncMongoCollectionLike",
@@ -84,6 +86,7 @@ __all__ = [
     "AsyncSQLAlchemyConnectionLike",
     "AsyncSQLAlchemyEngineLike",
     "AsyncpgLike",
+    "DynamoDBClientLike",
     "EtcdGatewayClientLike",
     "MongoClientLike",
     "MongoCollectionLike",
@@ -120,6 +123,7 @@ SyncClient: TypeAlias = (
     | MySQLConnectionLike
     | MySQLConnectorPoolLike
     | EtcdGatewayClientLike
+    | DynamoDBClientLike
 )
 """Any client a sync class accepts."""
 
@@ -136,5 +140,6 @@ AsyncClient: TypeAlias = (
     | AsyncMySQLConnectionLike
     | AsyncMySQLPoolLike
     | AsyncEtcdClientLike
+    | AsyncDynamoDBClientLike
 )
 """Any client an asyncio class accepts."""

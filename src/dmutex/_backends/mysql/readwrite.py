@@ -1,6 +1,6 @@
 """The MySQL store of read-write locks: one row per key, read, decided, compare-and-set.
 
-Layout and rules: ``..sql_readwrite`` (the decisions, the state, the
+Layout and rules: ``../rwcas.py`` (the decisions, the state, the
 compare-and-set), on the mutex store's table shape (``statements.py``) but
 for its ``value`` column, ``mediumtext`` (a state with many readers needs
 more than 128 characters; up to 16 MiB), in the ``_drwlock_`` table. What
@@ -28,7 +28,7 @@ from ..._clock import Clock
 from ..._core.effects import Call, Sleep, Steps, Wait
 from ..._core.waiting import Waiter
 from ..._errors import DMutexError
-from ..sql.readwrite import SqlReadWriteStore
+from ..rwcas import CasReadWriteStore
 from .runners import Outcome, Row, runner
 from .statements import FOREVER, NOW_MS, NOW_US, Statement
 from .store import MySQLStore, waiters_of
@@ -73,7 +73,7 @@ def _page(t: str) -> Statement:
     )
 
 
-class MySQLReadWriteStore(SqlReadWriteStore):
+class MySQLReadWriteStore(CasReadWriteStore):
     """One table of read-write lock rows on a MySQL or MariaDB server; a ``ReadWriteStore``.
 
     ``client`` is any client :class:`~.store.MySQLStore` takes.

@@ -1,6 +1,6 @@
 """The PostgreSQL store of read-write locks: one row per key, read, decided, compare-and-set.
 
-Layout and rules: ``..sql_readwrite`` (the decisions, the state, the
+Layout and rules: ``../rwcas.py`` (the decisions, the state, the
 compare-and-set), on the mutex store's table shape (``statements.py``), in
 the ``_drwlock_`` table. What is PostgreSQL's here:
 
@@ -9,7 +9,7 @@ the ``_drwlock_`` table. What is PostgreSQL's here:
    updates only a row whose ``value`` is still the text read (its
    ``DO UPDATE ... WHERE``, which PostgreSQL evaluates on the row's latest
    version under its row lock, so two writers of one text cannot both
-   apply). A write that can let a waiter in (``sql_readwrite``, rule 5)
+   apply). A write that can let a waiter in (``rwcas.py``, rule 5)
    notifies the table's channel, the key as payload, in the same statement:
    only when it applied, and leaving with its commit; whether or not the
    store that writes listens itself (a single connection's release must
@@ -37,8 +37,8 @@ from typing import cast
 from ..._clock import Clock
 from ..._core.effects import Call, Steps
 from ..._core.waiting import Waiter
-from ..sql import rwstate
-from ..sql.readwrite import SqlReadWriteStore
+from .. import rwstate
+from ..rwcas import CasReadWriteStore
 from .listening import Probe
 from .runners import Row, runner
 from .statements import _FOREVER, _NOW, _NOW_US, Statement, _escape, _in_literal, _ms, qualified
@@ -113,7 +113,7 @@ def _admits(max_readers: int | None) -> Callable[[Sequence[Row]], bool]:
     return admits
 
 
-class PostgresReadWriteStore(SqlReadWriteStore):
+class PostgresReadWriteStore(CasReadWriteStore):
     """One table of read-write lock rows on a PostgreSQL server; a ``ReadWriteStore``.
 
     ``client`` is any client :class:`~.store.PostgresStore` takes;

@@ -13,7 +13,7 @@ from ..._core.fences import clock_us
 from ..._core.lease import Lease, now_ms
 from ..._core.waiting import Waiter, Wakeup
 from ..._errors import DMutexError
-from ..sql import rwstate
+from .. import rwstate
 from .backend import Conn, SQLiteBackend, T, in_transaction, register, transaction
 from .statements import fence_counter, put_fence, shown_fence
 from .store import TableStore

@@ -1,4 +1,10 @@
-"""Read-write locks on the SQL servers: one row per key, changed by compare-and-set.
+"""Read-write locks kept as one record per key and changed by compare-and-set: SQL's, DynamoDB's.
+
+The SQL servers' stores (PostgreSQL, MySQL) and DynamoDB's subclass
+:class:`CasReadWriteStore`: each says how to read a record, write it over
+the text read, prepare its table and wait, and this module decides. The
+layout below is the SQL servers' (DynamoDB's item is the same record in
+its own table shape: ``dynamodb/readwrite.py``).
 
 Layout (dmutex's own; the TypeScript library has no read-write lock): the
 mutex store's table shape on each server (MySQL's ``value`` column is
@@ -58,16 +64,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from ..._clock import Clock
-from ..._core import readwrite
-from ..._core.abc import Holder, Inspection, Renewed, extend_each
-from ..._core.effects import Steps
-from ..._core.lease import MAX_EXPIRY_MS, Lease
-from ..._core.waiting import Waiter
-from ..._errors import DMutexError
+from .._clock import Clock
+from .._core import readwrite
+from .._core.abc import Holder, Inspection, Renewed, extend_each
+from .._core.effects import Steps
+from .._core.lease import MAX_EXPIRY_MS, Lease
+from .._core.waiting import Waiter
+from .._errors import DMutexError
 from . import rwstate
 
-__all__ = ["KEYS_PAGE", "RACES", "SqlReadWriteStore"]
+__all__ = ["KEYS_PAGE", "RACES", "CasReadWriteStore"]
 
 T = TypeVar("T")
 
@@ -90,8 +96,8 @@ def _wakes(before: readwrite.State, after: readwrite.State) -> bool:
     return writer_left or reader_left or intent_left
 
 
-class SqlReadWriteStore:
-    """The read-write lock rows of one table on a SQL server; a ``ReadWriteStore``.
+class CasReadWriteStore:
+    """The read-write lock records of one table; a ``ReadWriteStore``.
 
     A server's store says how to read a row, write it over the text read,
     prepare the table and wait; this class decides (rules 1-6).

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from typing import cast
 
-from ..._core.readwrite import State
+from .._core.readwrite import State
 
 __all__ = ["decode", "encode"]
 
