@@ -4,9 +4,12 @@ They sit in ``dmutex._runtime``, between the public classes (``_faces``),
 each of which owns one, and the engine and stores whose effects they run.
 
 Each public instance owns one driver, and the driver is the one place where
-the instance's policy wraps the algorithms: before an operation's first
-request to the server it prepares the store, once per instance, one caller
-at a time; a failure reaches that caller and the next request tries again.
+the instance's policy wraps the algorithms: before an operation starts it
+prepares the store, once per instance, one caller at a time; a failure
+reaches that caller and the next operation tries again. Before it starts,
+not at its first request: an operation reads its clock as it starts (a
+grant's deadline counts from then), and a preparation that takes seconds
+(a DynamoDB table being made) must not eat a first lease's TTL.
 
 The two drivers differ only in how they perform an effect: the sync one
 calls and sleeps in the calling thread, the async one awaits and sleeps
@@ -82,10 +85,11 @@ class SyncDriver:
                 self._ready = True
 
     def __call__(self, steps: Steps[T], *, prepared: bool = False) -> T:
-        """Run ``steps``, preparing the store before their first request (unless ``prepared``)."""
+        """Run ``steps``, preparing the store before they start (unless ``prepared``)."""
         # One flat loop, without a coroutine or a call around it: a sync
         # effect never suspends, and this runs for every request.
-        prepared = prepared or self._ready
+        if not (prepared or self._ready):
+            _prepare_or_close(self.ready, steps)
         send, throw = steps.send, steps.throw
         try:
             effect = send(None)
@@ -94,9 +98,6 @@ class SyncDriver:
                     # An isinstance chain, not match: measurably faster per
                     # request, and as exhaustive (assert_never) for mypy.
                     if isinstance(effect, Call):
-                        if not prepared:
-                            _prepare_or_close(self.ready, steps)
-                            prepared = True
                         fn, kwargs = effect.fn, effect.kwargs
                         value = fn(*effect.args, **kwargs) if kwargs else fn(*effect.args)
                         if type(value) not in _PLAIN and inspect.isawaitable(value):
@@ -164,6 +165,12 @@ class AsyncDriver:
         return self._loop(steps, prepared=self._ready)
 
     async def _loop(self, steps: Steps[T], *, prepared: bool) -> T:
+        if not prepared:
+            try:
+                await self.ready()
+            except BaseException:
+                steps.close()  # not started: no request of these steps was sent
+                raise
         send, throw = steps.send, steps.throw
         value: object = None
         error: BaseException | None = None
@@ -183,13 +190,6 @@ class AsyncDriver:
                     result: Awaitable[object]
                     if isinstance(effect, Call):
                         shielded = shielded or effect.complete
-                        if not prepared:
-                            try:
-                                await self.ready()
-                            except BaseException:
-                                steps.close()  # no request of these steps was sent
-                                raise
-                            prepared = True
                         fn, kwargs = effect.fn, effect.kwargs
                         reply = fn(*effect.args, **kwargs) if kwargs else fn(*effect.args)
                         if type(reply) is not CoroutineType and not inspect.isawaitable(reply):
