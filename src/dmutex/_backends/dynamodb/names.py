@@ -19,6 +19,7 @@ UTF-8, and the longest item key made of one, ``permit:1023:<key>``, is
 every backend.
 """
 
+
 def check_table_name(name: str, origin: str) -> str:
     """Return ``name`` if DynamoDB takes it as a table name; ``origin`` names where it came from."""
     if not _TABLE_NAME.fullmatch(name):

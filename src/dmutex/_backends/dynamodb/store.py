@@ -10,7 +10,9 @@ Rules of this module:
 
 1. Time is the holder's clock: DynamoDB's conditions read no server clock,
    so, as in the TypeScript store, "expired" means ``expiredAt <= now`` as
-   the process that asks reads ``now``. Processes whose clocks disagree by
+   the process that asks reads ``now``, when it hands the request to its
+   client (:meth:`DynamoStore._send`), so that an expiry counts from its
+   own request, not from before the table was made. Processes whose clocks disagree by
    more than a lease's margin can take each other's leases early (the
    guarantees page says how much). A holder's own deadline is, as on every
    backend, counted on its monotonic clock from the send time of the
@@ -52,7 +54,7 @@ Rules of this module:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ..._clock import Clock
 from ..._core.abc import Holder, Inspection, Renewed, extend_each, sleep
@@ -76,6 +78,9 @@ from .requests import (
     string,
 )
 from .table import prepare
+
+# A request's keyword arguments, as botocore names them.
+Request = dict[str, object]
 
 FENCE_KIND = "dmutex-fence"
 """Rule 5: the ``kind`` that marks a fence counter item as dmutex's."""
@@ -146,27 +151,44 @@ class DynamoStore:
     def _names(self, key: str) -> list[str]:
         return [self._name(slot, key) for slot in range(self._permits)]
 
-    def _take(self, slot: int, key: str, token: str, now: int, expires: int) -> Steps[bool]:
-        """Rule 2: put slot ``slot``'s item if it is absent, expired or ours; False if held."""
-        item = {
-            "key": string(self._name(slot, key)),
-            "value": string(token),
-            "expiredAt": number(expires),
-        }
-        request = {
-            "TableName": self._table,
-            "Item": item,
-            "ConditionExpression": _GRANT,
-            "ExpressionAttributeNames": _NAMES,
-            "ExpressionAttributeValues": {":now": number(now), ":token": string(token)},
-        }
+    def _send(
+        self, sent: list[int], operation: Callable[..., object], build: Callable[[int], Request]
+    ) -> object:
+        """Rule 1: ``operation`` called with ``build``'s request for now, noted in ``sent``.
+
+        The time is read as the request is handed to the client: after the
+        driver prepared the store (an instance's first request waits for
+        its table), so a lease's expiry counts from its own request.
+        """
+        now = now_ms(self._clock)
+        sent.append(now)
+        return operation(**build(now))
+
+    def _take(self, slot: int, key: str, token: str, ttl_ms: int) -> Steps[int | None]:
+        """Rule 2: put slot ``slot``'s item if free, expired or ours; its expiry, None if held."""
+
+        def build(now: int) -> Request:
+            item = {
+                "key": string(self._name(slot, key)),
+                "value": string(token),
+                "expiredAt": number(now + ttl_ms),
+            }
+            return {
+                "TableName": self._table,
+                "Item": item,
+                "ConditionExpression": _GRANT,
+                "ExpressionAttributeNames": _NAMES,
+                "ExpressionAttributeValues": {":now": number(now), ":token": string(token)},
+            }
+
+        sent: list[int] = []
         try:
-            yield Call(self._put, (), request)
+            yield Call(self._send, (sent, self._put, build))
         except Exception as error:
             if _failed_condition(error):
-                return False
+                return None
             raise
-        return True
+        return sent[0] + ttl_ms
 
     def acquire(
         self, key: str, token: str, ttl_ms: int, waiter: Waiter | None = None
@@ -180,15 +202,15 @@ class DynamoStore:
     def _take_any(
         self, key: str, token: str, ttl_ms: int, waiter: Waiter | None
     ) -> Steps[Lease | None]:
-        now = now_ms(self._clock)
-        expires = now + ttl_ms
         permits = self._permits
         first = 0 if permits == 1 else CHANCE.randrange(permits)
-        if (yield from self._take(first, key, token, now, expires)):
+        expires = yield from self._take(first, key, token, ttl_ms)
+        if expires is not None:
             return Lease(key, token, first, expires)
         if permits == 1:
             return None
         items = yield from batch_get(self._batch_get, self._table, self._names(key))
+        now = now_ms(self._clock)
         free: list[int] = []
         soonest: int | None = None
         for slot in range(permits):
@@ -202,7 +224,8 @@ class DynamoStore:
                 soonest = at if soonest is None else min(soonest, at)
         CHANCE.shuffle(free)
         for slot in free:
-            if (yield from self._take(slot, key, token, now, expires)):
+            expires = yield from self._take(slot, key, token, ttl_ms)
+            if expires is not None:
                 return Lease(key, token, slot, expires)
         if waiter is not None and soonest is not None and not free:
             waiter.expires_in = max(soonest - now, 0) / 1000
@@ -266,7 +289,7 @@ class DynamoStore:
         return None
 
     @staticmethod
-    def _held_by(token: str, now: int, **values: dict[str, str]) -> dict[str, object]:
+    def _held_by(token: str, now: int, **values: dict[str, str]) -> Request:
         """Rule 4's condition: the item holds ``token`` and has not expired at ``now``."""
         return {
             "ConditionExpression": _HELD_BY,
@@ -279,13 +302,13 @@ class DynamoStore:
         found = yield from self._slot_of(key, token, slot)
         if found is None:
             return False
-        request = {
-            "TableName": self._table,
-            "Key": key_of(self._name(found, key)),
-            **self._held_by(token, now_ms(self._clock)),
-        }
+        name = self._name(found, key)
+
+        def build(now: int) -> Request:
+            return {"TableName": self._table, "Key": key_of(name), **self._held_by(token, now)}
+
         try:
-            yield Call(self._delete, (), request)
+            yield Call(self._send, ([], self._delete, build))
         except Exception as error:
             if _failed_condition(error):
                 return False
@@ -297,21 +320,24 @@ class DynamoStore:
         found = yield from self._slot_of(key, token, slot)
         if found is None:
             return None
-        now = now_ms(self._clock)
-        expires = now + ttl_ms
-        request = {
-            "TableName": self._table,
-            "Key": key_of(self._name(found, key)),
-            "UpdateExpression": "SET #e = :expires",
-            **self._held_by(token, now, **{":expires": number(expires)}),
-        }
+        name = self._name(found, key)
+
+        def build(now: int) -> Request:
+            return {
+                "TableName": self._table,
+                "Key": key_of(name),
+                "UpdateExpression": "SET #e = :expires",
+                **self._held_by(token, now, **{":expires": number(now + ttl_ms)}),
+            }
+
+        sent: list[int] = []
         try:
-            yield Call(self._update, (), request)
+            yield Call(self._send, (sent, self._update, build))
         except Exception as error:
             if _failed_condition(error):
                 return None
             raise
-        return expires
+        return sent[0] + ttl_ms
 
     def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
         """One UpdateItem per lease, in turn: DynamoDB has no batch of conditional updates.

@@ -9,8 +9,11 @@ Rules:
    no sort key, on-demand capacity (``PAY_PER_REQUEST``). Another
    creator's ``ResourceInUseException`` (a race) is no error.
 2. The table must then be ACTIVE before any lock request: DescribeTable
-   again every :data:`POLL` seconds, for at most :data:`TIMEOUT` seconds,
-   after which ``ready()`` raises :class:`~dmutex.DMutexError`.
+   again after a pause that starts at :data:`FIRST_POLL` seconds and
+   doubles up to :data:`POLL` (a table a server makes at once costs no
+   quarter second; DynamoDB's own allows ten DescribeTable calls a
+   second), for at most :data:`TIMEOUT` seconds, after which ``ready()``
+   raises :class:`~dmutex.DMutexError`.
 3. A table whose key schema is not exactly the partition key ``key`` of
    type string is refused (:class:`~dmutex.DMutexError`), before any lock
    request: its items could not be the layout's.
@@ -25,6 +28,7 @@ from ..._core.effects import Call, Sleep, Steps
 from ..._errors import DMutexError
 from .requests import IN_USE, NOT_FOUND, error_code, reply
 
+FIRST_POLL = 0.02
 POLL = 0.25
 TIMEOUT = 30.0
 
@@ -85,6 +89,7 @@ def prepare(
             if error_code(error) != IN_USE:
                 raise
     deadline = clock.monotonic() + TIMEOUT
+    pause = FIRST_POLL
     while True:
         if table is not None:
             check_shape(name, table)
@@ -92,7 +97,8 @@ def prepare(
                 return
         if clock.monotonic() >= deadline:
             raise DMutexError(f"DynamoDB table {name!r} was not ACTIVE after {TIMEOUT:g} s")
-        yield Sleep(POLL)
+        yield Sleep(pause)
+        pause = min(pause * 2, POLL)
         try:
             table = _described((yield Call(describe_table, (), {"TableName": name})))
         except Exception as error:
