@@ -31,6 +31,7 @@ pytest_plugins = [
     "tests._support.plugins.postgresql",
     "tests._support.plugins.mysql",
     "tests._support.plugins.etcd",
+    "tests._support.plugins.dynamodb",
 ]
 
 FAULTS = Path(__file__).parent / "faults"

@@ -35,6 +35,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from dmutex import InMemoryBackend, ManualClock, SQLiteBackend
 from dmutex._core.lease import now_ms
+from tests._support.dynamodb_backend import Dynamo
 from tests._support.elections import ElectionFace
 from tests._support.etcd_backend import Etcd
 from tests._support.faces import Face, FaceName, Kind, LoopThread
@@ -629,7 +630,7 @@ class Rig:
         self.backend = backend
         self.face = face
         self.loop = LoopThread() if face == "async" else None
-        if isinstance(backend, (Postgres, MySQL)):
+        if isinstance(backend, (Postgres, MySQL, Dynamo)):
             backend.loop = self.loop  # asyncio clients belong to their loop
         self.client = backend.client(face == "async")
 
@@ -643,6 +644,8 @@ class Rig:
             options.setdefault("clock", self.clock)
         if isinstance(self.backend, Etcd):
             options["key_prefix"] = self.backend.key_prefix(kind, options)
+        if isinstance(self.backend, Dynamo):
+            self.backend.table_options(kind, options)
         if isinstance(self.backend, (Postgres, MySQL)):
             for name, value in self.backend.options.items():
                 options.setdefault(name, value)
@@ -654,6 +657,8 @@ class Rig:
             options.setdefault("clock", self.clock)
         if isinstance(self.backend, Etcd):
             options["key_prefix"] = self.backend.key_prefix("rwlock", options)
+        if isinstance(self.backend, Dynamo):
+            self.backend.table_options("rwlock", options)
         if isinstance(self.backend, (Postgres, MySQL)):
             for name, value in self.backend.options.items():
                 options.setdefault(name, value)
@@ -668,6 +673,8 @@ class Rig:
             options.setdefault("clock", self.clock)
         if isinstance(self.backend, Etcd):
             options["key_prefix"] = self.backend.key_prefix("mutex", options)
+        if isinstance(self.backend, Dynamo):
+            self.backend.table_options("mutex", options)
         if isinstance(self.backend, (Postgres, MySQL)):
             for name, value in self.backend.options.items():
                 options.setdefault(name, value)

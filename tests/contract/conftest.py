@@ -24,6 +24,11 @@ aiomysql and asyncmy connections and pools, a SQLAlchemy AsyncEngine
 
 etcd cases (``tests/_support/etcd_backend.py``, on the member of
 ``tests/_support/etcd_servers.py``): etcd3gw (sync) and aetcd (asyncio).
+
+DynamoDB cases (``tests/_support/dynamodb_backend.py``): boto3 (sync) and
+aiobotocore (asyncio), on each server ``tests/_support/dynamodb_servers.py``
+finds: moto's server and dynalite (neither is DynamoDB), or the endpoint
+``DMUTEX_DYNAMODB_URL`` names in moto's place.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests._support import dynamodb_servers
 from tests._support.backends import (
     POSTGRES_VARIANTS,
     Backend,
@@ -47,6 +53,8 @@ from tests._support.backends import (
     Rig,
     SQLite,
 )
+from tests._support.dynamodb_backend import Dynamo
+from tests._support.dynamodb_servers import Session as DynamoSession
 from tests._support.etcd_backend import Etcd
 from tests._support.etcd_servers import Session as EtcdSession
 from tests._support.etcd_servers import etcd_label
@@ -71,6 +79,7 @@ class Servers:
     postgres: PostgresSession
     mysql: MySQLSession
     etcd: EtcdSession
+    dynamodb: DynamoSession
 
 
 Case = Callable[[Servers], Backend]
@@ -79,6 +88,14 @@ Case = Callable[[Servers], Backend]
 def _redis_case(label: str, variant: str) -> Case:
     def make(servers: Servers) -> Backend:
         return RealRedis(server_or_skip(servers.redis, label).url, variant)
+
+    return make
+
+
+def _dynamodb_case(kind: str) -> Case:
+    def make(servers: Servers) -> Backend:
+        session = servers.dynamodb
+        return Dynamo(session.server(kind), session.prefix)
 
     return make
 
@@ -137,11 +154,16 @@ def _cases() -> dict[str, tuple[FaceName, Case]]:
                 cases[f"{variant}-{face}@{mysql_label()}"] = (face, _mysql_case(variant))
         client = ETCD_CLIENTS[face]
         cases[f"{client}-{face}@{etcd_label()}"] = (face, lambda servers: Etcd(servers.etcd))
+        for kind in dynamodb_servers.kinds():
+            label = dynamodb_servers.label(kind)
+            cases[f"{DYNAMODB_CLIENTS[face]}-{face}@{label}"] = (face, _dynamodb_case(kind))
     return cases
 
 
 # etcd clients per face: etcd3gw is sync only, aetcd asyncio only.
 ETCD_CLIENTS: dict[FaceName, str] = {"sync": "etcd3gw", "async": "aetcd"}
+# DynamoDB clients per face: botocore's through boto3, and aiobotocore's.
+DYNAMODB_CLIENTS: dict[FaceName, str] = {"sync": "boto3", "async": "aiobotocore"}
 
 
 CASES = _cases()
@@ -169,6 +191,7 @@ READ_WRITE_BACKENDS = (
     *(f"{variant}-" for variant in POSTGRES_VARIANTS),
     *(f"{variant}-" for variant in MYSQL_VARIANTS),
     *(f"{client}-" for client in ETCD_CLIENTS.values()),
+    *(f"{client}-" for client in DYNAMODB_CLIENTS.values()),
 )
 
 
@@ -207,9 +230,12 @@ def rw_env(
     postgres_session: PostgresSession,
     mysql_session: MySQLSession,
     etcd_session: EtcdSession,
+    dynamodb_session: DynamoSession,
 ) -> Iterator[Rig]:
     """``env``, on a case whose backend serves read-write locks."""
-    servers = Servers(redis_pool, mongo_session, postgres_session, mysql_session, etcd_session)
+    servers = Servers(
+        redis_pool, mongo_session, postgres_session, mysql_session, etcd_session, dynamodb_session
+    )
     with _rig(request.param, servers) as rig:
         yield rig
 
@@ -222,7 +248,10 @@ def env(
     postgres_session: PostgresSession,
     mysql_session: MySQLSession,
     etcd_session: EtcdSession,
+    dynamodb_session: DynamoSession,
 ) -> Iterator[Rig]:
-    servers = Servers(redis_pool, mongo_session, postgres_session, mysql_session, etcd_session)
+    servers = Servers(
+        redis_pool, mongo_session, postgres_session, mysql_session, etcd_session, dynamodb_session
+    )
     with _rig(request.param, servers) as rig:
         yield rig
