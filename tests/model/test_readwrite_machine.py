@@ -32,6 +32,8 @@ from hypothesis.stateful import (
 from dmutex import InMemoryBackend
 from dmutex._core.lease import EPOCH
 from tests._support.backends import Backend, Memory, Mongomock, Postgres, RealRedis, Rig, SQLite
+from tests._support.dynamodb_backend import Dynamo
+from tests._support.dynamodb_servers import Session as DynamoSession
 from tests._support.etcd_backend import Etcd
 from tests._support.etcd_servers import Session as EtcdSession
 from tests._support.faces import FaceName, Handle
@@ -61,7 +63,7 @@ RETRY_DELAY = 0.1  # the dead writers' retry_delay: their intents last this + 2 
 
 def expire_hold(backend: Backend, key: str, token: str) -> None:
     """Make ``token``'s hold of ``key`` expire now, as the backend's storage allows."""
-    if isinstance(backend, (SQLite, Mongomock, RealRedis, Postgres, MySQL, Etcd)):
+    if isinstance(backend, (SQLite, Mongomock, RealRedis, Postgres, MySQL, Etcd, Dynamo)):
         backend.expire_hold(key, token)
         return
     client = backend.client(False)
@@ -92,6 +94,8 @@ class ReadWriteMachine(RuleBasedStateMachine):
             options["clock"] = self.rig.clock
         if isinstance(self.backend, Etcd):
             options["key_prefix"] = self.backend.key_prefix("rwlock", options)
+        if isinstance(self.backend, Dynamo):
+            self.backend.table_options("rwlock", options)
         self.callers = [
             RWFace(self.face, self.rig.client, loop=self.rig.loop, **options)
             for _ in range(CALLERS)
@@ -400,3 +404,16 @@ def test_etcd(etcd_session: EtcdSession, face: FaceName, max_readers: int | None
     store's decisions again on both clients.
     """
     check_machine(lambda: Etcd(etcd_session), face, max_readers, FEWER_EXAMPLES)
+
+
+@pytest.mark.parametrize(("face", "max_readers"), CONFIGS)
+def test_dynamodb(dynamodb_session: DynamoSession, face: FaceName, max_readers: int | None) -> None:
+    """The same machine against dynalite, which speaks DynamoDB's protocol: boto3, aiobotocore.
+
+    A quarter of the examples, for PostgreSQL's reasons: the store's
+    decisions are the SQL stores' compare-and-set (``rwcas.py``), and the
+    contract suite checks them again on both clients and both servers.
+    """
+    server = dynamodb_session.server("dynalite")
+    prefix = dynamodb_session.prefix
+    check_machine(lambda: Dynamo(server, prefix), face, max_readers, FEWER_EXAMPLES)

@@ -36,6 +36,8 @@ from hypothesis.stateful import (
 
 from dmutex._core.lease import EPOCH
 from tests._support.backends import Backend, Memory, Mongomock, Postgres, RealRedis, Rig, SQLite
+from tests._support.dynamodb_backend import Dynamo
+from tests._support.dynamodb_servers import Session as DynamoSession
 from tests._support.etcd_backend import Etcd
 from tests._support.etcd_servers import Session as EtcdSession
 from tests._support.faces import FaceName, Handle, Kind
@@ -438,3 +440,18 @@ def test_etcd(etcd_session: EtcdSession, face: FaceName, kind: Kind, max_permits
     run must stay under 25 minutes.
     """
     check_machine(lambda: Etcd(etcd_session), face, kind, max_permits, FEWER_EXAMPLES)
+
+
+@pytest.mark.parametrize(("face", "kind", "max_permits"), CONFIGS)
+def test_dynamodb(
+    dynamodb_session: DynamoSession, face: FaceName, kind: Kind, max_permits: int
+) -> None:
+    """The same machine against dynalite, which speaks DynamoDB's protocol: boto3, aiobotocore.
+
+    dynalite, not moto's server: the quicker of the two (a cycle takes about
+    half moto's time here); the contract suite runs on both. A quarter of
+    the examples, as on etcd: each makes and drops its tables.
+    """
+    server = dynamodb_session.server("dynalite")
+    prefix = dynamodb_session.prefix
+    check_machine(lambda: Dynamo(server, prefix), face, kind, max_permits, FEWER_EXAMPLES)
