@@ -233,14 +233,15 @@ class DynamoStore:
 
     def _fence(self, lease: Lease) -> Steps[Lease | None]:
         """Rule 5: move the key's fence counter on for ``lease``; None if the lease ran out."""
+        # DynamoDB refuses a placeholder that an expression does not use.
         base = {
             "TableName": self._table,
             "Key": key_of(f"fence:{lease.key}"),
-            "ExpressionAttributeNames": _FENCE_NAMES,
             "ReturnValues": "UPDATED_NEW",
         }
         to_clock = {
             **base,
+            "ExpressionAttributeNames": _FENCE_NAMES,
             "UpdateExpression": "SET #f = :clock, #kind = :kind",
             "ConditionExpression": _FENCE_TO_CLOCK,
             "ExpressionAttributeValues": {
@@ -250,6 +251,7 @@ class DynamoStore:
         }
         by_one = {
             **base,
+            "ExpressionAttributeNames": {"#kind": "kind", "#f": "fence"},
             "UpdateExpression": "SET #f = #f + :one",
             "ConditionExpression": _FENCE_BY_ONE,
             "ExpressionAttributeValues": {":one": number(1), ":kind": string(FENCE_KIND)},
