@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from dmutex import DMutex, DMutexError, DSemaphore
+from dmutex._core.chance import CHANCE
 
 
 class ServerError(Exception):
@@ -82,7 +82,7 @@ def test_a_semaphore_whose_permits_are_all_active_costs_two_requests() -> None:
 def test_each_race_lost_costs_one_more_request(monkeypatch: pytest.MonkeyPatch) -> None:
     # The first slot tried (0) is held; distinct says slots 1 and 2 are free;
     # both are taken by others before we get there; then nothing is left to try.
-    monkeypatch.setattr(random, "randrange", lambda n: 0)
+    monkeypatch.setattr(CHANCE, "randrange", lambda n: 0)
     client = Scripted("index", HELD, ["permit:0:k"], HELD, HELD)
     sem = DSemaphore("svc", client, max_permits=3)
     assert sem.acquire("k") is None
