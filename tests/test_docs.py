@@ -13,6 +13,7 @@ import asyncio
 import inspect
 import logging
 import re
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -24,6 +25,7 @@ import redis
 from psycopg import sql
 
 import dmutex
+from tests._support.dynamodb_servers import Session as DynamoSession
 from tests._support.etcd_servers import Session as EtcdSession
 from tests._support.etcd_servers import count_prefix
 from tests._support.mongo_clients import AsyncMongomockClient, frozen_ttl_monitor
@@ -58,6 +60,7 @@ REDIS = [(where, block) for where, block in RUNNABLE if "import redis" in block]
 # A MySQL example says so on its import line (a SQLAlchemy one imports sqlalchemy too).
 MYSQL = [(where, block) for where, block in RUNNABLE if "# needs a MySQL server" in block]
 ETCD = [(where, block) for where, block in RUNNABLE if "# needs an etcd member" in block]
+DYNAMODB = [(where, block) for where, block in RUNNABLE if "# needs a DynamoDB endpoint" in block]
 POSTGRES = [
     (where, block)
     for where, block in RUNNABLE
@@ -67,7 +70,7 @@ POSTGRES = [
 LOCAL = [
     (where, block)
     for where, block in RUNNABLE
-    if (where, block) not in REDIS + POSTGRES + MYSQL + ETCD
+    if (where, block) not in REDIS + POSTGRES + MYSQL + ETCD + DYNAMODB
 ]
 
 
@@ -290,6 +293,48 @@ def test_etcd_example_runs(where: str, block: str, etcd_session: EtcdSession) ->
         for prefix in ("_dmutex_", "_dsemaphore_"):
             left = count_prefix(endpoint, f"{prefix}{service}:permit:".encode())
             assert left == 0, f"an example left a lock behind under {prefix}{service}:"
+
+
+DYNAMODB_ENDPOINT = '"http://localhost:8000"'
+SERVICE_ANY = re.compile(r"D(?:Mutex|Semaphore|ReadWriteLock)\(\s*\"([^\"]+)\"")
+
+
+@pytest.mark.parametrize(("where", "block"), DYNAMODB, ids=ids(DYNAMODB))
+def test_dynamodb_example_runs(
+    where: str, block: str, dynamodb_session: DynamoSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The DynamoDB examples, pointed at moto's server (not DynamoDB) instead of localhost:8000.
+
+    They lock in their services' default tables, which a server started
+    here holds for this run alone (on a user's endpoint the test skips):
+    each must leave no active slot item there; the tables are dropped after.
+    """
+    server = dynamodb_session.server("moto")
+    if not server.local:
+        pytest.skip("the examples' tables are outside the tests' prefix on the user's endpoint")
+    code = "\n".join(line.partition("#")[0] for line in block.splitlines())
+    assert code.count(DYNAMODB_ENDPOINT) == code.count("localhost") > 0, f"{where}: cannot point it"
+    for name, value in server.credentials.items():
+        monkeypatch.setenv(name.upper(), value)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", server.region)
+    for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    run(where, block.replace(DYNAMODB_ENDPOINT, repr(server.url)), {})
+    services = sorted(set(SERVICE_ANY.findall(block)))
+    assert services, f"{where}: no service to check"
+    with server.connect() as client:
+        for service in services:
+            for prefix in ("_dmutex_", "_dsemaphore_", "_drwlock_"):
+                table = f"{prefix}{service}"
+                if table not in client.list_tables()["TableNames"]:
+                    continue
+                items = client.scan(TableName=table, ConsistentRead=True)["Items"]
+                client.delete_table(TableName=table)
+                now = int(time.time() * 1000)
+                held = [i for i in items if int(i.get("expiredAt", {}).get("N", "0")) > now]
+                assert [i for i in held if i["key"]["S"].startswith("permit:")] == [], (
+                    f"an example left a lock behind in {table}"
+                )
 
 
 API = DOCS / "api.md"
