@@ -449,9 +449,14 @@ def test_dynamodb(
     """The same machine against dynalite, which speaks DynamoDB's protocol: boto3, aiobotocore.
 
     dynalite, not moto's server: the quicker of the two (a cycle takes about
-    half moto's time here); the contract suite runs on both. A quarter of
-    the examples, as on etcd: each makes and drops its tables.
+    half moto's time here); the contract suite runs on both. An eighth of
+    the examples: each makes and drops its tables (the six configurations
+    took 39 s at a quarter, beside a CI run), the store's decisions are
+    checked again by the contract suite on both clients and servers, and
+    CI's whole run must stay under 25 minutes.
     """
     server = dynamodb_session.server("dynalite")
     prefix = dynamodb_session.prefix
-    check_machine(lambda: Dynamo(server, prefix), face, kind, max_permits, FEWER_EXAMPLES)
+    check_machine(
+        lambda: Dynamo(server, prefix), face, kind, max_permits, max(1, FEWER_EXAMPLES // 2)
+    )
