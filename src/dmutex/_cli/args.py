@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dmutex",
         description="Run commands under distributed locks (mutexes, semaphores and read-write "
-        "locks, kept in SQLite, Redis, MongoDB, PostgreSQL, MySQL/MariaDB or etcd).",
+        "locks, kept in SQLite, Redis, MongoDB, PostgreSQL, MySQL/MariaDB, etcd or DynamoDB).",
         epilog=_MAIN_EPILOG,
         formatter_class=_Formatter,
     )

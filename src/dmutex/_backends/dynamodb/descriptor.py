@@ -11,6 +11,7 @@ from .names import check_table_name
 from .readwrite import DynamoReadWriteStore
 from .shapes import is_asyncio, is_service_resource, is_table, is_unentered, recognises
 from .store import DynamoStore
+from .url import FORM
 
 
 def _checked(client: object, options: Options, asynchronous: bool) -> str:
@@ -79,5 +80,6 @@ BACKEND = Descriptor(
         "DynamoDB answers a write once the service has stored it; "
         "there is nothing for replicas= to wait for"
     ),
+    url=FORM,
 )
 """DynamoDB (botocore's client through boto3, or aiobotocore's for asyncio)."""
