@@ -11,7 +11,8 @@ What must hold:
 - a TypeScript holder excludes dmutex and dmutex excludes it, for a mutex
   and a semaphore, and either takes over the other's expired item;
 - both semaphores racing from threads never hold more than ``max_permits``
-  together, and every cycle of each side completes;
+  together, and every cycle of each side completes (on dynalite: moto's
+  server does not make a conditional write atomic under concurrency);
 - either library releases and extends the other's grant by its token;
   ``holders`` shows TypeScript grants (an unknown holder: its tokens carry
   no stamp);
@@ -39,6 +40,11 @@ from tests._support.dynamodb_servers import Server, Session
 from tests._support.typescript_dynamodb import TypeScriptDynamo
 
 KEY = "orders"
+# Why races run on dynalite only (docs/usage/dynamodb.md says the same).
+MOTO_RACES = (
+    "moto's server checks a conditional write's condition and applies the write without a "
+    "lock between them: two concurrent writes of one item can both succeed there"
+)
 
 
 @pytest.fixture
@@ -166,6 +172,8 @@ def test_dmutexs_fence_item_is_no_permit_to_the_typescript_store(client: Any, se
 def test_a_race_of_both_semaphores_never_exceeds_max_permits(
     dynamodb_server: Server, client: Any, service: str
 ) -> None:
+    if dynamodb_server.kind == "moto":
+        pytest.skip(MOTO_RACES)
     # Two TypeScript slot loops and two dmutex semaphores, each in a thread with
     # a client of its own, cycle on one key of two permits. Each records its
     # slot between its grant and its release: a slot held twice at once, or
