@@ -24,6 +24,14 @@ a cycle for every contender of ``etcd_cycle.py`` (the store's grant, transaction
 its docstring promises), a watching waiter's exact requests per hand-off in
 ``etcd_handoff.py`` (a failed attempt, one watch, the winning attempt) and none of a refused
 watch's, and in ``etcd_renewal.py`` one keep-alive per renewal and nothing else in its window.
+The DynamoDB scripts start their own servers (moto's server and dynalite, which speak DynamoDB's
+protocol and are not DynamoDB), one after the other, in memory on 127.0.0.1; their request
+counts, taken at the client, are checked: two a cycle for every contender of
+``dynamodb_cycle.py`` and the store's documented requests per operation (a PutItem per mutex
+acquire, one UpdateItem more when fenced, two when the counter is ahead of the clock, one
+BatchGetItem per 100 permits beside a semaphore's refused acquire), and in
+``dynamodb_semaphore.py`` 1 + ceil(N / 100) requests for dmutex's full acquire against N for
+the TypeScript store's, with the capacity units computed from them.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -38,7 +47,13 @@ from pathlib import Path
 
 import pytest
 
-from tests._support import etcd_servers, fault_servers, mysql_servers, postgres_servers
+from tests._support import (
+    dynamodb_servers,
+    etcd_servers,
+    fault_servers,
+    mysql_servers,
+    postgres_servers,
+)
 from tests._support.redis_servers import discovered
 
 ROOT = Path(__file__).parent.parent
@@ -58,7 +73,8 @@ EVERY_REDIS = {"redis_cycle", "renewal_scale", "semaphore_scale"}
 POSTGRES = ["postgres_cycle", "postgres_semaphore", "postgres_handoff"]
 MYSQL = ["mysql_cycle"]
 ETCD = ["etcd_cycle", "etcd_handoff", "etcd_renewal"]
-SCRIPTS = ["sqlite_cycle", *REDIS, *POSTGRES, *MYSQL, *ETCD]
+DYNAMODB = ["dynamodb_cycle", "dynamodb_semaphore"]
+SCRIPTS = ["sqlite_cycle", *REDIS, *POSTGRES, *MYSQL, *ETCD, *DYNAMODB]
 # What mysql_cycle.py must count: its raw SQL's, and the MySQL store's documented ones.
 MYSQL_STATEMENTS = {
     "DMutex(fencing=False).acquire, granted": 1,
@@ -91,6 +107,37 @@ ETCD_HANDOFF_WATCH = {
     "watch-async": {"lease": 2, "revoke_lease": 1, "transaction": 2, "watch_once": 1},
 }
 ETCD_KEEPALIVES = {"lease/keepalive", "refresh_lease"}
+
+# What dynamodb_cycle.py must count at the client: two requests a cycle for every contender
+# (a conditional PutItem and DeleteItem); per operation, the store's documented requests
+# (store.py), at the quick run's 64 permits: one BatchGetItem beside a semaphore's refused
+# acquire, and before a release or extend by key and token.
+DYNAMODB_CYCLE_REQUESTS = dict.fromkeys(("dmutex", "raw", "dmutex-async", "raw-async"), 2)
+DYNAMODB_OPERATIONS = {
+    "DMutex.acquire, free": {"PutItem": 1},
+    "DMutex.acquire, held": {"PutItem": 1},
+    "DMutexLock.extend": {"UpdateItem": 1},
+    "DMutexLock.release": {"DeleteItem": 1},
+    "DMutex(fencing=True).acquire, counter absent": {"PutItem": 1, "UpdateItem": 1},
+    "DMutex(fencing=True).acquire, counter ahead of the clock": {"PutItem": 1, "UpdateItem": 2},
+    "DSemaphore(N=64).acquire, empty": {"PutItem": 1},
+    "DSemaphore(N=64).acquire, full": {"BatchGetItem": 1, "PutItem": 1},
+    "DSemaphore(N=64).extend(key, token)": {"BatchGetItem": 1, "UpdateItem": 1},
+    "DSemaphore(N=64).release(key, token)": {"BatchGetItem": 1, "DeleteItem": 1},
+    "DSemaphorePermit.release": {"DeleteItem": 1},
+}
+# What dynamodb_semaphore.py must count per refused acquire, at the quick run's Ns: dmutex
+# (and its requests sent raw) a PutItem and a BatchGetItem per 100 permits; the TypeScript
+# store's algorithm a PutItem per permit. Its capacity units: 1 WCU and N RCU against N WCU.
+DYNAMODB_FULL_ACQUIRE = {
+    f"{who} N={n}": requests
+    for n, ours in ((1, 1), (64, 2), (256, 4))
+    for who, requests in (("dmutex", ours), ("raw", ours), ("typescript", n))
+}
+DYNAMODB_FULL_CAPACITY = {
+    "dmutex N=256": {"wcu": 1, "rcu": 256},
+    "typescript N=256": {"wcu": 256, "rcu": 0},
+}
 
 # What redis_replicas.py must count: WAIT rides in the write's pipeline, a release does not wait.
 REPLICAS_REQUESTS = {
@@ -145,6 +192,18 @@ def session_server(script: str, request: pytest.FixtureRequest) -> list[str]:
     return []
 
 
+def skip_without_local_dynamodb_server() -> None:
+    """Skip unless moto's server or dynalite can run here (what the DynamoDB scripts start).
+
+    Under ``DMUTEX_REQUIRE_DYNAMODB`` a required kind that is missing fails
+    instead (``new_session``), as the suite's other tests of those servers do.
+    """
+    dynamodb_servers.new_session()
+    dynalite = dynamodb_servers.find_dynalite()[0] is not None and shutil.which("node")
+    if dynamodb_servers.moto_version() is None and not dynalite:
+        pytest.skip("neither moto's server (moto[server]) nor dynalite (and node) is here")
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_quick_run_writes_its_figures(
     script: str, tmp_path: Path, request: pytest.FixtureRequest
@@ -163,6 +222,8 @@ def test_a_quick_run_writes_its_figures(
         found_etcd = etcd_servers.new_session().discovery
         if not found_etcd.sources:
             pytest.skip(found_etcd.reason)
+    if script in DYNAMODB:
+        skip_without_local_dynamodb_server()
     if script == "redis_replicas" and fault_servers.redis_executable() is None:
         pytest.skip("no redis-server executable to start a primary and a replica")
     out = tmp_path / "figures.json"
@@ -235,3 +296,20 @@ def test_a_quick_run_writes_its_figures(
                 assert hold["hold_renewals"] == hold["hold_keepalives"], hold["face"]
                 assert hold["window_requests"], hold["face"]
                 assert set(hold["window_requests"]) <= ETCD_KEEPALIVES, hold["window_requests"]
+    if script == "dynamodb_cycle":
+        for run in runs.values():
+            assert run["requests"] == DYNAMODB_CYCLE_REQUESTS
+            counted = run["operations"]
+            kinds = {name: counted[name]["by_kind"] for name in DYNAMODB_OPERATIONS}
+            assert kinds == DYNAMODB_OPERATIONS
+            full = counted["DSemaphore(N=64).acquire, full"]
+            assert (full["wcu"], full["rcu"]) == (1, 64), full
+            assert all(c["http_requests"] == c["requests"] for c in counted.values()), counted
+            assert 0 < run["largest_item_bytes"] <= 1024
+    if script == "dynamodb_semaphore":
+        for run in runs.values():
+            assert run["requests"] == DYNAMODB_FULL_ACQUIRE
+            capacity = run["capacity"]
+            assert {name: capacity[name] for name in DYNAMODB_FULL_CAPACITY} == (
+                DYNAMODB_FULL_CAPACITY
+            )
