@@ -14,10 +14,11 @@ either face, and :class:`Dialect`, what the suite asks of each store.
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -198,6 +199,61 @@ class Dialect(ABC, Generic[C, E]):
     @abstractmethod
     def blocked(self, raw: C, conn: C, late: C) -> Callable[[], None]:
         """A wait until ``conn``'s statement waits on a row lock that ``late`` holds."""
+
+
+class Race:
+    """The bookkeeping of a race of both libraries' semaphores on one key, thread per racer.
+
+    Each racer calls :meth:`hold` between its grant and its release: a slot
+    held twice at once, or more than ``permits`` held, is an over-grant
+    (:attr:`faults`). :attr:`mixed` counts the moments a TypeScript racer
+    (a name starting ``ts-``) and a dmutex one held permits together.
+    """
+
+    def __init__(self, permits: int, racers: int) -> None:
+        self.permits = permits
+        self.inside: dict[int, str] = {}
+        self.faults: list[str] = []
+        self.cycles: dict[str, int] = {}
+        self.mixed = 0
+        self.errors: list[BaseException] = []
+        self.start = threading.Barrier(racers, timeout=30)
+        self._guard = threading.Lock()
+
+    def hold(self, slot: int, who: str) -> None:
+        """Hold ``slot`` a moment as ``who``, recording any over-grant."""
+        with self._guard:
+            if slot in self.inside or len(self.inside) >= self.permits:
+                self.faults.append(f"{who} got slot {slot} while {self.inside} held")
+            self.inside[slot] = who
+            if len({name.startswith("ts-") for name in self.inside.values()}) == 2:
+                self.mixed += 1
+        time.sleep(0.001)  # a holder stays a moment, so that an overlap would show
+        with self._guard:
+            del self.inside[slot]
+
+    def cycled(self, who: str) -> None:
+        """Count one completed cycle of ``who``."""
+        with self._guard:
+            self.cycles[who] = self.cycles.get(who, 0) + 1
+
+    def run(self, racers: Mapping[str, Callable[[str], None]], timeout: float) -> None:
+        """Run each racer (name: work) in a thread of its own; every one must end in time."""
+
+        def guarded(work: Callable[[str], None], who: str) -> None:
+            try:
+                work(who)
+            except BaseException as error:  # noqa: BLE001 - reported by the caller
+                self.errors.append(error)
+
+        threads = [
+            threading.Thread(target=guarded, args=(work, who)) for who, work in racers.items()
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=timeout)
+        assert not any(thread.is_alive() for thread in threads), "bounded: every racer ended"
 
 
 async def _awaited(work: Awaitable[T]) -> T:

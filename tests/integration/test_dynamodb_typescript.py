@@ -28,15 +28,15 @@ after slot (a full one costs a request per permit; dmutex's two).
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from dmutex import DMutex, DSemaphore
 from tests._support.dynamodb_servers import Server, Session
+from tests._support.typescript import Race
 from tests._support.typescript_dynamodb import TypeScriptDynamo
 
 KEY = "orders"
@@ -179,69 +179,35 @@ def test_a_race_of_both_semaphores_never_exceeds_max_permits(
     # slot between its grant and its release: a slot held twice at once, or
     # more than two held, is an over-grant.
     permits, rounds = 2, 25
-    inside: dict[int, str] = {}
-    faults: list[str] = []
-    cycles: dict[str, int] = {}
-    mixed = 0
-    guard = threading.Lock()
-    start = threading.Barrier(4, timeout=30)
+    race = Race(permits, 4)
     table = f"_dsemaphore_{service}"
-
-    def hold(slot: int, who: str) -> None:
-        nonlocal mixed
-        with guard:
-            if slot in inside or len(inside) >= permits:
-                faults.append(f"{who} got slot {slot} while {inside} held")
-            inside[slot] = who
-            if len({name.startswith("ts-") for name in inside.values()}) == 2:
-                mixed += 1
-        time.sleep(0.002)  # a holder stays a moment, so that an overlap would show
-        with guard:
-            del inside[slot]
 
     def typescript(who: str) -> None:
         with dynamodb_server.connect() as own:
             ts = TypeScriptDynamo(own, table, permits)
-            start.wait()
+            race.start.wait()
             for _ in range(rounds):
                 permit = ts.acquire_with_retry(KEY, 30, timeout=30, retry_delay=0.005)
                 assert permit is not None, f"{who}: no permit in 30 s"
-                hold(permit.slot, who)
+                race.hold(permit.slot, who)
                 assert ts.release(KEY, permit.token)
-                cycles[who] = cycles.get(who, 0) + 1
+                race.cycled(who)
 
     def dmutex_side(who: str) -> None:
         with dynamodb_server.connect() as own:
             sem = DSemaphore(service, own, max_permits=permits)
-            start.wait()
+            race.start.wait()
             for _ in range(rounds):
                 permit = sem.acquire_with_retry(KEY, ttl=30, timeout=30, retry_delay=0.005)
                 assert permit is not None, f"{who}: no permit in 30 s"
-                hold(permit.slot, who)
+                race.hold(permit.slot, who)
                 assert permit.release()
-                cycles[who] = cycles.get(who, 0) + 1
+                race.cycled(who)
 
     DSemaphore(service, client, max_permits=permits).ready()
-    errors: list[BaseException] = []
-
-    def guarded(work: Callable[[str], None], who: str) -> None:
-        try:
-            work(who)
-        except BaseException as error:  # noqa: BLE001 - reported by the test below
-            errors.append(error)
-
-    workers = [
-        threading.Thread(target=guarded, args=(typescript, "ts-1")),
-        threading.Thread(target=guarded, args=(typescript, "ts-2")),
-        threading.Thread(target=guarded, args=(dmutex_side, "py-1")),
-        threading.Thread(target=guarded, args=(dmutex_side, "py-2")),
-    ]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=120)
-    assert not any(worker.is_alive() for worker in workers), "bounded: every worker ended"
-    assert errors == []
-    assert faults == []
-    assert cycles == dict.fromkeys(("ts-1", "ts-2", "py-1", "py-2"), rounds)
-    assert mixed > 0, "the libraries held the permits together: they raced"
+    racers = {"ts-1": typescript, "ts-2": typescript, "py-1": dmutex_side, "py-2": dmutex_side}
+    race.run(racers, timeout=120)
+    assert race.errors == []
+    assert race.faults == []
+    assert race.cycles == dict.fromkeys(racers, rounds)
+    assert race.mixed > 0, "the libraries held the permits together: they raced"

@@ -83,7 +83,7 @@ from tests._support import typescript_mysql as mysql_ts
 from tests._support import typescript_postgres as postgres_ts
 from tests._support.mysql_rows import server_ms
 from tests._support.mysql_servers import Server, Session
-from tests._support.typescript import Dialect, PythonSide
+from tests._support.typescript import Dialect, PythonSide, Race
 from tests._support.typescript_mysql import COLLATION, MySQL
 from tests._support.typescript_postgres import Postgres
 
@@ -240,35 +240,18 @@ def test_a_race_of_both_semaphores_never_exceeds_max_permits(
     # Each records its slot between its grant and its release: a slot held
     # twice at once, or more than two held, is an over-grant.
     permits, rounds = 2, dialect.race_rounds
-    inside: dict[int, str] = {}
-    faults: list[str] = []
-    cycles: dict[str, int] = {}
-    mixed = 0  # moments when a TypeScript and a dmutex holder held the two permits
-    guard = threading.Lock()
-    start = threading.Barrier(2 + len(dialect.race_sides), timeout=30)
-
-    def hold(slot: int, who: str) -> None:
-        nonlocal mixed
-        with guard:
-            if slot in inside or len(inside) >= permits:
-                faults.append(f"{who} got slot {slot} while {inside} held")
-            inside[slot] = who
-            if len({name.startswith("ts-") for name in inside.values()}) == 2:
-                mixed += 1
-        time.sleep(0.001)  # a holder stays a moment, so that an overlap would show
-        with guard:
-            del inside[slot]
+    race = Race(permits, 2 + len(dialect.race_sides))
 
     def typescript(who: str) -> None:
         with dialect.typescript_connection() as conn:
             ts = dialect.semaphore(conn, service, permits)
-            start.wait()
+            race.start.wait()
             for _ in range(rounds):
                 permit = ts.acquire_with_retry(KEY, 30, timeout=20, retry_delay=0.002)
                 assert permit is not None, f"{who}: no permit in 20 s"
-                hold(permit.slot, who)
+                race.hold(permit.slot, who)
                 assert ts.release(KEY, permit.token)
-                cycles[who] = cycles.get(who, 0) + 1
+                race.cycled(who)
                 if dialect.race_pause:
                     time.sleep(dialect.race_pause)  # other work between two holds
 
@@ -276,41 +259,27 @@ def test_a_race_of_both_semaphores_never_exceeds_max_permits(
         side = dialect.python(who)
         try:
             sem = side.semaphore(service, permits)
-            start.wait()
+            race.start.wait()
             for _ in range(rounds):
                 permit = side.run(
                     sem.acquire_with_retry(KEY, ttl=30, timeout=20, retry_delay=0.005)
                 )
                 assert permit is not None, f"{who}: no permit in 20 s"
-                hold(permit.slot, who)
+                race.hold(permit.slot, who)
                 assert side.run(permit.release())
-                cycles[who] = cycles.get(who, 0) + 1
+                race.cycled(who)
         finally:
             side.close()
 
     DSemaphore(service, raw, max_permits=permits).ready()
-    errors: list[BaseException] = []
-
-    def guarded(work: Callable[[str], None], who: str) -> None:
-        try:
-            work(who)
-        except BaseException as error:  # noqa: BLE001 - reported by the test below
-            errors.append(error)
-
-    workers = [
-        threading.Thread(target=guarded, args=(typescript, "ts-1")),
-        threading.Thread(target=guarded, args=(typescript, "ts-2")),
-    ] + [threading.Thread(target=guarded, args=(dmutex_side, who)) for who in dialect.race_sides]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=90)
-    assert not any(worker.is_alive() for worker in workers), "bounded: every worker ended"
-    assert errors == []
-    assert faults == []
-    assert cycles == dict.fromkeys(("ts-1", "ts-2", *dialect.race_sides), rounds)
+    racers = {"ts-1": typescript, "ts-2": typescript}
+    racers.update(dict.fromkeys(dialect.race_sides, dmutex_side))
+    race.run(racers, timeout=90)
+    assert race.errors == []
+    assert race.faults == []
+    assert race.cycles == dict.fromkeys(racers, rounds)
     if dialect.name == "mysql":
-        assert mixed > 0, "the libraries held the permits together: they raced"
+        assert race.mixed > 0, "the libraries held the permits together: they raced"
         assert slot_rows(dialect, raw, f"_dsemaphore_{service}") == {}, (
             "every permit released, nothing else written"
         )
