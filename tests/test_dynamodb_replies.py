@@ -153,6 +153,13 @@ def test_unprocessed_keys_are_asked_for_again_then_an_error() -> None:
     assert stuck.names.count("BatchGetItem") == 9
 
 
+def test_a_batch_reply_without_responses_is_no_answer() -> None:
+    # botocore reads a 200 reply torn inside its headers as {}: not "no items".
+    sem = DSemaphore("svc", Scripted(ACTIVE, {}), max_permits=2, clock=ManualClock())
+    with pytest.raises(DMutexError, match="unexpected reply from DynamoDB BatchGetItem"):
+        sem.holders("k")
+
+
 @pytest.mark.parametrize(
     "answer",
     [None, [], {"Attributes": {"fence": {"N": "x"}}}, {"Attributes": {"fence": {"S": "1"}}}],

@@ -27,7 +27,9 @@ The kinds, each a case the tests can be parametrized over (:func:`kinds`):
    listens on every interface and has no option to bind one, so the harness
    runs the package through ``node -e`` bound to 127.0.0.1 (:data:`DYNALITE_SCRIPT`).
    A ``DMUTEX_DYNALITE`` that names no dynalite is a ValueError: the user
-   meant that one.
+   meant that one. The fault tests that kill a server and start it again run
+   a dynalite of their own with its tables on disk
+   (:func:`start_dynalite_on_disk`), where leveldown loads (:func:`leveldown_problem`).
 
 Rules:
 
@@ -74,6 +76,7 @@ import os
 import re
 import secrets
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -119,13 +122,29 @@ ROOT = Path(__file__).resolve().parents[2]
 CI_DYNALITE = ROOT / ".ci" / "cache" / "dynalite" / "node_modules" / ".bin" / "dynalite"
 DYNALITE_SOURCES = f"{DYNALITE_VARIABLE} is unset, none in .ci/cache/dynalite, none on PATH"
 
+# dynalite 3.2.2 throws from its request's ``error`` listener, and so exits,
+# when a connection closes before it read the whole request (a client's read
+# timeout, a torn connection): every script below replaces that listener
+# with one that logs. dynalite adds its own in its ``request`` listener,
+# which runs before this one.
+DYNALITE_ABORTS = """\
+server.on('request', (request) => {
+  request.removeAllListeners('error');
+  request.on('error', (error) => console.error(`dynalite: a request ended: ${error.message}`));
+});
+"""
+
 # dynalite's package, served in memory on 127.0.0.1 (its command would listen
 # on every interface): ``node -e SCRIPT PACKAGE PORT``. Tables are ACTIVE (and
 # gone) on the next tick rather than half a second later, its default. A port
 # it cannot take ends it with one line in its log, not a stack trace.
-DYNALITE_SCRIPT = """\
+DYNALITE_SCRIPT = (
+    """\
 const [pkg, port] = process.argv.slice(1);
 const server = require(pkg)({createTableMs: 0, deleteTableMs: 0, updateTableMs: 0});
+"""
+    + DYNALITE_ABORTS
+    + """\
 server.on('error', (error) => {
   console.error(`dynalite could not listen on 127.0.0.1:${port}: ${error.message}`);
   process.exit(1);
@@ -134,6 +153,35 @@ server.listen(Number(port), '127.0.0.1', () => {
   console.log(`dynalite listening on http://127.0.0.1:${port}`);
 });
 """
+)
+
+# dynalite with its tables on disk: ``node -e SCRIPT PACKAGE PORT PATH``, as
+# :data:`DYNALITE_SCRIPT` but with dynalite's ``path`` option, which keeps the
+# tables in a LevelDB folder through leveldown (an optional dependency of
+# dynalite's: a native module, with prebuilt binaries for the usual platforms)
+# instead of memdown.
+DYNALITE_DISK_SCRIPT = (
+    """\
+const [pkg, port, path] = process.argv.slice(1);
+const server = require(pkg)({createTableMs: 0, deleteTableMs: 0, updateTableMs: 0, path});
+"""
+    + DYNALITE_ABORTS
+    + """\
+server.on('error', (error) => {
+  console.error(`dynalite could not listen on 127.0.0.1:${port}: ${error.message}`);
+  process.exit(1);
+});
+server.listen(Number(port), '127.0.0.1', () => {
+  console.log(`dynalite listening on http://127.0.0.1:${port}, tables in ${path}`);
+});
+"""
+)
+# Whether leveldown loads, found from dynalite's package as dynalite finds it:
+# ``node -e SCRIPT PACKAGE``.
+LEVELDOWN_SCRIPT = """\
+require(require.resolve('leveldown', {paths: [process.argv[1]]}));
+"""
+LEVELDOWN_TIMEOUT = 20.0  # seconds for node to load leveldown, on a busy 2-core machine
 
 # What a readiness request to a server not up yet raises: refused, reset,
 # timed out, or half an HTTP reply. An answer with an error (a ClientError) is
@@ -504,6 +552,47 @@ class Dynalite:
     def stop(self) -> None:
         """Stop it by its pid (SIGTERM, SIGKILL after the bound) and remove its folder."""
         self.process.stop()
+
+
+def leveldown_problem(source: Dynalite) -> str | None:
+    """Why ``source``'s dynalite cannot keep its tables on disk here, or None if it can.
+
+    It can where node loads leveldown from dynalite's package; otherwise the
+    reason is the last line node printed (a module not installed, no
+    prebuilt binary for this platform, ...).
+    """
+    command = [str(source.node), "-e", LEVELDOWN_SCRIPT, str(source.package[0])]
+    try:
+        done = subprocess.run(command, capture_output=True, timeout=LEVELDOWN_TIMEOUT, check=False)
+    except subprocess.TimeoutExpired:
+        return f"node did not load leveldown within {LEVELDOWN_TIMEOUT:.0f} s"
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.decode(errors="replace").strip().splitlines()
+    last = next((line.strip() for line in reversed(lines) if line.strip()), "no output")
+    return f"leveldown does not load from {source.package[0]} (exit {done.returncode}): {last}"
+
+
+def start_dynalite_on_disk(source: Dynalite, process: servers.ServerProcess, data: Path) -> Server:
+    """``source``'s dynalite on ``process``'s port, its tables in ``data``; once it answers.
+
+    ``process`` is the caller's, made with ``keep=True`` so that it can be
+    killed and started again on the same port: each call starts it, and the
+    tables hold what they held when it died. LevelDB writes each change
+    to its log file before dynalite answers it; a SIGKILL ends the process,
+    not the kernel's page cache, so every change a client was told of is
+    there after the restart (a power cut could lose it: nothing is synced).
+    """
+    command = [
+        str(source.node),
+        "-e",
+        DYNALITE_DISK_SCRIPT,
+        str(source.package[0]),
+        str(process.port),
+        str(data),
+    ]
+    what = f"dynalite on disk ({source.executable})"
+    return _start_local(source.kind, source.label, str(source.executable), process, command, what)
 
 
 # --- tables -----------------------------------------------------------------------------------

@@ -16,7 +16,9 @@ Rules:
    is not of that shape raises :class:`~dmutex.DMutexError`.
 4. Reads that decide are strongly consistent (``ConsistentRead``): an
    eventually consistent read may miss a write that was acknowledged.
-5. A batch read asks for at most :data:`BATCH_KEYS` items a request (the
+5. A batch read's reply must carry ``Responses``: botocore reads a reply
+   torn inside its headers as an empty one, which must not read as "no
+   items". A batch read asks for at most :data:`BATCH_KEYS` items a request (the
    service's bound) and asks again for the keys the reply says it left
    unprocessed (throttling), after a pause that doubles from
    :data:`UNPROCESSED_PAUSE`, at most :data:`UNPROCESSED_TRIES` times in a
@@ -119,7 +121,12 @@ def batch_get(
             answer = reply(
                 (yield Call(batch_get_item, (), {"RequestItems": request})), "BatchGetItem"
             )
-            items = _mapping(answer.get("Responses", {})).get(table, [])
+            # A reply without "Responses" is no answer (botocore reads a
+            # reply torn inside its headers as {}): never "no items".
+            responses = answer.get("Responses")
+            if not isinstance(responses, Mapping):
+                raise DMutexError(f"unexpected reply from DynamoDB BatchGetItem: {answer!r}")
+            items = responses.get(table, [])
             if not isinstance(items, list):
                 raise DMutexError(f"unexpected reply from DynamoDB BatchGetItem: {answer!r}")
             for item in items:
