@@ -1,7 +1,9 @@
 """A server that speaks DynamoDB's protocol, through a faulty network: no overlap, no lie.
 
-What it breaks: every client reaches the server (moto's server, and
-dynalite; neither is DynamoDB) through a
+What it breaks: every client reaches the server (dynalite for the racing
+holders, moto's server too for a lost grant's reply; neither is DynamoDB:
+moto's server lets two concurrent conditional writes of one item both
+succeed, so no race is judged there) through a
 :class:`~tests._support.fault_proxy.FaultProxy` of its own, which drops
 requests, drops replies after the server ran the request, delays requests
 and tears connections mid-message, at points a seeded generator picks (6%,
@@ -616,7 +618,14 @@ def summary(run: Run, server: Server, proxies: Sequence[FaultProxy], seconds: fl
 
 
 def test_holders_through_a_faulty_network(server: Server, dynamodb_session: Session) -> None:
-    """Sync and asyncio holders of a mutex and a semaphore, through seeded faults: see above."""
+    """Sync and asyncio holders of a mutex and a semaphore, through seeded faults: see above.
+
+    On dynalite only: moto's server checks a conditional write's condition and
+    applies the write without a lock between them, so racing holders can both
+    be granted there whatever dmutex does (docs/usage/dynamodb.md).
+    """
+    if server.kind == "moto":
+        pytest.skip("moto's server does not make a conditional write atomic under concurrency")
     tables = table_names(dynamodb_session, "net")
     inspector = Inspector(server, tables)
     run = Run(inspector)
