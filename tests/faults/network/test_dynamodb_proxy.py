@@ -89,7 +89,7 @@ import botocore.exceptions
 import pytest
 from aiobotocore.session import get_session
 
-from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DSemaphore
+from dmutex import AsyncDMutex, AsyncDSemaphore, DMutex, DMutexError, DSemaphore
 from tests._support import dynamodb_servers, servers
 from tests._support.dynamodb_servers import Server, Session
 from tests._support.faces import Calls, await_calls, run_calls
@@ -143,6 +143,18 @@ def torn_error_reply(error: BaseException) -> bool:
         return False
     details = error.response.get("Error", {})
     return str(details.get("Code", "")).isdigit() and not details.get("Message")
+
+
+def torn_batch_reply(error: BaseException) -> bool:
+    """Whether ``error`` is dmutex refusing a BatchGetItem reply torn inside its headers.
+
+    botocore reads such a 200 reply as ``{}`` (metadata alone); the store
+    refuses a batch reply without ``Responses`` rather than read it as "no
+    items" (``dynamodb/requests.py``, rule 5).
+    """
+    return isinstance(error, DMutexError) and str(error).startswith(
+        "unexpected reply from DynamoDB BatchGetItem: {'ResponseMetadata'"
+    )
 
 
 # The tokens the PutItem requests of the current acquire carried, each send (a retry too).
@@ -395,6 +407,8 @@ class Run:
                 self.exceptions[f"{what}:{type(error).__name__}"] += 1
             elif torn_error_reply(error):
                 self.exceptions[f"{what}:ClientError(torn)"] += 1
+            elif torn_batch_reply(error):
+                self.exceptions[f"{what}:DMutexError(torn batch reply)"] += 1
             else:
                 self.unexpected.append(f"{what} raised {error!r}")
 
