@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing
 import multiprocessing.queues
@@ -23,9 +24,9 @@ import signal
 import subprocess
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeAlias, TypeVar
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import pytest
 
@@ -407,3 +408,12 @@ def spawned(target: Callable[..., None], *args: object, who: str = "the holder")
         yield child
     finally:
         child._end()
+
+
+def by_kind(
+    worker: int,
+    sync: Callable[[Tally], None],
+    asynchronous: Callable[[Tally], Coroutine[Any, Any, None]],
+) -> Callable[[Tally], None]:
+    """Even workers sync, odd ones asyncio (each in an event loop of its own)."""
+    return sync if worker % 2 == 0 else (lambda tally: asyncio.run(asynchronous(tally)))

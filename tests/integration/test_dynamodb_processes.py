@@ -49,7 +49,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,15 +196,6 @@ async def async_client(place: Place) -> AsyncIterator[Any]:
         yield client
 
 
-def by_kind(
-    worker: int,
-    sync: Callable[[Tally], None],
-    asynchronous: Callable[[Tally], Coroutine[Any, Any, None]],
-) -> Callable[[Tally], None]:
-    """Even workers sync, odd ones asyncio (each in an event loop of its own)."""
-    return sync if worker % 2 == 0 else (lambda tally: asyncio.run(asynchronous(tally)))
-
-
 def mutex_counter_worker(
     worker: int, reports: processes.Reports, barrier: processes.Barrier, place: Place, cycles: int
 ) -> None:
@@ -238,7 +229,7 @@ def mutex_counter_worker(
             await processes.cycle_async(mutex, LOCK_KEY, tally, cycles, guarded, RETRY)
 
     processes.report_errors(
-        worker, reports, barrier, Tally(worker), by_kind(worker, sync, asynchronous)
+        worker, reports, barrier, Tally(worker), processes.by_kind(worker, sync, asynchronous)
     )
 
 
@@ -288,7 +279,7 @@ def semaphore_gauge_worker(
             await processes.cycle_async(sem, LOCK_KEY, tally, cycles, guarded, RETRY)
 
     processes.report_errors(
-        worker, reports, barrier, Tally(worker), by_kind(worker, sync, asynchronous)
+        worker, reports, barrier, Tally(worker), processes.by_kind(worker, sync, asynchronous)
     )
 
 

@@ -29,11 +29,10 @@ the number of holders at once.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -180,15 +179,6 @@ async def async_client(place: Place) -> AsyncIterator[AsyncMySQLPoolLike]:
         await pool.wait_closed()
 
 
-def by_kind(
-    worker: int,
-    sync: Callable[[Tally], None],
-    asynchronous: Callable[[Tally], Coroutine[Any, Any, None]],
-) -> Callable[[Tally], None]:
-    """Even workers sync, odd ones asyncio (each in an event loop of its own)."""
-    return sync if worker % 2 == 0 else (lambda tally: asyncio.run(asynchronous(tally)))
-
-
 def mutex_counter_worker(
     worker: int, reports: processes.Reports, barrier: processes.Barrier, place: Place, cycles: int
 ) -> None:
@@ -217,7 +207,7 @@ def mutex_counter_worker(
 
     try:
         processes.report_errors(
-            worker, reports, barrier, Tally(worker), by_kind(worker, sync, asynchronous)
+            worker, reports, barrier, Tally(worker), processes.by_kind(worker, sync, asynchronous)
         )
     finally:
         work.close()
@@ -259,7 +249,7 @@ def semaphore_gauge_worker(
 
     try:
         processes.report_errors(
-            worker, reports, barrier, Tally(worker), by_kind(worker, sync, asynchronous)
+            worker, reports, barrier, Tally(worker), processes.by_kind(worker, sync, asynchronous)
         )
     finally:
         work.close()
