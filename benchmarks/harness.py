@@ -15,7 +15,9 @@ Every benchmark here is a script run from the repository root
   one ``--postgres-url`` names; either way in a schema of its own
   (``dmutex_bench_<random>``) on the search path, dropped at the end. A
   benchmark of another server may bring its own (:func:`main`'s ``server``,
-  with ``parse(..., url=...)`` for its ``--url``). Only
+  with ``parse(..., url=...)`` for its ``--url``); one of several kinds
+  of server (``lean_paths.py``) brings each itself (:func:`main`'s
+  ``several``). Only
   :func:`redis_servers`, :func:`one_redis`, :func:`postgres_server` and such
   a benchmark's own server know the test harness.
 - Interleaving (:func:`interleave`): contenders take turns within each round,
@@ -194,13 +196,16 @@ def parse(
     redis: bool = True,
     postgres: bool = False,
     url: str = "",
+    more: Callable[[argparse.ArgumentParser], object] | None = None,
 ) -> argparse.Namespace:
     """The common options (``--url``, ``--redis``, ``--quick``, ``--json``) and ``options``.
 
     ``redis=False``: no Redis options; ``postgres=True``: ``--postgres-url``
     (the benchmark then runs on PostgreSQL, :func:`postgres_server`);
     ``url`` (with ``redis=False``): ``--url``, with that help, for the
-    server of a benchmark that brings its own (:func:`main`'s ``server``).
+    server of a benchmark that brings its own (:func:`main`'s ``server``);
+    ``more(parser)``: adds the benchmark's own options that ``options``
+    cannot say (a choice, a repeatable one, a string), after the common ones.
 
     ``--help`` shows the script's docstring, which says what each option is.
     An option's type is its default's (a list: one or more values); every
@@ -224,6 +229,8 @@ def parse(
         )
     parser.add_argument("--quick", action="store_true", help="a smoke run: small counts")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    if more is not None:
+        more(parser)
     for name, (full, quick) in options.items():
         many = isinstance(full, list)
         parser.add_argument(
@@ -257,12 +264,15 @@ def main(
     *,
     server: Server | None = None,
     errors: tuple[type[Exception], ...] = (),
+    several: bool = False,
 ) -> int:
     """Run ``bench(url, args)`` on each server (url "" without one); write ``--json``.
 
     ``server``: the one server of a benchmark that brings its own, whatever
     ``args`` says; ``errors``: its client's exceptions, which end the run
-    with status 2 as a Redis or PostgreSQL error does.
+    with status 2 as a Redis or PostgreSQL error does; ``several``: a
+    benchmark that finds, starts and stops its servers itself, several kinds
+    of them: ``bench("", args)`` returns its runs by name.
     """
     report: dict[str, object] = {"machine": machine(), "options": vars(args)}
     runs: dict[str, object] = {}
@@ -274,7 +284,9 @@ def main(
         *errors,
     )
     try:
-        if server is not None:
+        if several:
+            runs.update(bench("", args))
+        elif server is not None:
             with server() as (label, url):
                 print(f"\n## {label} ({shown(url)})\n", flush=True)
                 runs[label] = {"url": shown(url), **bench(url, args)}
@@ -674,6 +686,26 @@ def trace_requests(client: redis.Redis | redis.asyncio.Redis) -> list[Request]:
     vars(client)["execute_command"] = traced_async if is_async else traced
     vars(client)["pipeline"] = traced_pipeline
     return log
+
+
+def sent_alone(
+    probe: redis.Redis, logs: Sequence[list[Request]], batch: Batch, n: int
+) -> tuple[dict[str, float], list[Request]]:
+    """``batch`` alone, ``n`` operations after ``max(10, n // 10)`` unmeasured: what it sent.
+
+    The server's commands per operation by name (``INFO commandstats`` read
+    by ``probe`` before and after: a script's own commands counted beside
+    its ``EVALSHA``; ``INFO`` itself left out) and the requests the clients
+    traced into ``logs`` (:func:`trace_requests`) sent meanwhile. Other
+    clients' commands on the server count too: alone means nobody else.
+    """
+    batch(max(10, n // 10))  # scripts loaded, connections open
+    before, marks = server_counters(probe)[0], [len(log) for log in logs]
+    batch(n)
+    after = server_counters(probe)[0]
+    calls = {name: c - before.get(name, (0, 0))[0] for name, (c, _) in after.items()}
+    sent = [request for log, mark in zip(logs, marks, strict=True) for request in log[mark:]]
+    return {name: c / n for name, c in calls.items() if c and name != "info"}, sent
 
 
 # --- worker processes ------------------------------------------------------------------

@@ -31,7 +31,11 @@ counts, taken at the client, are checked: two a cycle for every contender of
 acquire, one UpdateItem more when fenced, two when the counter is ahead of the clock, one
 BatchGetItem per 100 permits beside a semaphore's refused acquire), and in
 ``dynamodb_semaphore.py`` 1 + ceil(N / 100) requests for dmutex's full acquire against N for
-the TypeScript store's, with the capacity units computed from them.
+the TypeScript store's, with the capacity units computed from them. ``lean_paths.py`` runs on
+each of Redis, PostgreSQL and MySQL found here (``--store``; the SQL ones the session's): its
+ratios to the mutex are checked present and positive on every face, its counts as counts (whole
+numbers, every Redis contender two requests a cycle, the raw one 4 server commands, a SQL mutex
+2 statements), and issue 43's five targets printed when Redis ran.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,7 +79,8 @@ POSTGRES = ["postgres_cycle", "postgres_semaphore", "postgres_handoff"]
 MYSQL = ["mysql_cycle"]
 ETCD = ["etcd_cycle", "etcd_handoff", "etcd_renewal"]
 DYNAMODB = ["dynamodb_cycle", "dynamodb_semaphore"]
-SCRIPTS = ["sqlite_cycle", *REDIS, *POSTGRES, *MYSQL, *ETCD, *DYNAMODB]
+LEAN = ["lean_paths"]  # on every store found of Redis, PostgreSQL and MySQL
+SCRIPTS = ["sqlite_cycle", *REDIS, *POSTGRES, *MYSQL, *ETCD, *DYNAMODB, *LEAN]
 # What mysql_cycle.py must count: its raw SQL's, and the MySQL store's documented ones.
 MYSQL_STATEMENTS = {
     "DMutex(fencing=False).acquire, granted": 1,
@@ -161,6 +167,18 @@ READWRITE_REQUESTS = {
     for half in ("acquire", "release")
 }
 
+# What lean_paths.py must hold: each face's ratios to its own mutex (ops/s, median of the rounds)
+# on every store it ran; what a cycle sends that issue 43 does not change: every Redis contender
+# one request to acquire and one to release, the raw SET NX + compare-and-delete 4 server
+# commands, a SQL mutex (fenced) one statement each way.
+LEAN_RATIOS = [
+    f"{name}{face} / mutex{face}, ops/s"
+    for face in ("", "-async")
+    for name in ("semaphore", "write", "read")
+]
+LEAN_REDIS_COMMANDS = {"raw": 4, "raw-async": 4}
+LEAN_SQL_STATEMENTS = {"mutex": 2, "mutex-async": 2}
+
 
 # Figures that are the time between two processes' events in no fixed order, so may be
 # negative: redis_readwrite.py's hand-off from the holder's release() returning to the
@@ -189,7 +207,26 @@ def session_server(script: str, request: pytest.FixtureRequest) -> list[str]:
         return ["--postgres-url", str(request.getfixturevalue("postgres_server"))]
     if script in MYSQL:
         return ["--url", str(request.getfixturevalue("mysql_server"))]
+    if script in LEAN:
+        return lean_stores(request)
     return []
+
+
+def lean_stores(request: pytest.FixtureRequest) -> list[str]:
+    """``lean_paths.py``'s stores: those found here (none: skipped), the SQL ones the session's."""
+    stores: list[str] = []
+    options: list[str] = []
+    if discovered().labels:
+        stores.append("redis")
+    if postgres_servers.required() or postgres_servers.new_session().discovery.sources:
+        stores.append("postgresql")
+        options += ["--postgres-url", str(request.getfixturevalue("postgres_server"))]
+    if mysql_servers.required() or mysql_servers.new_session().discovery.sources:
+        stores.append("mysql")
+        options += ["--mysql-url", str(request.getfixturevalue("mysql_server"))]
+    if not stores:
+        pytest.skip("no Redis, PostgreSQL or MySQL server found")
+    return ["--store", *stores, *options]
 
 
 def skip_without_local_dynamodb_server() -> None:
@@ -262,6 +299,8 @@ def test_a_quick_run_writes_its_figures(
             counted = run["statements"]
             assert all(value > 0 for value in counted.values()), counted
             assert {name: counted[name] for name in MYSQL_STATEMENTS} == MYSQL_STATEMENTS
+    if script in LEAN:
+        check_lean_paths(runs)
     if script == "redis_replicas":
         for run in runs.values():
             counted = run["requests"]
@@ -313,3 +352,25 @@ def test_a_quick_run_writes_its_figures(
             assert {name: capacity[name] for name in DYNAMODB_FULL_CAPACITY} == (
                 DYNAMODB_FULL_CAPACITY
             )
+
+
+def check_lean_paths(runs: dict[str, Any]) -> None:
+    """``lean_paths.py``'s figures: ratios on every face of every store, counts, targets."""
+    stores = {name: run for name, run in runs.items() if name != "summary"}
+    assert stores, f"no store in {sorted(runs)}"
+    for store, run in stores.items():
+        medians = run["medians"]
+        assert all(medians[name] > 0 for name in LEAN_RATIOS), (store, medians)
+        counted = run["commands"] if store == "redis" else run["statements"]
+        assert all(value > 0 and value == int(value) for value in counted.values()), counted
+        assert {"semaphore", "semaphore-async"} <= set(counted), counted
+    if "redis" in stores:
+        redis = stores["redis"]
+        commands = redis["commands"]
+        assert {name: commands[name] for name in LEAN_REDIS_COMMANDS} == LEAN_REDIS_COMMANDS
+        assert set(redis["requests"].values()) == {2}, redis["requests"]
+        assert redis["medians"]["mutex-async / raw-async, ops/s"] > 0
+        assert len(runs["summary"]["targets"]) == 5, runs["summary"]["targets"]
+    for store in (name for name in ("postgresql", "mysql") if name in stores):
+        counted = stores[store]["statements"]
+        assert {name: counted[name] for name in LEAN_SQL_STATEMENTS} == LEAN_SQL_STATEMENTS
