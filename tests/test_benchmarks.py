@@ -36,6 +36,10 @@ each of Redis, PostgreSQL and MySQL found here (``--store``; the SQL ones the se
 ratios to the mutex are checked present and positive on every face, its counts as counts (whole
 numbers, every Redis contender two requests a cycle, the raw one 4 server commands, a SQL mutex
 2 statements), and issue 43's five targets printed when Redis ran.
+
+The quick runs start together when the module does, two at a time (``quick_runs``: the
+scripts that read a Redis server's command counts one after another, the others beside them),
+and each test checks its own script's.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -241,10 +246,12 @@ def skip_without_local_dynamodb_server() -> None:
         pytest.skip("neither moto's server (moto[server]) nor dynalite (and node) is here")
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_a_quick_run_writes_its_figures(
-    script: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
+def prepare(script: str, request: pytest.FixtureRequest, tmp_path: Path) -> list[str]:
+    """The command of ``script``'s quick run, writing its figures to ``tmp_path``.
+
+    Skips (``pytest.skip``) where its servers are not here, or fails where
+    they are required and missing, as the suite's other tests of them do.
+    """
     if script in REDIS and not discovered().labels:
         pytest.skip(discovered().reason)
     if script in POSTGRES and not postgres_servers.required():
@@ -263,26 +270,78 @@ def test_a_quick_run_writes_its_figures(
         skip_without_local_dynamodb_server()
     if script == "redis_replicas" and fault_servers.redis_executable() is None:
         pytest.skip("no redis-server executable to start a primary and a replica")
-    out = tmp_path / "figures.json"
     versions = []
     if script in EVERY_REDIS:
         versions = ["--redis", discovered().labels[-1].removeprefix("redis-")]
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / f"{script}.py"),
-            "--quick",
-            "--json",
-            str(out),
-            *versions,
-            *session_server(script, request),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    return [
+        sys.executable,
+        str(ROOT / "benchmarks" / f"{script}.py"),
+        "--quick",
+        "--json",
+        str(tmp_path / "figures.json"),
+        *versions,
+        *session_server(script, request),
+    ]
+
+
+def run_quick(command: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
     )
+
+
+# Two quick runs at a time, one from each lane: the scripts that count a Redis server's
+# commands (INFO commandstats counts every client's) take turns in one lane, the others
+# (whose counts are their own client's or connection's) in the other. No figure is compared
+# with a bound here, so running beside another script changes nothing this module checks;
+# the module takes about half as long (its scripts mostly wait on servers and processes).
+REDIS_LANE = {*REDIS, *LEAN}
+Started = Future[subprocess.CompletedProcess[str]] | BaseException
+
+
+@pytest.fixture(scope="module")
+def quick_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, tuple[Path, Started]]]:
+    """Every selected script's quick run, started in its lane: its folder and its run.
+
+    The run is a future, or what preparing it raised (a skip, a failure),
+    for that script's test to raise.
+    """
+    selected = [
+        str(item.callspec.params["script"])
+        for item in request.session.items
+        if isinstance(item, pytest.Function)
+        and item.function is test_a_quick_run_writes_its_figures
+    ]
+    lanes = {lane: ThreadPoolExecutor(1, f"quick-{lane}") for lane in ("redis", "other")}
+    started: dict[str, tuple[Path, Started]] = {}
+    try:
+        for script in sorted(set(selected), key=SCRIPTS.index):
+            folder = tmp_path_factory.mktemp(script)
+            try:
+                command = prepare(script, request, folder)
+            # What one script's preparation raised is its own test's outcome, not the others'.
+            except (pytest.skip.Exception, pytest.fail.Exception, Exception) as raised:  # noqa: BLE001
+                started[script] = (folder, raised)
+                continue
+            lane = lanes["redis" if script in REDIS_LANE else "other"]
+            started[script] = (folder, lane.submit(run_quick, command))
+        yield started
+    finally:
+        for lane in lanes.values():
+            lane.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_quick_run_writes_its_figures(
+    script: str, quick_runs: dict[str, tuple[Path, Started]]
+) -> None:
+    folder, run = quick_runs[script]
+    if isinstance(run, BaseException):
+        raise run
+    done = run.result()
+    out = folder / "figures.json"
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     runs = json.loads(out.read_text())["runs"]
     assert runs, "no run recorded"
