@@ -58,6 +58,7 @@ from harness import Batch, BenchmarkError, Figures, Request, Target
 
 import dmutex
 from dmutex import DSemaphore, DSemaphorePermit, InMemoryBackend
+from dmutex._backends.redis.scripts import INDEXED_ABOVE
 
 HOLDER_TTL_S = 3600.0  # the other tokens' permits: none expires during a run
 TTL_S = 300.0  # the measured permits' ttl
@@ -262,7 +263,9 @@ def redis_cases(url: str, args: argparse.Namespace, probe: redis.Redis, slowlog:
             if not all(pipe.execute()):
                 raise BenchmarkError(f"{raw_key}: a raw holder's key existed already")
             slots = [f"{prefix}permit:{i}:{key}" for i in range(n)]
-            floor = [*slots, f"{prefix}fence:{key}", f"{prefix}holders:{key}"]
+            # The acquire's own keys: the index only above INDEXED_ABOVE permits (scripts.py).
+            index = [f"{prefix}holders:{key}"] if n > INDEXED_ABOVE else []
+            floor = [*slots, f"{prefix}fence:{key}", *index]
             for case in REDIS_CASES:
                 on = raw_key if case == RAW_FULL else key
                 cases.append(Case(case, n, sem, on, holder, conn, floor))

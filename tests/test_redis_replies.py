@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from dmutex import DMutex, DMutexError, DSemaphore, RedisArg, RedisReply
+from dmutex._backends.redis.scripts import INDEXED_ABOVE
 
 
 class Scripted:
@@ -86,13 +87,19 @@ def test_a_fence_without_a_counter_raises(reply: int) -> None:
         DMutex("svc", Scripted(reply, 0), fencing=False).acquire("k")
 
 
-def test_the_counter_then_the_index_follow_the_slot_keys() -> None:
+@pytest.mark.parametrize("permits", [2, INDEXED_ABOVE, INDEXED_ABOVE + 1])
+def test_the_counter_then_the_index_follow_the_slot_keys(permits: int) -> None:
+    """The index only above INDEXED_ABOVE permits: a smaller semaphore names none."""
     client = Scripted([1, 3])
-    DSemaphore("svc", client, max_permits=2).acquire("k")
+    DSemaphore("svc", client, max_permits=permits).acquire("k")
     (command,) = client.commands
-    keys = ["_dsemaphore_svc:permit:0:k", "_dsemaphore_svc:permit:1:k"]
-    records = ["_dsemaphore_svc:fence:k", "_dsemaphore_svc:holders:k"]
-    assert command[2:] == (4, *keys, *records, command[-3], command[-2], "fence+holders")
+    keys = [f"_dsemaphore_svc:permit:{slot}:k" for slot in range(permits)]
+    records = ["_dsemaphore_svc:fence:k"]
+    if permits > INDEXED_ABOVE:
+        records.append("_dsemaphore_svc:holders:k")
+    kinds = "fence+holders" if permits > INDEXED_ABOVE else "fence"
+    numkeys = len(keys) + len(records)
+    assert command[2:] == (numkeys, *keys, *records, command[-3], command[-2], kinds)
 
 
 @pytest.mark.parametrize("reply", [2, -1, "yes", None])

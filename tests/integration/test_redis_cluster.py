@@ -35,11 +35,12 @@ import redis.cluster
 import redis.crc
 import valkey.cluster
 
-from dmutex import AsyncDSemaphore, DMutex, DSemaphore, ManualClock
+from dmutex import AsyncDSemaphore, DMutex, DSemaphore, DSemaphorePermit, ManualClock
 from dmutex._backends.redis.cluster import hash_slot
 from dmutex._backends.redis.scripts import (
     ACQUIRE,
     EXTEND,
+    INDEXED_ABOVE,
     MUTEX_ACQUIRE,
     MUTEX_RELEASE,
     RELEASE,
@@ -358,18 +359,20 @@ def test_untagged_release_and_extend_request_counts(
 # --- DSemaphore, hash-tagged key: one request per operation ------------------------------
 
 
+@pytest.mark.parametrize("size", [5, INDEXED_ABOVE + 1], ids=["small", "indexed"])
 def test_tagged_semaphore_takes_one_request_per_operation(
-    cluster: Cluster, client: redis.cluster.RedisCluster
+    cluster: Cluster, client: redis.cluster.RedisCluster, size: int
 ) -> None:
-    keys = [slot_key(i, TAGGED) for i in range(5)]
+    """Five permits (no holders index), and the smallest semaphore that keeps one."""
+    keys = [slot_key(i, TAGGED) for i in range(size)]
     assert len({hash_slot(k) for k in keys}) == 1
     assert {typed(client).keyslot(k) for k in keys} == {hash_slot(keys[0])}
     counter = Counting(client)
-    sem = DSemaphore("svc", counter, max_permits=5)
+    sem = DSemaphore("svc", counter, max_permits=size)
 
     permits = []
     before = int(time.time() * US_PER_S)
-    for slot in range(5):
+    for slot in range(size):
         permit = sem.acquire(TAGGED, ttl=TTL)
         assert permit is not None
         assert permit.slot == slot
@@ -383,41 +386,40 @@ def test_tagged_semaphore_takes_one_request_per_operation(
     # within a second).
     fence_key = "_dsemaphore_svc:fence:{orders}"
     fences = [p.fence for p in permits if p.fence is not None]
-    assert len(fences) == 5
+    assert len(fences) == size
     assert fences == sorted(set(fences)), f"not strictly increasing: {fences}"
     assert before - US_PER_S <= fences[0]
     assert fences[-1] <= after + US_PER_S
-    # So does the holders index, which answered the full acquire (checked
-    # against the slot keys then: its stamp, dmutex:checked).
+    # So does the holders index of a semaphore above INDEXED_ABOVE permits, which
+    # answered the full acquire (checked against the slot keys then: its stamp,
+    # dmutex:checked). A smaller one keeps none.
     holders = "_dsemaphore_svc:holders:{orders}"
 
-    def index(*tokens: str) -> str:
-        return " ".join(sorted(["dmutex:checked", "dmutex:holders", *tokens]))
+    def records(*kept: DSemaphorePermit) -> dict[str, str]:
+        """What the cluster holds while ``kept`` are held: slot keys, counter, index."""
+        found = {keys[p.slot]: p.token for p in kept}
+        found[fence_key] = f"dmutex:fence:{fences[-1]}"
+        if size > INDEXED_ABOVE:
+            members = ["dmutex:checked", "dmutex:holders", *(p.token for p in kept)]
+            found[holders] = " ".join(sorted(members))
+        return found
 
-    assert cluster.values() == {
-        **{keys[p.slot]: p.token for p in permits},
-        fence_key: f"dmutex:fence:{fences[-1]}",
-        holders: index(*(p.token for p in permits)),
-    }
+    assert cluster.values() == records(*permits)
 
     assert permits[0].extend(ttl=TTL)
     assert counter.take() == ["EVALSHA"]
-    assert sem.extend(TAGGED, permits[4].token, ttl=TTL)
+    assert sem.extend(TAGGED, permits[-1].token, ttl=TTL)
     assert counter.take() == ["EVALSHA"]
     assert not sem.extend(TAGGED, str(uuid.uuid4()), ttl=TTL)
     assert counter.take() == ["EVALSHA"]
 
     assert permits[0].release()
     assert counter.take() == ["EVALSHA"]
-    assert sem.release(TAGGED, permits[4].token)
+    assert sem.release(TAGGED, permits[-1].token)
     assert counter.take() == ["EVALSHA"]
     assert not sem.release(TAGGED, str(uuid.uuid4()))
     assert counter.take() == ["EVALSHA"]
-    assert cluster.values() == {
-        **{keys[i]: permits[i].token for i in (1, 2, 3)},
-        fence_key: f"dmutex:fence:{fences[-1]}",
-        holders: index(*(permits[i].token for i in (1, 2, 3))),
-    }
+    assert cluster.values() == records(*permits[1:-1])
 
 
 def test_an_untagged_key_gets_no_fence_and_fencing_true_refuses_it(

@@ -2,12 +2,16 @@
 
 The index (``{prefix}holders:{key}``, see ``_HOLDERS`` in the Redis store)
 lets a full semaphore, and a release or extend by token, skip reading every
-slot key. These tests pin down what it may and may not do: it may
-under-report (holders it never saw), and then the slot keys decide; a
-record of that name that dmutex did not write is never used nor changed;
-and where it over-reports (a slot key deleted by hand, or released by the
-TypeScript library), the first acquire that finds it full after its check
-window checks it against the slot keys.
+slot key. Only a semaphore of more than ``INDEXED_ABOVE`` (32) permits keeps
+one: a smaller one reads its slot keys with one ``MGET`` and neither reads
+nor writes an index (``test_redis_small_semaphore.py``). So these tests use
+``PERMITS``, the smallest semaphore that keeps one, or a larger one. They
+pin down what the index may and may not do: it may under-report (holders it
+never saw), and then the slot keys decide; a record of that name that dmutex
+did not write is never used nor changed; and where it over-reports (a slot
+key deleted by hand, or released by the TypeScript library), the first
+acquire that finds it full after its check window checks it against the
+slot keys.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import redis
 
 from dmutex import MAX_PERMITS, DSemaphore
 from dmutex._backends.redis import RedisStore
-from dmutex._backends.redis.scripts import ACQUIRE
+from dmutex._backends.redis.scripts import ACQUIRE, INDEXED_ABOVE
 from dmutex._clock import SYSTEM_CLOCK
 from dmutex._core.fences import US_PER_S, next_fence
 from dmutex._core.waiting import waiter
@@ -30,6 +34,7 @@ from tests._support.sampling import until
 
 HOLDERS = "_dsemaphore_svc:holders:api"
 MARK = "dmutex:holders"
+PERMITS = INDEXED_ABOVE + 1  # the smallest semaphore that keeps an index
 
 
 def held(sem: DSemaphore, count: int, ttl: float = 60) -> list[str]:
@@ -42,22 +47,34 @@ def held(sem: DSemaphore, count: int, ttl: float = 60) -> list[str]:
     return tokens
 
 
+def test_only_a_semaphore_above_the_threshold_keeps_an_index(server: redis.Redis) -> None:
+    """The sizes these tests rely on: ``PERMITS`` writes an index, one permit fewer does not."""
+    small = DSemaphore("svc", server, max_permits=INDEXED_ABOVE)
+    assert small.acquire("api") is not None
+    assert server.exists(HOLDERS) == 0
+    large = DSemaphore("svc", server, max_permits=PERMITS)
+    assert large.acquire("api") is not None
+    assert server.zcard(HOLDERS) == 2, "the mark and the large semaphore's token"
+
+
 def test_holders_the_index_never_saw_are_found_in_the_slot_keys(server: redis.Redis) -> None:
     """Permits the TypeScript library took are not in the index: the slot keys decide."""
-    sem = DSemaphore("svc", server, max_permits=3)
+    sem = DSemaphore("svc", server, max_permits=PERMITS)
     mine = held(sem, 1)
-    theirs = [str(uuid.uuid4()) for _ in range(2)]
-    for slot, token in zip((1, 2), theirs, strict=True):
-        assert server.set(slot_key(slot), token, px=60_000, nx=True)
+    theirs = [str(uuid.uuid4()) for _ in range(PERMITS - 1)]
+    with server.pipeline(transaction=False) as pipe:
+        for slot, token in enumerate(theirs, start=1):
+            pipe.set(slot_key(slot), token, px=60_000, nx=True)
+        assert all(pipe.execute())
     assert server.zcard(HOLDERS) == 2, "the mark and the one token dmutex granted"
     assert sem.acquire("api") is None, "full, though the index counts one holder"
     assert sem.extend("api", theirs[0], 30) is True
     assert 0 < server.pttl(slot_key(1)) <= 30_000
-    assert sem.release("api", theirs[1]) is True
-    assert server.get(slot_key(2)) is None
+    assert sem.release("api", theirs[-1]) is True
+    assert server.get(slot_key(PERMITS - 1)) is None
     again = sem.acquire("api")
     assert again is not None
-    assert again.slot == 2
+    assert again.slot == PERMITS - 1
     assert sem.release("api", mine[0]) is True
 
 
@@ -79,8 +96,8 @@ def test_a_record_dmutex_did_not_write_at_the_index_name_is_left_alone(
         server.zadd(HOLDERS, {"someone": 1.0})
         server.pexpire(HOLDERS, 90_000)
     before = server.dump(HOLDERS)
-    sem = DSemaphore("svc", server, max_permits=2)
-    tokens = held(sem, 2)
+    sem = DSemaphore("svc", server, max_permits=PERMITS)
+    tokens = held(sem, PERMITS)
     assert sem.acquire("api") is None
     assert sem.extend("api", tokens[0], 30) is True
     assert sem.release("api", tokens[1]) is True
@@ -93,8 +110,8 @@ def test_a_record_dmutex_did_not_write_at_the_index_name_is_left_alone(
 
 
 def test_a_lease_that_expires_leaves_the_index_and_its_slot_is_taken(server: redis.Redis) -> None:
-    sem = DSemaphore("svc", server, max_permits=2)
-    held(sem, 1)
+    sem = DSemaphore("svc", server, max_permits=PERMITS)
+    held(sem, PERMITS - 1)
     short = sem.acquire("api", 0.05)
     assert short is not None
     assert sem.acquire("api") is None
@@ -102,12 +119,12 @@ def test_a_lease_that_expires_leaves_the_index_and_its_slot_is_taken(server: red
     # The grant pruned the expired token from the index.
     members = server.zrange(HOLDERS, 0, -1)
     assert short.token not in members
-    assert len(members) == 4, "the mark, the full refusal's check stamp and two holders"
+    assert len(members) == 2 + PERMITS, "the mark, the full refusal's check stamp, the holders"
     assert "dmutex:checked" in members
 
 
 def test_the_index_lasts_as_long_as_its_latest_lease(server: redis.Redis) -> None:
-    sem = DSemaphore("svc", server, max_permits=3)
+    sem = DSemaphore("svc", server, max_permits=PERMITS)
     long, short = sem.acquire("api", 60), sem.acquire("api", 5)
     assert long is not None
     assert short is not None
@@ -122,26 +139,29 @@ def test_the_index_lasts_as_long_as_its_latest_lease(server: redis.Redis) -> Non
 
 def test_the_index_stays_as_small_as_the_semaphore(server: redis.Redis) -> None:
     """Each grant prunes the expired tokens, so leases that expire leave nothing behind."""
-    sem = DSemaphore("svc", server, max_permits=4)
-    for _ in range(40):
-        tokens = held(sem, 4)
-        for slot in range(4):
-            server.pexpireat(slot_key(slot), 1)
-        for token in tokens:  # as the expiry would leave them: scored in the past
-            server.zadd(HOLDERS, {token: 1024 + tokens.index(token)}, xx=True)
-    assert server.zcard(HOLDERS) <= 1 + 4 + 4
+    sem = DSemaphore("svc", server, max_permits=PERMITS)
+    for _ in range(10):  # without the pruning: 10 rounds' tokens, far above the bound
+        tokens = held(sem, PERMITS)
+        with server.pipeline(transaction=False) as pipe:
+            for slot, token in enumerate(tokens):
+                pipe.pexpireat(slot_key(slot), 1)
+                # As the expiry would leave them: scored in the past.
+                pipe.zadd(HOLDERS, {token: 1024 + slot}, xx=True)
+            pipe.execute()
+    assert server.zcard(HOLDERS) <= 1 + PERMITS + PERMITS
 
 
 def test_a_re_sent_acquire_finds_its_own_grant_in_a_full_index(redis_url: str) -> None:
     """The reply of an acquire that took the last permit is lost; the client sends it again."""
     with redis.Redis.from_url(redis_url) as client:
         recording = Recording(client)
-        sem = DSemaphore("svc", recording, max_permits=2)
-        held(sem, 1)
+        sem = DSemaphore("svc", recording, max_permits=PERMITS)
+        held(sem, PERMITS - 1)
         last = sem.acquire("api")
         assert last is not None
         command = recording.commands[-1]
         assert command[1] in (ACQUIRE.sha, ACQUIRE.text)
+        assert HOLDERS in command, "the acquire named the index"
         before = int(time.time() * US_PER_S)
         again = client.execute_command(*command)
         after = int(time.time() * US_PER_S)
@@ -165,8 +185,8 @@ def test_a_slot_key_deleted_by_hand_is_found_when_the_full_index_is_checked(
     it against the slot keys, drops the deleted holder and takes its slot.
     (tests/integration/test_redis_holders_typescript.py times the window.)
     """
-    sem = DSemaphore("svc", server, max_permits=2)
-    tokens = held(sem, 2)
+    sem = DSemaphore("svc", server, max_permits=PERMITS)
+    tokens = held(sem, PERMITS)
     server.delete(slot_key(0))
     permit = sem.acquire("api")
     assert permit is not None
@@ -176,12 +196,12 @@ def test_a_slot_key_deleted_by_hand_is_found_when_the_full_index_is_checked(
 
 def test_a_lease_past_the_index_horizon_still_counts(server: redis.Redis) -> None:
     """Expiries past 2^43 ms (the year 2248) are stored rounded down to it: still ahead."""
-    sem = DSemaphore("svc", server, max_permits=2)
-    tokens = held(sem, 2, ttl=300 * 365 * 86_400)
-    score = server.zscore(HOLDERS, tokens[1])
-    assert score == (2**43 - 1) * 1024 + 1
+    sem = DSemaphore("svc", server, max_permits=PERMITS)
+    tokens = held(sem, PERMITS, ttl=300 * 365 * 86_400)
+    score = server.zscore(HOLDERS, tokens[-1])
+    assert score == (2**43 - 1) * 1024 + PERMITS - 1
     assert sem.acquire("api") is None
-    assert sem.release("api", tokens[1]) is True
+    assert sem.release("api", tokens[-1]) is True
 
 
 def test_max_permits_slots_fit_the_score(server: redis.Redis) -> None:
@@ -200,12 +220,13 @@ def test_max_permits_slots_fit_the_score(server: redis.Redis) -> None:
 
 def test_a_waiter_of_a_full_semaphore_learns_the_earliest_expiry(server: redis.Redis) -> None:
     """The index gives a waiting attempt the time left on the first lease to end (rule 2)."""
-    sem = DSemaphore("svc", server, max_permits=2)
-    sem.acquire("api", 60)
-    sem.acquire("api", 20)
-    store = RedisStore(server, "_dsemaphore_svc:", 2, SYSTEM_CLOCK)
+    sem = DSemaphore("svc", server, max_permits=PERMITS)
+    held(sem, PERMITS - 1, ttl=60)
+    held(sem, 1, ttl=20)
+    store = RedisStore(server, "_dsemaphore_svc:", PERMITS, SYSTEM_CLOCK)
     made = waiter(0.1)
     drive = SyncDriver(SYSTEM_CLOCK, store.ready)
     assert drive(store.acquire("api", str(uuid.uuid4()), 60_000, made)) is None
     assert made.expires_in is not None
     assert 19 < made.expires_in <= 20.001
+    assert server.zscore(HOLDERS, "dmutex:checked") is not None, "answered by the full index"

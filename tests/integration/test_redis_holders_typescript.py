@@ -16,6 +16,11 @@ must hold on a real Redis server:
 - nothing is ever over-granted: at most ``max_permits`` slot keys exist;
 - a full semaphore whose index was just checked answers from the index
   alone: no slot key is read (the cost the index exists to save).
+
+Only a semaphore of more than ``INDEXED_ABOVE`` (32) permits keeps an index,
+so these tests fill one of ``INDEXED_ABOVE + 1``. A smaller one has no index
+to fall behind: it reads its slot keys, as the TypeScript library does
+(``test_redis_small_semaphore.py``).
 """
 
 from __future__ import annotations
@@ -23,14 +28,14 @@ from __future__ import annotations
 import redis
 
 from dmutex import DSemaphore
-from dmutex._backends.redis.scripts import CHECK_MS
+from dmutex._backends.redis.scripts import CHECK_MS, INDEXED_ABOVE
 from tests._support.redis_clients import slot_key
 from tests._support.sampling import until
 
 KEY = "api"
 PREFIX = "_dsemaphore_svc:"
 HOLDERS = f"{PREFIX}holders:{KEY}"
-PERMITS = 3
+PERMITS = INDEXED_ABOVE + 1  # the smallest semaphore that keeps an index
 
 
 def full_semaphore(server: redis.Redis) -> tuple[DSemaphore, list[str]]:
@@ -50,12 +55,14 @@ def typescript_release(server: redis.Redis, slot: int, token: str) -> None:
 
 
 def held_slots(server: redis.Redis) -> int:
-    return sum(1 for slot in range(PERMITS) if server.exists(slot_key(slot)))
+    """How many of the semaphore's slot keys exist (one EXISTS counts them all)."""
+    return int(server.exists(*(slot_key(slot) for slot in range(PERMITS))))
 
 
 def test_a_permit_the_typescript_library_released_is_granted_again(server: redis.Redis) -> None:
     sem, tokens = full_semaphore(server)
     typescript_release(server, 1, tokens[1])
+    assert server.zscore(HOLDERS, tokens[1]) is not None, "still counted by the index"
     permit = sem.acquire(KEY, 60)
     assert permit is not None, "the index was never checked: the first full answer checks it"
     assert permit.slot == 1

@@ -17,7 +17,14 @@ import pytest
 import redis
 
 from dmutex import DMutex, DMutexError, DSemaphore
-from dmutex._backends.redis.scripts import ACQUIRE, EXTEND, MUTEX_ACQUIRE, MUTEX_RELEASE, RELEASE
+from dmutex._backends.redis.scripts import (
+    ACQUIRE,
+    EXTEND,
+    INDEXED_ABOVE,
+    MUTEX_ACQUIRE,
+    MUTEX_RELEASE,
+    RELEASE,
+)
 from dmutex._core.fences import US_PER_S
 from tests._support.redis_clients import Recording
 
@@ -67,30 +74,28 @@ def index(server: redis.Redis, name: str) -> dict[str, float]:
     return {member: float(server.zscore(name, member) or 0) for member in members}
 
 
+@pytest.mark.parametrize("permits", [3, INDEXED_ABOVE + 1], ids=["small", "indexed"])
 @pytest.mark.parametrize("fencing", [None, False])
 def test_semaphore_and_mutex_leave_exactly_the_typescript_keys(
-    server: redis.Redis, recording: Recording, fencing: bool | None
+    server: redis.Redis, recording: Recording, fencing: bool | None, permits: int
 ) -> None:
     """The TypeScript slot keys, and one fence counter per lock (none with fencing=False),
-    holding the lock's last fence."""
+    holding the lock's last fence. A semaphore of at most ``INDEXED_ABOVE`` permits
+    leaves nothing else; a larger one also its holders index, and nothing more."""
     before = now_us()
-    sem = DSemaphore("orders", recording, max_permits=3, fencing=fencing)
-    permits = [sem.acquire("api", ttl=60) for _ in range(3)]
+    sem = DSemaphore("orders", recording, max_permits=permits, fencing=fencing)
+    permits_held = [sem.acquire("api", ttl=60) for _ in range(permits)]
     lock = DMutex("orders", recording, fencing=fencing).acquire("job", ttl=60)
     after = now_us()
     assert lock is not None
-    assert all(p is not None for p in permits)
-    tokens = [p.token for p in permits if p is not None]
-    slots = {
-        "_dsemaphore_orders:permit:0:api": tokens[0],
-        "_dsemaphore_orders:permit:1:api": tokens[1],
-        "_dsemaphore_orders:permit:2:api": tokens[2],
-        "_dmutex_orders:permit:0:job": lock.token,
-    }
+    assert all(p is not None for p in permits_held)
+    tokens = [p.token for p in permits_held if p is not None]
+    slots = {f"_dsemaphore_orders:permit:{slot}:api": token for slot, token in enumerate(tokens)}
+    slots["_dmutex_orders:permit:0:job"] = lock.token
     counters = ["_dsemaphore_orders:fence:api", "_dmutex_orders:fence:job"]
-    fences = [p.fence for p in permits if p is not None]
+    fences = [p.fence for p in permits_held if p is not None]
     if fencing is False:
-        assert [*fences, lock.fence] == [None] * 4
+        assert [*fences, lock.fence] == [None] * (permits + 1)
         assert stored(server) == slots
     else:
         api = check_fences(fences, before, after)
@@ -99,9 +104,16 @@ def test_semaphore_and_mutex_leave_exactly_the_typescript_keys(
         assert stored(server) == {**slots, **dict(zip(counters, values, strict=True))}
     for name in slots:
         assert 59_000 < server.pttl(name) <= 60_000
+    for name in counters:
+        assert server.pttl(name) == (-2 if fencing is False else -1), "counters never expire"
+    holders = "_dsemaphore_orders:holders:api"
+    if permits <= INDEXED_ABOVE:
+        # Exactly what the TypeScript library leaves: its strings, no record beside them.
+        assert set(server.keys("*")) == set(stored(server))
+        assert not any(holders in command for command in recording.commands), "never named"
+        return
     # The semaphore's holders index: its mark, and each token scored by the
     # slot and the expiry (in server milliseconds); it expires with them.
-    holders = "_dsemaphore_orders:holders:api"
     scores = index(server, holders)
     assert scores.pop("dmutex:holders") == math.inf
     assert sorted(scores) == sorted(tokens)
@@ -111,9 +123,7 @@ def test_semaphore_and_mutex_leave_exactly_the_typescript_keys(
         assert slot_of == slot
         assert now_ms + 58_000 < expiry <= now_ms + 61_000
     assert 59_000 < server.pttl(holders) <= 60_000
-    assert set(server.keys("*")) == {*stored(server), holders}
-    for name in counters:
-        assert server.pttl(name) == (-2 if fencing is False else -1), "counters never expire"
+    assert set(server.keys("*")) == {*stored(server), holders}, "the index, and nothing more"
 
 
 def test_ttl_is_sent_as_px_milliseconds_rounded_up(recording: Recording) -> None:
@@ -124,15 +134,20 @@ def test_ttl_is_sent_as_px_milliseconds_rounded_up(recording: Recording) -> None
     assert (name, sha) in {("EVALSHA", MUTEX_ACQUIRE.sha), ("EVAL", MUTEX_ACQUIRE.text)}
     counter = "_dmutex_svc:fence:job"
     assert rest == [2, "_dmutex_svc:permit:0:job", counter, lock.token, math.ceil(12345.1)]
-    sem = DSemaphore("svc", recording, max_permits=2)
-    permit = sem.acquire("api", ttl=0.0005)
-    assert permit is not None
-    name, sha, *rest = recording.commands[-1]
-    assert (name, sha) in {("EVALSHA", ACQUIRE.sha), ("EVAL", ACQUIRE.text)}
-    # Every slot key declared, in slot order, and the counter; then the token and PX.
-    keys = ["_dsemaphore_svc:permit:0:api", "_dsemaphore_svc:permit:1:api"]
-    records = ["_dsemaphore_svc:fence:api", "_dsemaphore_svc:holders:api"]
-    assert rest == [4, *keys, *records, permit.token, 1, "fence+holders"]
+    for permits in (2, INDEXED_ABOVE + 1):
+        sem = DSemaphore("svc", recording, max_permits=permits)
+        permit = sem.acquire("api", ttl=0.0005)
+        assert permit is not None
+        name, sha, *rest = recording.commands[-1]
+        assert (name, sha) in {("EVALSHA", ACQUIRE.sha), ("EVAL", ACQUIRE.text)}
+        # Every slot key declared, in slot order, and the counter (then the holders
+        # index, above INDEXED_ABOVE permits); then the token, PX and the records' names.
+        keys = [f"_dsemaphore_svc:permit:{slot}:api" for slot in range(permits)]
+        records = ["_dsemaphore_svc:fence:api"]
+        if permits > INDEXED_ABOVE:
+            records.append("_dsemaphore_svc:holders:api")
+        kinds = "fence+holders" if permits > INDEXED_ABOVE else "fence"
+        assert rest == [len(keys) + len(records), *keys, *records, permit.token, 1, kinds]
 
 
 def test_key_prefix_replaces_the_default(server: redis.Redis) -> None:
@@ -212,7 +227,7 @@ def test_no_write_touches_a_name_outside_the_lock_s_slot_keys(server: redis.Redi
         assert 0 < server.pttl(name) <= 60_000
         assert theirs.acquire("job") is None, "still held: no second holder got in"
         counters = ["_dsemaphore_s:fence:permit:0:job", "_dsemaphore_s:hint:fence:job"]
-        # The holders index went with the last release.
+        # No holders index: a semaphore of 2 permits keeps none (INDEXED_ABOVE).
         assert sorted(server.keys("*")) == sorted([name, *counters])
 
 
@@ -262,6 +277,8 @@ def test_every_key_a_script_touches_is_declared(redis_url: str) -> None:
 
     Redis documents that a script must declare every key it touches; clusters,
     proxies, ACL key patterns and stricter Redis-compatible servers rely on it.
+    A small semaphore, a mutex, and a semaphore that keeps a holders index
+    (``INDEXED_ABOVE`` + 1 permits, filled so that its full index is checked).
     """
     with redis.Redis.from_url(redis_url, decode_responses=True) as client:
         for script in (ACQUIRE, RELEASE, EXTEND, MUTEX_ACQUIRE, MUTEX_RELEASE):
@@ -270,20 +287,25 @@ def test_every_key_a_script_touches_is_declared(redis_url: str) -> None:
         with monitor:
             sem = DSemaphore("svc", client, max_permits=3)
             mutex = DMutex("svc", client)
-            for lock in (sem, mutex):
-                handles = [lock.acquire("api"), lock.acquire("api"), lock.acquire("api")]
+            indexed = DSemaphore("svc", client, max_permits=INDEXED_ABOVE + 1)
+            # One acquire more than the permits, refused (the indexed one's full index checked).
+            asks = ((sem, "api", 3), (mutex, "api", 3), (indexed, "big", INDEXED_ABOVE + 2))
+            for lock, key, count in asks:
+                handles = [lock.acquire(key) for _ in range(count)]
                 for handle in handles:
                     if handle is not None:
                         assert handle.extend(5) is True
                         assert handle.release() is True
-            permit = sem.acquire("api")
-            assert permit is not None
-            assert sem.extend("api", permit.token, 5) is True
-            assert sem.release("api", permit.token) is True
-            assert sem.release("api", permit.token) is False
+            for each, key in ((sem, "api"), (indexed, "big")):
+                permit = each.acquire(key)
+                assert permit is not None
+                assert each.extend(key, permit.token, 5) is True
+                assert each.release(key, permit.token) is True
+                assert each.release(key, permit.token) is False
             client.echo("done")
             declared: set[str] = set()
             scripted = 0
+            touched: set[str] = set()
             while True:
                 seen = monitor.next_command()
                 command: str = seen["command"]
@@ -297,4 +319,7 @@ def test_every_key_a_script_touches_is_declared(redis_url: str) -> None:
                     keys = _touched(command)
                     assert keys or command == "TIME", command
                     assert set(keys) <= declared, f"{command!r} touches an undeclared key"
+                    touched.update(keys)
     assert scripted >= 20, "MONITOR showed the commands the scripts ran"
+    assert "_dsemaphore_svc:holders:big" in touched, "the indexed semaphore's index"
+    assert "_dsemaphore_svc:holders:api" not in touched, "the small one keeps none"

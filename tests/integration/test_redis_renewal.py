@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from dmutex import DMutex, DSemaphore, ManualClock
-from dmutex._backends.redis.scripts import RENEW, RENEW_BATCH
+from dmutex._backends.redis.scripts import INDEXED_ABOVE, RENEW, RENEW_BATCH
 from tests._support.redis_clients import Recording as RedisRecording
 
 TTL = 60.0
@@ -48,26 +48,33 @@ def test_many_leases_renew_in_batches_of_256(server: redis.Redis, recording: Rec
     clock = ManualClock()
     mutex = DMutex("svc", recording, clock=clock)
     sem = DSemaphore("svc", recording, max_permits=3, clock=clock)
+    # Above INDEXED_ABOVE permits a semaphore keeps a holders index, renewed with its leases.
+    large = INDEXED_ABOVE + 1
+    big = DSemaphore("svc", recording, max_permits=large, clock=clock)
     locks = [mutex.acquire(f"k{i}", TTL, auto_renew=True) for i in range(300)]
     permits = [sem.acquire("api", TTL, auto_renew=True) for _ in range(3)]
-    held = [h for h in [*locks, *permits] if h is not None]
-    assert len(held) == 303
+    indexed = [big.acquire("big", TTL, auto_renew=True) for _ in range(large)]
+    held = [h for h in [*locks, *permits, *indexed] if h is not None]
+    assert len(held) == 303 + large
     recording.commands.clear()
     for name in server.keys("*permit:*"):
         server.pexpire(name, 30_000)  # so that a renewal shows
     clock.advance(TTL / 3)  # every lease's first turn has come
-    # One batch per instance (engine): 300 mutex leases in 256 + 44, 3 permits in one.
-    assert sorted(recording.renewals()) == sorted([RENEW_BATCH, 300 - RENEW_BATCH, 3])
+    # One batch per instance (engine): 300 mutex leases in 256 + 44, 3 permits in one,
+    # the large semaphore's in one.
+    assert sorted(recording.renewals()) == sorted([RENEW_BATCH, 300 - RENEW_BATCH, 3, large])
     for name in server.keys("*permit:*"):
         assert server.pttl(name) > 50_000, f"{name!r} was renewed to a full TTL"
-    # The semaphore's holders index moved with them: expiry ms * 1024 + slot.
+    # The large semaphore's holders index moved with them: expiry ms * 1024 + slot.
     now_ms = int(server.time()[0]) * 1000
-    for permit in permits:
+    for permit in indexed:
         assert permit is not None
-        score = server.zscore("_dsemaphore_svc:holders:api", permit.token)
+        score = server.zscore("_dsemaphore_svc:holders:big", permit.token)
         assert score is not None
         assert divmod(int(score), 1024)[1] == permit.slot
         assert divmod(int(score), 1024)[0] > now_ms + 50_000, "renewed in the index too"
+    # The small one has none, written neither by its grants nor by their renewal.
+    assert server.exists("_dsemaphore_svc:holders:api") == 0
     assert not any(h.lost for h in held)
     assert all(h.release() for h in held)
 

@@ -29,6 +29,7 @@ import redis
 import redis.asyncio
 
 from dmutex import DSemaphore, RedisArg
+from dmutex._backends.redis.scripts import INDEXED_ABOVE
 from tests._support.face_rigs import FaceRig
 from tests._support.faces import FaceName, Handle
 from tests._support.redis_clients import Recording
@@ -57,9 +58,17 @@ def without_index_ttl(server: dict[str, int]) -> dict[str, int]:
 
 
 # (kind, max_permits): one permit is a one-key script, more read every slot
-# key with one MGET.
-SHAPES = [("mutex", 1), ("semaphore", 1), ("semaphore", 3), ("semaphore", 64)]
-SHAPE_IDS = ["mutex", "semaphore-1", "semaphore-3", "semaphore-64"]
+# key with one MGET; above INDEXED_ABOVE (32) permits a semaphore also keeps a
+# holders index. Both sides of that threshold are counted.
+SMALL, INDEXED = INDEXED_ABOVE, INDEXED_ABOVE + 1
+SHAPES = [("mutex", 1), ("semaphore", 1), ("semaphore", 3), ("semaphore", SMALL)]
+SHAPES += [("semaphore", INDEXED)]
+SHAPE_IDS = ["mutex", "semaphore-1", "semaphore-3", f"semaphore-{SMALL}", f"semaphore-{INDEXED}"]
+
+
+def indexed(permits: int) -> bool:
+    """Whether a semaphore of ``permits`` keeps a holders index (``scripts.INDEXED_ABOVE``)."""
+    return permits > INDEXED_ABOVE
 
 
 # --- the counting clients -------------------------------------------------------------
@@ -232,14 +241,19 @@ def test_acquire_is_one_request_free_and_full(rig: Rig, kind: str, permits: int)
         assert seen.server_requests == 1
         # The fence counter: one GET before anything is written, one SET after, and
         # the server's TIME that the fence is at least (in microseconds).
+        grant = {"evalsha": 1, "get": 1, "set": 2, "time": 1}
         if permits == 1:
-            assert seen.server == {"evalsha": 1, "get": 1, "set": 2, "time": 1}
+            assert seen.server == grant
+        elif not indexed(permits):
+            # One MGET read every slot; one SET NX took the first free one. Nothing
+            # else: no index read or written.
+            assert seen.server == {**grant, "mget": 1}
         else:
             # One MGET read every slot; one SET NX took the first free one;
             # the holders index (made by the first grant) records the token,
             # scored by the same TIME.
             index = {"zscore": 1, "exists": 1} if slot == 0 else {"zscore": 1, "zcount": 1}
-            grant = {"evalsha": 1, "get": 1, "mget": 1, "set": 2, "time": 1}
+            grant |= {"mget": 1}
             assert without_index_ttl(seen.server) == {
                 **grant,
                 **index,
@@ -255,6 +269,16 @@ def test_acquire_is_one_request_free_and_full(rig: Rig, kind: str, permits: int)
         # A mutex's SET NX fails, then GET shows another token; the counter
         # is read only for a grant.
         assert seen.server == {"evalsha": 1, "set": 1, "get": 1}
+        return
+    if not indexed(permits):
+        # The counter's GET and one MGET of the slot keys, every time: no index
+        # to consult, nothing written.
+        read = {"evalsha": 1, "get": 1, "mget": 1}
+        assert seen.server == read
+        refused, seen = rig.measure(client, lambda: lock.acquire("k"))
+        assert refused is None
+        assert seen.requests == ["EVALSHA"]
+        assert seen.server == read, "the same again"
         return
     # The first time the index says full, it is checked against the slot keys
     # (one GET each, its active members read), stamped, and its expiry settled.
@@ -275,16 +299,17 @@ def test_release_and_extend_by_handle_are_one_request(rig: Rig, kind: str, permi
     lock = rig.make(kind, client, permits)
     handles = [held(lock.acquire("k")) for _ in range(permits)]
     for handle in handles:
-        # A semaphore's index also moves the token's expiry (ZSCORE of its
-        # mark and of the token, then ZADD XX).
-        indexed = permits > 1
+        # An indexed semaphore's index also moves the token's expiry (ZSCORE
+        # of its mark and of the token, then ZADD XX). A small one's handle
+        # costs what a mutex's does: its one slot key.
+        index = indexed(permits)
         extended, seen = rig.measure(client, partial(handle.extend, 60))
         assert extended is True
         assert seen.requests == ["EVALSHA"]
         expected = {"evalsha": 1, "get": 1}
-        if indexed:
+        if index:
             expected |= {"zscore": 2, "time": 1, "zadd": 1}
-        if indexed:
+        if index:
             expected |= {"pexpire": 1}
             assert without_index_ttl(seen.server) == expected, "only its own slot key"
         else:
@@ -296,7 +321,7 @@ def test_release_and_extend_by_handle_are_one_request(rig: Rig, kind: str, permi
         # Its own slot key, and one ZSCORE of the waiters record: nobody
         # waits, so nothing more is read or written. The index forgets the token.
         expected = {"evalsha": 1, "get": 1, "del": 1, "zscore": 1}
-        if indexed:
+        if index:
             # The index goes with the last lease in it: a second DEL.
             expected |= {"zscore": 2, "zrem": 1, "del": 2 if handle is handles[-1] else 1}
             assert without_index_ttl(seen.server) == expected, "only its own slot key"
@@ -309,15 +334,15 @@ def test_release_and_extend_by_handle_are_one_request(rig: Rig, kind: str, permi
             assert done is False
             assert seen.requests == ["EVALSHA"]
             gone = {"evalsha": 1, "get": 1}
-            if indexed and rig.admin.exists("_dsemaphore_svc:holders:k"):
+            if index and rig.admin.exists("_dsemaphore_svc:holders:k"):
                 gone |= {"zscore": 1, "zrem": 1} if action == handle.release else {"zscore": 2}
-            elif indexed:  # gone with the last lease: its mark not found, nor the record
+            elif index:  # gone with the last lease: its mark not found, nor the record
                 gone |= {"zscore": 1, "exists": 1}
             assert seen.server == gone
     assert rig.admin.keys("*permit:*") == []
 
 
-@pytest.mark.parametrize("permits", [1, 3, 64])
+@pytest.mark.parametrize("permits", [1, 3, SMALL, INDEXED])
 def test_release_and_extend_by_token_are_one_request(rig: Rig, permits: int) -> None:
     client = rig.commands()
     sem = rig.make("semaphore", client, permits)
@@ -328,23 +353,29 @@ def test_release_and_extend_by_token_are_one_request(rig: Rig, permits: int) -> 
     def check(seen: Seen, inside: str | None) -> None:
         assert seen.requests == ["EVALSHA"]
         assert seen.server_requests == 1
-        if permits > 1 and inside is not None:
+        if not indexed(permits):
+            # No index: the one slot key read (GET), or every slot by one MGET,
+            # then the DEL or PEXPIRE; a release that deleted a permit asks
+            # whether anyone waits (one ZSCORE of the waiters record).
+            expected = {"evalsha": 1, read_of(permits): 1}
+            if inside is not None:
+                expected[inside] = 1
+            if inside == "del":
+                expected["zscore"] = 1
+            assert seen.server == expected, "nothing else ran"
+            return
+        if inside is not None:
             # The index names the token's slot: that one key is read, not all.
             assert "mget" not in seen.server
             assert seen.server["get"] == 1
             assert set(seen.server) <= {"evalsha", *COMPARE_INSIDE, *INDEX}
             assert seen.server[inside] >= 1
             return
-        # A token the index does not know: every slot read by one command.
-        assert seen.server[read_of(permits)] == 1
-        # A release that deleted a permit asks whether anyone waits: one ZSCORE.
-        woken = {"zscore"} if inside == "del" else set()
-        assert set(seen.server) <= {"evalsha", *COMPARE_INSIDE, *woken, "zscore", "zrem", "exists"}
-        if inside is not None:
-            assert seen.server[inside] == 1
-        # Beside the index's reads (and the ZREM of a token it does not hold):
+        # A token the index does not know: every slot read by one command,
+        # beside the index's reads (and the ZREM of a token it does not hold).
+        assert seen.server["mget"] == 1
         rest = set(seen.server) - {"zscore", "zrem", "exists"}
-        assert len(rest) == 2 + (inside is not None), "nothing else ran"
+        assert rest == {"evalsha", "mget"}, "nothing else ran"
 
     extended, seen = rig.measure(client, lambda: sem.extend("k", last.token, 60))
     assert extended is True
@@ -430,6 +461,7 @@ def test_set_eval_path_is_one_call_per_operation(rig: Rig, kind: str, permits: i
         took = {"eval": 1, "get": 1, "set": 2, "time": 1}
         if permits > 1:
             took["mget"] = 1
+        if indexed(permits):
             index = {"zscore": 1, "exists": 1} if slot == 0 else {"zscore": 1, "zcount": 1}
             # The index's TIME is a second one.
             took |= {**index, "zremrangebyscore": 1, "zadd": 1}
@@ -457,4 +489,4 @@ def test_set_eval_path_is_one_call_per_operation(rig: Rig, kind: str, permits: i
         assert result is expected
         assert seen.requests == ["EVAL"]
         assert seen.server_requests == 1
-        assert set(seen.server) <= {"eval", *COMPARE_INSIDE, *(INDEX if permits > 1 else ())}
+        assert set(seen.server) <= {"eval", *COMPARE_INSIDE, *(INDEX if indexed(permits) else ())}

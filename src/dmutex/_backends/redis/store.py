@@ -11,7 +11,7 @@ its expiry set with ``PX`` in milliseconds. Redis deletes a key whose expiry
 has passed, so "active" is simply "the key exists and holds the token".
 Beside them dmutex keeps only records of its own, each marked as dmutex's
 and never written where something else is: a lock's fence counter, a
-semaphore's holders index (``scripts.py``: a hint that spares reading every
+semaphore's holders index (above 32 permits, ``scripts.py``: a hint that spares reading every
 slot key, never trusted for safety) and, while someone waits, its waiting
 records.
 
@@ -89,6 +89,7 @@ from .scripts import (
     ACQUIRE,
     EXTEND,
     FENCE_MARK,
+    INDEXED_ABOVE,
     INSPECT,
     MUTEX_ACQUIRE,
     MUTEX_RELEASE,
@@ -176,13 +177,13 @@ class RedisStore(RedisRequests):
         return name
 
     def _holders(self, key: str, groups: list[list[str]]) -> str | None:
-        """The holders index of ``key`` (``scripts.py``), or None: a mutex, or no shared hash slot.
+        """The holders index of ``key`` (``scripts.py``), or None: a small lock, or no shared slot.
 
         A semaphore's scripts read it to answer without looking at every
         slot key; on a cluster it must share the slot keys' hash slot.
         """
-        if self._permits == 1:
-            return None
+        if self._permits <= INDEXED_ABOVE:
+            return None  # a mutex, or a small semaphore (scripts.INDEXED_ABOVE)
         name = f"{self._prefix}holders:{key}"
         # By handle, ``groups`` is the one slot key: where only it shares the
         # index's hash slot, no acquire wrote an index, and the script finds none.
@@ -237,7 +238,7 @@ class RedisStore(RedisRequests):
         """
         groups = self._groups(key)
         counter = self._counter(key, groups)
-        holders = None if self._permits == 1 else self._holders(key, groups)
+        holders = self._holders(key, groups)
         records: tuple[list[str], str]
         if holders is None:
             records = ([counter], "fence") if counter else ([], "-")
@@ -394,7 +395,7 @@ class RedisStore(RedisRequests):
             groups = [[f"{self._prefix}permit:{slot or 0}:{key}"]]
         else:
             groups = self._groups(key)
-        holders = None if self._permits == 1 else self._holders(key, groups)
+        holders = self._holders(key, groups)
         wakes = self._wakes(key, groups) if wake else []
         args = head
         if holders is None:
