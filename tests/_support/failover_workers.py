@@ -22,6 +22,7 @@ record has for that lock and slot), holds, exits.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import sqlite3
 import time
@@ -56,6 +57,14 @@ SQLITE_TIMEOUT = 30.0
 # What a failover makes the clients raise: redis-py's errors (ConnectionError,
 # TimeoutError, MasterNotFoundError, ReadOnlyError, ...) and dmutex's.
 SURVIVED = (redis.RedisError, DMutexError)
+
+
+def failover_rounds() -> int:
+    """The faults a failover test makes: 3, or ``DMUTEX_FAILOVER_ROUNDS`` (at least 2)."""
+    rounds = int(os.environ.get("DMUTEX_FAILOVER_ROUNDS", "3"))
+    if rounds < 2:
+        raise ValueError(f"DMUTEX_FAILOVER_ROUNDS must be 2 or more, not {rounds}")
+    return rounds
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ its discovery when there is none.
 - **Held**: a sync and an async lease (ttl=1 s, ``auto_renew=True``, different keys)
   are held together while another process tries to acquire both keys over and over.
   It never gets either; at the end both releases return True and neither lease is
-  lost. The hold is :data:`HOLD_LONG` (10 s) on the newest Redis found and on the
+  lost. The hold is :data:`HOLD_LONG` (6 s) on the newest Redis found and on the
   MongoDB-compatible server, :data:`HOLD_SHORT` (3 s, still three TTLs) on the other
   Redis versions, so the file stays near a minute in all.
 - **Lost**: the test deletes the lease's record on the server (Redis: ``DEL`` of
@@ -70,7 +70,7 @@ ORDER_KEY = "test:order"  # Redis: the counter the fence workers INCR while hold
 ORDER_COLLECTION = "test_order"  # MongoDB: where the same counter is a document
 
 TTL = 1.0
-HOLD_LONG = 10.0  # the newest Redis found, and the MongoDB-compatible server
+HOLD_LONG = 6.0  # the newest Redis found, and the MongoDB-compatible server
 HOLD_SHORT = 3.0  # the other Redis versions
 CONTENDER_PAUSE = 0.02  # between the contender's rounds of attempts
 MIN_ATTEMPTS = 20  # per key: the contender really tried, many times over the hold

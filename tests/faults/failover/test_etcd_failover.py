@@ -110,12 +110,12 @@ from tests._support.etcd_failover_workers import (
 )
 from tests._support.etcd_partition import ProxiedCluster, partitioned_cluster
 from tests._support.etcd_servers import Cluster, Endpoint
-from tests._support.failover_workers import KEY, TTL
+from tests._support.failover_workers import KEY, TTL, failover_rounds
 
 T = TypeVar("T")
 
 WORKERS = 8  # worker i: sync (etcd3gw) if even, asyncio (aetcd) if odd; first on member i % 3
-ROUNDS = 5
+ROUNDS = failover_rounds()  # 3 unless DMUTEX_FAILOVER_ROUNDS asks for more
 CALM = (0.5, 1.5)  # seconds of normal running before each kill
 LONG_LEAD = (0.2, 0.5)  # seconds before a kill during which grants are long
 PROGRESS_WAIT = 15.0  # for every worker to be granted something after a kill
@@ -124,7 +124,7 @@ LEADER_WAIT = 15.0  # for a new leader (1-2 s with etcd's defaults), on a loaded
 # takes 5-30 s on a loaded 2-core machine: the rounds' budget starts once
 # every worker has been granted something.
 SPAWN_WAIT = 45.0
-ROUNDS_BUDGET = 45.0  # the rounds take 25-35 s
+ROUNDS_BUDGET = 45.0  # three rounds take 15-21 s, five 25-35 s
 ROUND_NEEDS = 8.0  # a round is not started with less than this left of the budget
 DURATION = SPAWN_WAIT + ROUNDS_BUDGET + 10.0  # a worker's own cap; the driver stops it before
 SEED = 40
