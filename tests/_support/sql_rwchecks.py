@@ -158,35 +158,40 @@ def check_foreign(env: Env) -> None:
     assert granted(lock.acquire("read", "another key", TTL)).release() is True
 
 
-def check_statements(lock: RWFace, taken: Callable[[], list[str]], write: str) -> None:
+def check_statements(
+    lock: RWFace, taken: Callable[[], list[str]], write: str, stamped: str
+) -> None:
     """Statements per operation, by their first word as ``taken()`` lists them since its last call.
 
-    A grant, an extend, a release: the read, then the write (its first word
-    ``write``); a refusal, ``holders``, a release of nothing: the read alone.
+    On a key the store has not seen, a grant is the read, then the write (its
+    first word ``write``); once it has (``rwcas.py``, rule 8), a grant, an
+    extend or a release that ends a hold is the stamped write alone (its
+    first word ``stamped``); a refusal, ``holders``, a release of nothing: the
+    read alone.
     """
     taken()
     first = granted(lock.acquire("read", KEY, TTL))
-    assert taken() == ["SELECT", write], "a grant: the read, then the write"
+    assert taken() == ["SELECT", write], "a first grant: the read, then the write"
     second = granted(lock.acquire("read", KEY, TTL))
-    assert taken() == ["SELECT", write]
+    assert taken() == [stamped], "a grant on a key the store knows: the write alone"
     assert lock.acquire("write", KEY, TTL) is None
     assert taken() == ["SELECT"], "a refused writer (no intent: one attempt)"
     assert [h.token for h in lock.holders(KEY).holders] == sorted([first.token, second.token])
     assert taken() == ["SELECT"], "holders: the read alone"
     assert first.extend(TTL) is True
-    assert taken() == ["SELECT", write]
+    assert taken() == [stamped]
     assert first.release() is True
-    assert taken() == ["SELECT", write]
+    assert taken() == [stamped]
     assert first.release() is False
     assert taken() == ["SELECT"], "nothing to release: nothing written"
     assert second.release() is True
-    assert taken() == ["SELECT", write]
+    assert taken() == [stamped]
     writer = granted(lock.acquire("write", KEY, TTL))
-    assert taken() == ["SELECT", write]
+    assert taken() == [stamped]
     assert lock.acquire("read", KEY, TTL) is None
     assert taken() == ["SELECT"], "a refused reader: the read alone"
     assert writer.release() is True
-    assert taken() == ["SELECT", write]
+    assert taken() == [stamped]
     assert lock.release_token("never held", STRANGER) is False
     assert taken() == ["SELECT"], "no row: nothing written"
     assert lock.holders("never held").holders == []

@@ -16,9 +16,10 @@ the table behind the store's back:
   released;
 - a row of that key that dmutex did not write: every operation raises
   ``DMutexError`` and leaves it as it was;
-- statements, counted by a recording PyMySQL connection: a grant is a read
-  and a write, a refused attempt the read alone, a release a read and a
-  write, ``holders`` the read alone;
+- statements, counted by a recording PyMySQL connection: a first grant is a
+  read and a write, then a grant, an extend or a release on that key the
+  write alone (``rwcas.py``, rule 8), a refused attempt and a release of
+  nothing the read alone, ``holders`` the read alone;
 - waiting: a release wakes a writer (or a reader) waiting through the same
   client object long before its ``retry_delay``, even one that lands between
   the waiter's refused attempt and its wait (it registered first).
@@ -259,7 +260,7 @@ def test_statements_per_operation(server: Server, raw: _Connection, service: str
         lock = RWFace("sync", conn, service_name=service)
         lock.target.ready()
         conn.taken()
-        check_statements(lock, conn.taken, "INSERT")
+        check_statements(lock, conn.taken, "INSERT", "UPDATE")
         table = quoted(f"_drwlock_{service}")
         assert fetch(raw, f"SELECT COUNT(*) FROM {table}") == [(1,)], "no row for a key never held"
     finally:

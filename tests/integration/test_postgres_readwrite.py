@@ -14,9 +14,10 @@ psycopg connection reading and changing the table behind the store's back:
   the row kept once everything is released;
 - a row of that key that dmutex did not write: every operation raises
   ``DMutexError`` and leaves it as it was;
-- statements, counted by a recording psycopg connection: a grant is a read
-  and a write, a refused attempt the read alone, a release a read and a
-  write, ``holders`` the read alone;
+- statements, counted by a recording psycopg connection: a first grant is a
+  read and a write, then a grant, an extend or a release on that key the
+  write alone (``rwcas.py``, rule 8), a refused attempt and a release of
+  nothing the read alone, ``holders`` the read alone;
 - waiting: a pool's waiters (readers and writers) listen, and a release's
   notification wakes them long before their ``retry_delay``; a reader's
   probe finds a release that landed before its ``LISTEN``, and so does a
@@ -251,7 +252,7 @@ def test_statements_per_operation(url: str, raw: PgConnection, service: str) -> 
         lock = RWFace("sync", conn, service_name=service)
         lock.target.ready()
         conn.taken()
-        check_statements(lock, conn.taken, "WITH")
+        check_statements(lock, conn.taken, "WITH", "WITH")
         found = raw.execute(f'SELECT count(*) FROM "_drwlock_{service}"').fetchone()
         assert found == (1,), "a key that was never held has no row"
     finally:

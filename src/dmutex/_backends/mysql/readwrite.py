@@ -1,4 +1,4 @@
-"""The MySQL store of read-write locks: one row per key, read, decided, compare-and-set.
+"""The MySQL store of read-write locks: one row per key, decided, compare-and-set.
 
 Layout and rules: ``../rwcas.py`` (the decisions, the state, the
 compare-and-set), on the mutex store's table shape (``statements.py``) but
@@ -18,6 +18,17 @@ is MySQL's here:
    write that can let a waiter in wakes them once it applied. Other
    processes' waiters poll within ``retry_delay``, told by their refusal
    when what stands in their way lapses at the latest.
+4. The write without its read (``rwcas.py``, rule 8) is one ``UPDATE`` of
+   the row, only while its ``value`` is the text the store remembers and
+   the statement's ``NOW_MS`` is in the window the store sends, the
+   decided text's stamps replaced by the statement's time (``NOW_MS +
+   ttl``, ``GREATEST(counter + 1, NOW_US)``: one ``UTC_TIMESTAMP(6)`` a
+   statement, so the two agree). With no ``RETURNING`` on ``UPDATE``, it
+   answers in its OK packet (rule 2's way): ``LAST_INSERT_ID(NOW_US)``
+   where it applied, so the id is the statement's µs (the store takes its
+   ms as ``DIV 1000`` does), else 0. One that did not apply is followed by
+   rule 1's read. It never inserts: a key whose row the store does not
+   know goes rule 1's way.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from ..._clock import Clock
 from ..._core.effects import Call, Sleep, Steps, Wait
 from ..._core.waiting import Waiter
 from ..._errors import DMutexError
-from ..rwcas import CasReadWriteStore
+from ..rwcas import STAMP_EXPIRY, STAMP_FENCE, CasReadWriteStore, Stamped
 from .runners import Outcome, Row, runner
 from .statements import FOREVER, NOW_MS, NOW_US, Statement
 from .store import MySQLStore, waiters_of
@@ -58,6 +69,27 @@ def _write(t: str) -> Statement:
     )
 
 
+def _stamped(t: str) -> Statement:
+    """Rule 4's one statement (``rwcas.py``, rule 8): the write without its read.
+
+    It updates the row only if its ``value`` is still %(old)s and the
+    statement's ms is in [%(since)s, %(until)s), the decided text's stamps
+    replaced by the statement's time: the expiry by ``NOW_MS + ttl``
+    (``_core.readwrite``: a grant's and an extend's ``now + ttl``), the fence
+    by ``GREATEST(counter + 1, NOW_US)`` (``_core.fences.next_fence``). Its
+    OK packet's id is the statement's µs if it applied (``NOW_MS`` is that
+    ``DIV 1000``: one ``UTC_TIMESTAMP(6)`` a statement), else 0.
+    """
+    return Statement(
+        f"UPDATE {t} SET `value` = CONCAT(REPLACE(REPLACE(%(value)s,\n"
+        f"    '{STAMP_EXPIRY}', {NOW_MS} + %(ttl)s),\n"
+        f"    '{STAMP_FENCE}', GREATEST(%(counter)s + 1, {NOW_US})),\n"
+        f"  LEFT(LAST_INSERT_ID({NOW_US}), 0))\n"
+        "WHERE `key` = %(row)s AND `value` = %(old)s\n"
+        f"  AND {NOW_MS} >= %(since)s AND {NOW_MS} < %(until)s"
+    )
+
+
 # The text of a lock that holds neither a writer nor a reader (rwstate.py, rule 1),
 # as a LIKE pattern: its start.
 FREE_PATTERN = '{"dmutex":"rwlock","w":null,"r":{},%'
@@ -80,6 +112,7 @@ class MySQLReadWriteStore(CasReadWriteStore):
     """
 
     server = "MySQL"
+    stamped_writes = True
 
     def __init__(
         self,
@@ -107,6 +140,7 @@ class MySQLReadWriteStore(CasReadWriteStore):
         t = sql.table.replace("%", "%%")  # a driver would read "%" as a placeholder
         self._read_sql = _read(t)
         self._write_sql = _write(t)
+        self._stamped_sql = _stamped(t)
         self._page_sql = _page(t)
         self._run = runner(client, asynchronous=asynchronous)
         self._waiting = waiters_of(client)
@@ -131,6 +165,33 @@ class MySQLReadWriteStore(CasReadWriteStore):
         if answer not in (0, 1):
             raise DMutexError(f"unexpected answer from MySQL to a write: {answer!r}")
         return answer == 1
+
+    def _write_stamped(
+        self,
+        key: str,
+        old: str,
+        new: str,
+        ttl_ms: int,
+        counter: int,
+        since_ms: int,
+        until_ms: int,
+        wake: bool,
+    ) -> Steps[Stamped]:
+        params: dict[str, object] = {
+            "row": f"rwlock:{key}",
+            "value": new,
+            "old": old,
+            "ttl": ttl_ms,
+            "counter": counter,
+            "since": since_ms,
+            "until": until_ms,
+        }
+        answer = (yield from self._call(self._stamped_sql, params)).answer
+        if not isinstance(answer, int) or answer < 0:
+            raise DMutexError(f"unexpected answer from MySQL to a write: {answer!r}")
+        if answer == 0:
+            return Stamped(False)
+        return Stamped(True, answer // 1000, answer)
 
     def _name(self, key: str) -> tuple[str, str]:
         return (self._table, f"rwlock:{key}")

@@ -1,4 +1,4 @@
-"""The PostgreSQL store of read-write locks: one row per key, read, decided, compare-and-set.
+"""The PostgreSQL store of read-write locks: one row per key, decided, compare-and-set.
 
 Layout and rules: ``../rwcas.py`` (the decisions, the state, the
 compare-and-set), on the mutex store's table shape (``statements.py``), in
@@ -27,6 +27,22 @@ the ``_drwlock_`` table. What is PostgreSQL's here:
 4. A key or token with a NUL character is refused before any request, as
    the mutex store refuses it (``store.py``, rule 6): PostgreSQL's
    ``text`` cannot hold one.
+5. The write without its read (``rwcas.py``, rule 8) is one statement: an
+   ``UPDATE`` of the row only while its ``value`` is the text the store
+   remembers and the statement's time is in the window the store sends,
+   the decided text's stamps replaced by that time (``n.ms + ttl``,
+   ``greatest(counter + 1, n.us)``, ``n`` read as rule 1's read reads it),
+   in a common table expression; the ``SELECT`` over it answers whether it
+   applied and the statement's ms and µs, notifies as rule 2's write does
+   (if asked and applied), and, where it did not apply, reads the row's
+   value as the statement's snapshot holds it: the read that rule 1's way
+   goes on from, so a stale memory costs the one statement and no more. It
+   never inserts: a key whose row the store does not know goes rule 1's
+   way.
+6. Renewals without their reads (``rwcas.py``, rule 9) are one
+   ``UPDATE ... FROM unnest(...)`` of rule 5's updates, fence-less, each
+   row on its own old text and window, as the mutex store's batch is; it
+   answers the statement's ms and µs and the keys it wrote.
 """
 
 from __future__ import annotations
@@ -37,8 +53,9 @@ from typing import cast
 from ..._clock import Clock
 from ..._core.effects import Call, Steps
 from ..._core.waiting import Waiter
+from ..._errors import DMutexError
 from .. import rwstate
-from ..rwcas import CasReadWriteStore
+from ..rwcas import STAMP_EXPIRY, STAMP_FENCE, CasReadWriteStore, Extension, Stamped
 from .listening import Probe
 from .runners import Row, runner
 from .statements import _FOREVER, _NOW, _NOW_US, Statement, _escape, _in_literal, _ms, qualified
@@ -66,6 +83,60 @@ def _write(t: str, channel: str) -> Statement:
         "SELECT count(*)::int, CASE WHEN %(wake)s::bool AND count(*) > 0\n"
         f"  THEN pg_notify('{_escape(_in_literal(channel))}', %(key)s::text) END\n"
         "FROM w"
+    )
+
+
+def _stamped(t: str, channel: str) -> Statement:
+    """Rule 5's one statement (``rwcas.py``, rule 8): the write without its read.
+
+    It updates the row only if its ``value`` is still %(old)s and the
+    statement's ms is in [%(since)s, %(until)s), the decided text's stamps
+    replaced by the statement's time: the expiry by ``now_ms + ttl``
+    (``_core.readwrite``: a grant's and an extend's ``now + ttl``), the fence
+    by ``greatest(counter + 1, now_us)`` (``_core.fences.next_fence``). It
+    answers one row: 1 if it applied, else 0; the statement's ms and µs
+    (read as rule 1's read reads them); where it did not apply, the row's
+    value as its snapshot holds it (NULL: no row); and the notification,
+    sent if asked and applied.
+    """
+    return Statement.of(
+        f"WITH n AS (SELECT {_ms(_NOW)} AS ms, {_NOW_US} AS us),\n"
+        f'w AS (UPDATE {t} AS t SET "value" = replace(replace(%(value)s::text,\n'
+        f"    '{STAMP_EXPIRY}', (n.ms + %(ttl)s::bigint)::text),\n"
+        f"    '{STAMP_FENCE}', greatest(%(counter)s::bigint + 1, n.us)::text)\n"
+        "  FROM n\n"
+        '  WHERE t."key" = %(row)s::text AND t."value" = %(old)s::text\n'
+        "    AND n.ms >= %(since)s::bigint AND n.ms < %(until)s::bigint\n"
+        "  RETURNING 1),\n"
+        "c AS (SELECT count(*)::int AS applied FROM w)\n"
+        "SELECT c.applied, n.ms, n.us,\n"
+        f'  CASE WHEN c.applied = 0 THEN (SELECT r."value" FROM {t} AS r\n'
+        '    WHERE r."key" = %(row)s::text) END,\n'
+        "  CASE WHEN %(wake)s::bool AND c.applied > 0\n"
+        f"  THEN pg_notify('{_escape(_in_literal(channel))}', %(key)s::text) END\n"
+        "FROM n, c"
+    )
+
+
+def _extend_stamped(t: str) -> Statement:
+    """Rule 6's one statement (``rwcas.py``, rule 9): extends without their reads.
+
+    Each row of the arrays (keys all different) is one :func:`_stamped`
+    update without a fence: applied only over its old text, in its window.
+    Answers one row: the statement's ms and µs, and the keys it wrote.
+    """
+    return Statement.of(
+        f"WITH n AS (SELECT {_ms(_NOW)} AS ms, {_NOW_US} AS us),\n"
+        "v AS (SELECT * FROM unnest(%(rows)s::text[], %(olds)s::text[], %(values)s::text[],\n"
+        "    %(ttls)s::bigint[], %(sinces)s::bigint[], %(untils)s::bigint[])\n"
+        "    AS v(row_key, old, new, ttl, since, until)),\n"
+        f"w AS (UPDATE {t} AS t\n"
+        f"  SET \"value\" = replace(v.new, '{STAMP_EXPIRY}', (n.ms + v.ttl)::text)\n"
+        "  FROM v, n\n"
+        '  WHERE t."key" = v.row_key AND t."value" = v.old\n'
+        "    AND n.ms >= v.since AND n.ms < v.until\n"
+        '  RETURNING t."key")\n'
+        'SELECT n.ms, n.us, ARRAY(SELECT w."key" FROM w) FROM n'
     )
 
 
@@ -121,6 +192,8 @@ class PostgresReadWriteStore(CasReadWriteStore):
     """
 
     server = "PostgreSQL"
+    stamped_writes = True
+    stamped_batches = True
 
     def __init__(
         self,
@@ -150,6 +223,8 @@ class PostgresReadWriteStore(CasReadWriteStore):
             probe=probe,
         )
         self._write_sql = _write(_escape(named), self._rows.statements.channel)
+        self._stamped_sql = _stamped(_escape(named), self._rows.statements.channel)
+        self._extend_sql = _extend_stamped(_escape(named))
         self._page_sql = _page(_escape(named))
         self._run = runner(client, asynchronous=asynchronous)
 
@@ -186,6 +261,53 @@ class PostgresReadWriteStore(CasReadWriteStore):
         }
         rows = yield from self._call(self._write_sql, params)
         return bool(rows and rows[0][0])
+
+    def _write_stamped(
+        self,
+        key: str,
+        old: str,
+        new: str,
+        ttl_ms: int,
+        counter: int,
+        since_ms: int,
+        until_ms: int,
+        wake: bool,
+    ) -> Steps[Stamped]:
+        params: dict[str, object] = {
+            "row": f"rwlock:{key}",
+            "value": new,
+            "old": old,
+            "ttl": ttl_ms,
+            "counter": counter,
+            "since": since_ms,
+            "until": until_ms,
+            "wake": wake,
+            "key": key,
+        }
+        rows = yield from self._call(self._stamped_sql, params)
+        if len(rows) != 1 or len(rows[0]) != 5:
+            raise DMutexError(f"unexpected reply from PostgreSQL: {rows!r}")
+        applied, now, now_us, value, _ = rows[0]
+        if applied not in (0, 1) or not isinstance(now, int) or not isinstance(now_us, int):
+            raise DMutexError(f"unexpected reply from PostgreSQL: {rows!r}")
+        return Stamped(applied == 1, now, now_us, value)
+
+    def _extend_stamped(self, writes: Sequence[Extension]) -> Steps[tuple[set[str], int, int]]:
+        params: dict[str, object] = {
+            "rows": [f"rwlock:{w.key}" for w in writes],
+            "olds": [w.old for w in writes],
+            "values": [w.new for w in writes],
+            "ttls": [w.ttl_ms for w in writes],
+            "sinces": [w.since_ms for w in writes],
+            "untils": [w.until_ms for w in writes],
+        }
+        rows = yield from self._call(self._extend_sql, params)
+        if len(rows) != 1 or len(rows[0]) != 3:
+            raise DMutexError(f"unexpected reply from PostgreSQL: {rows!r}")
+        now, now_us, names = rows[0]
+        if not isinstance(now, int) or not isinstance(now_us, int) or not isinstance(names, list):
+            raise DMutexError(f"unexpected reply from PostgreSQL: {rows!r}")
+        return {str(name).removeprefix("rwlock:") for name in names}, now, now_us
 
     def wait(self, key: str, waiter: Waiter, seconds: float) -> Steps[None]:
         """Listen for a change of ``key`` up to ``seconds``, else sleep (rule 3); never raises."""
