@@ -182,7 +182,10 @@ LEAN_RATIOS = [
     for name in ("semaphore", "write", "read")
 ]
 LEAN_REDIS_COMMANDS = {"raw": 4, "raw-async": 4}
-LEAN_SQL_STATEMENTS = {"mutex": 2, "mutex-async": 2}
+# A read or write cycle on a key the store knows: one statement a change (rwcas.py, rule 8).
+LEAN_SQL_STATEMENTS = {
+    name + face: 2 for name in ("mutex", "read", "write") for face in ("", "-async")
+}
 
 
 # Figures that are the time between two processes' events in no fixed order, so may be
