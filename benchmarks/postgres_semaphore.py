@@ -111,7 +111,7 @@ def acquires(sem: DSemaphore, key: str, *, granted: bool) -> Batch:
 def explained(conn: psycopg.Connection[Any], n: int, run_id: str, times: int) -> dict[str, float]:
     """The refused acquire's planning and execution time (ms) by ``EXPLAIN (ANALYZE)``: medians."""
     sql = Statements.of(f"_dsemaphore_bench{n}_{run_id}")
-    statement = sql.acquire_semaphore if n > 1 else sql.acquire_mutex
+    statement = sql.acquire_semaphore_of(n) if n > 1 else sql.acquire_mutex
     params = {"key": FULL, "token": str(uuid.uuid4()), "ttl": 1000, "permits": n, "waiting": 0}
     found: dict[str, list[float]] = {"Planning": [], "Execution": []}
     for _ in range(times):

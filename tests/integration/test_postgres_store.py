@@ -707,6 +707,44 @@ def test_asyncpg_runs_the_same_statements_with_numbered_parameters(
     assert len(rows(raw, table)) == 3, "two slots and the fence row"
 
 
+@pytest.mark.parametrize("permits", [3, 64])
+def test_a_semaphores_acquire_gets_a_cached_generic_plan(
+    postgres_server: str, table: str, permits: int
+) -> None:
+    """statements.py, rule 8: the server stops planning the prepared acquire afresh.
+
+    asyncpg prepares every statement; PostgreSQL plans a prepared statement
+    anew for each of its first five runs, then keeps a generic plan if it
+    costs no more than those. With the slots' number a parameter, it never
+    did (0 generic plans in 13 runs).
+    """
+    runs = 12
+
+    async def main() -> tuple[int, int]:
+        conn = await asyncpg.connect(postgres_server)
+        try:
+            store = PostgresStore(conn, table, permits, SYSTEM_CLOCK, asynchronous=True)
+            engine = Engine(store, default_ttl=60)
+            drive = AsyncDriver(SYSTEM_CLOCK, store.ready)
+            for _ in range(runs):
+                lease = await drive(engine.acquire("k", 30))
+                assert lease is not None
+                assert await drive(engine.release(lease)) is True
+            found = await conn.fetch(  # the semaphore's acquire: its CTE "pick"
+                "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+                " WHERE statement LIKE '%pick AS (SELECT%'"
+                " AND statement NOT LIKE '%pg_prepared_statements%'"
+            )
+            assert len(found) == 1, found
+            return int(found[0][0]), int(found[0][1])
+        finally:
+            await conn.close()
+
+    generic, custom = asyncio.run(main())
+    assert generic + custom == runs
+    assert generic >= runs - 6, f"{generic} generic plans, {custom} custom"
+
+
 class Scripted:
     """A psycopg-shaped connection in autocommit that answers each statement from a script."""
 

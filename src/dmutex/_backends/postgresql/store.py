@@ -148,7 +148,11 @@ class PostgresStore:
         )
         self._permits = max_permits
         self._clock = clock
-        self._acquire = self._sql.acquire_mutex if max_permits == 1 else self._sql.acquire_semaphore
+        self._acquire = (
+            self._sql.acquire_mutex
+            if max_permits == 1
+            else self._sql.acquire_semaphore_of(max_permits)
+        )
 
     @property
     def clock(self) -> Clock:
