@@ -136,6 +136,7 @@ __all__ = [
     "CasReadWriteStore",
     "Extension",
     "Stamped",
+    "StampedWrite",
 ]
 
 T = TypeVar("T")
@@ -182,6 +183,32 @@ class Stamped:
     now_ms: int | None = None
     now_us: int | None = None
     value: object = None
+
+
+@dataclass(frozen=True, slots=True)
+class StampedWrite:
+    """One write of rule 8: ``new`` over ``old`` in the row of ``key``, stamped by the server."""
+
+    key: str
+    old: str
+    new: str
+    ttl_ms: int
+    counter: int
+    since_ms: int
+    until_ms: int
+    wake: bool
+
+    def params(self) -> dict[str, object]:
+        """The statement's parameters that every server's store names alike."""
+        return {
+            "row": f"{_ROW}{self.key}",
+            "value": self.new,
+            "old": self.old,
+            "ttl": self.ttl_ms,
+            "counter": self.counter,
+            "since": self.since_ms,
+            "until": self.until_ms,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,18 +348,8 @@ class CasReadWriteStore:
         """Write ``new`` over ``old`` (None: no row), notifying if ``wake``; whether it applied."""
         raise NotImplementedError
 
-    def _write_stamped(
-        self,
-        key: str,
-        old: str,
-        new: str,
-        ttl_ms: int,
-        counter: int,
-        since_ms: int,
-        until_ms: int,
-        wake: bool,
-    ) -> Steps[Stamped]:
-        """Rule 8's one statement: ``new`` over the row's ``old`` text, stamped by the server.
+    def _write_stamped(self, write: StampedWrite) -> Steps[Stamped]:
+        """Rule 8's one statement: ``write.new`` over the row's ``write.old``, server-stamped.
 
         In ``new``, :data:`STAMP_EXPIRY` becomes the statement's ms plus
         ``ttl_ms`` and :data:`STAMP_FENCE` the larger of ``counter`` + 1 and
@@ -437,7 +454,7 @@ class CasReadWriteStore:
         counter = pruned.fence
         try:
             outcome = yield from self._write_stamped(
-                key, text, written, ttl, counter, lo, until, wake
+                StampedWrite(key, text, written, ttl, counter, lo, until, wake)
             )
         except BaseException:
             self._forget(key)

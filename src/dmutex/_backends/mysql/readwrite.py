@@ -39,7 +39,7 @@ from ..._clock import Clock
 from ..._core.effects import Call, Sleep, Steps, Wait
 from ..._core.waiting import Waiter
 from ..._errors import DMutexError
-from ..rwcas import STAMP_EXPIRY, STAMP_FENCE, CasReadWriteStore, Stamped
+from ..rwcas import STAMP_EXPIRY, STAMP_FENCE, CasReadWriteStore, Stamped, StampedWrite
 from .runners import Outcome, Row, runner
 from .statements import FOREVER, NOW_MS, NOW_US, Statement
 from .store import MySQLStore, waiters_of
@@ -166,26 +166,8 @@ class MySQLReadWriteStore(CasReadWriteStore):
             raise DMutexError(f"unexpected answer from MySQL to a write: {answer!r}")
         return answer == 1
 
-    def _write_stamped(
-        self,
-        key: str,
-        old: str,
-        new: str,
-        ttl_ms: int,
-        counter: int,
-        since_ms: int,
-        until_ms: int,
-        wake: bool,
-    ) -> Steps[Stamped]:
-        params: dict[str, object] = {
-            "row": f"rwlock:{key}",
-            "value": new,
-            "old": old,
-            "ttl": ttl_ms,
-            "counter": counter,
-            "since": since_ms,
-            "until": until_ms,
-        }
+    def _write_stamped(self, write: StampedWrite) -> Steps[Stamped]:
+        params = write.params()
         answer = (yield from self._call(self._stamped_sql, params)).answer
         if not isinstance(answer, int) or answer < 0:
             raise DMutexError(f"unexpected answer from MySQL to a write: {answer!r}")

@@ -55,7 +55,14 @@ from ..._core.effects import Call, Steps
 from ..._core.waiting import Waiter
 from ..._errors import DMutexError
 from .. import rwstate
-from ..rwcas import STAMP_EXPIRY, STAMP_FENCE, CasReadWriteStore, Extension, Stamped
+from ..rwcas import (
+    STAMP_EXPIRY,
+    STAMP_FENCE,
+    CasReadWriteStore,
+    Extension,
+    Stamped,
+    StampedWrite,
+)
 from .listening import Probe
 from .runners import Row, runner
 from .statements import _FOREVER, _NOW, _NOW_US, Statement, _escape, _in_literal, _ms, qualified
@@ -262,28 +269,8 @@ class PostgresReadWriteStore(CasReadWriteStore):
         rows = yield from self._call(self._write_sql, params)
         return bool(rows and rows[0][0])
 
-    def _write_stamped(
-        self,
-        key: str,
-        old: str,
-        new: str,
-        ttl_ms: int,
-        counter: int,
-        since_ms: int,
-        until_ms: int,
-        wake: bool,
-    ) -> Steps[Stamped]:
-        params: dict[str, object] = {
-            "row": f"rwlock:{key}",
-            "value": new,
-            "old": old,
-            "ttl": ttl_ms,
-            "counter": counter,
-            "since": since_ms,
-            "until": until_ms,
-            "wake": wake,
-            "key": key,
-        }
+    def _write_stamped(self, write: StampedWrite) -> Steps[Stamped]:
+        params = {**write.params(), "wake": write.wake, "key": write.key}
         rows = yield from self._call(self._stamped_sql, params)
         if len(rows) != 1 or len(rows[0]) != 5:
             raise DMutexError(f"unexpected reply from PostgreSQL: {rows!r}")
