@@ -20,6 +20,10 @@ the table behind the store's back:
   read and a write, then a grant, an extend or a release on that key the
   write alone (``rwcas.py``, rule 8), a refused attempt and a release of
   nothing the read alone, ``holders`` the read alone;
+- renewals of several keys the store remembers (``rwcas.py``, rule 9): the
+  batch's update and read on every client package (PyMySQL, mysqlclient,
+  mysql-connector, aiomysql, asyncmy, their pools and SQLAlchemy engines),
+  each row holding the expiry answered, from the update's time;
 - waiting: a release wakes a writer (or a reader) waiting through the same
   client object long before its ``retry_delay``, even one that lands between
   the waiter's refused attempt and its wait (it registered first).
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,8 +44,13 @@ import pytest
 from pymysql.connections import Connection
 from pymysql.cursors import Cursor
 
+from dmutex._backends.mysql.readwrite import MySQLReadWriteStore
 from dmutex._backends.mysql.statements import COLLATIONS
+from dmutex._clock import SystemClock
+from dmutex._core.lease import Lease
+from dmutex._runtime.drivers import AsyncDriver, SyncDriver
 from tests._support.faces import FaceName, LoopThread
+from tests._support.mysql_backend import MYSQL_CASES, MYSQL_VARIANTS, MySQL
 from tests._support.mysql_rows import Counting, fetch, quoted
 from tests._support.mysql_servers import (
     CONNECT_TIMEOUT,
@@ -303,3 +312,73 @@ def test_a_release_between_a_refused_attempt_and_its_wait_is_not_missed(
             assert got.release() is True
     finally:
         conn.close()
+
+
+# --- renewals in a batch ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", MYSQL_VARIANTS)
+def test_a_renewal_batch_runs_on_every_client(mysql_session: Session, variant: str) -> None:
+    """``rwcas.py`` rule 9 on each client package: the update, then the read, stamped alike.
+
+    Two writers and two readers of four keys the store remembers; each row
+    then holds the expiry the store answered, the update's ``NOW_MS`` plus
+    the TTL.
+    """
+    asynchronous = variant in MYSQL_CASES["async"]
+    rig = MySQL(mysql_session, variant)
+    loop = rig.loop = LoopThread() if asynchronous else None
+    table = f"_drwlock_rw{uuid.uuid4().hex[:12]}"
+    try:
+        client = rig.client(asynchronous)
+        store = MySQLReadWriteStore(client, table, None, SystemClock(), asynchronous=asynchronous)
+        sent: list[str] = []
+        run_one = store._run
+
+        def recorded(statement: Any, params: Any) -> Any:
+            sent.append(statement.text.split(None, 1)[0].upper())
+            return run_one(statement, params)
+
+        store._run = recorded
+
+        sync, aio = SyncDriver(store.clock, store.ready), AsyncDriver(store.clock, store.ready)
+
+        def run(steps: Any) -> Any:
+            return sync(steps) if loop is None else loop.run(aio(steps))
+
+        keys = ["a", "b", "c", "d"]
+        leases = []
+        for key in keys:
+            lease = run(store.acquire(key, str(uuid.uuid4()), 30_000, None, write=key < "c"))
+            assert isinstance(lease, Lease)
+            lease.ttl_ms = 60_000
+            leases.append(lease)
+        sent.clear()
+        ((before,),) = fetch(rig._inspector, f"SELECT {NOW_US}")
+        answers = run(store.extend_many(leases))
+        ((after,),) = fetch(rig._inspector, f"SELECT {NOW_US}")
+        assert sent == ["UPDATE", "SELECT"]
+        assert len(set(answers)) == 1, "one statement's time for every lease"
+        for key, lease, expires in zip(keys, leases, answers, strict=True):
+            assert isinstance(expires, int)
+            assert int(before) // 1000 + 60_000 <= expires <= int(after) // 1000 + 60_000
+            ((value,),) = fetch(
+                rig._inspector,
+                f"SELECT `value` FROM {quoted(table)} WHERE `key` = %s",
+                (f"rwlock:{key}",),
+            )
+            stored = json.loads(value)
+            hold = stored["w"] if key < "c" else [lease.token, stored["r"][lease.token]]
+            assert hold == [lease.token, expires]
+    finally:
+        fetch(rig._inspector, f"DROP TABLE IF EXISTS {quoted(table)}")
+        if loop is None:
+            rig.close(None)
+        else:
+            on = loop
+
+            async def done(closing: Awaitable[object]) -> object:
+                return await closing
+
+            rig.close(lambda closing: on.run(done(closing)))
+            loop.close()

@@ -25,10 +25,15 @@ changes behind its back. Leases are 30 s unless a test says otherwise.
   its own hold: a new expiry and fence, one hold; a stamped write whose
   reply is lost makes the store forget the key, and the re-sent attempt
   reads.
-- Renewals: on PostgreSQL the leases of keys the store remembers are one
-  statement (``rwcas.py``, rule 9), on MySQL one each; a lease whose row
-  changed behind the store's back goes rule 1's way, an ended one gets no
-  request. asyncpg runs the same statements as psycopg.
+- Renewals: the leases of keys the store remembers are one statement on
+  PostgreSQL (``rwcas.py``, rule 9), two on MySQL (the update, then the
+  read of which rows it wrote; the update alone where it wrote none), also
+  by the server's ``Questions``; a lease whose row changed behind the
+  store's back goes rule 1's way, an ended one gets no request. Each row
+  of MySQL's batch applies on its own old text and window, and is stamped
+  with the statement's time. MySQL splits a call of more than
+  ``RENEW_BATCH`` leases into batches. asyncpg runs the same statements as
+  psycopg.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from pymysql.connections import Connection
 from pymysql.cursors import Cursor
 
 from dmutex._backends.dynamodb.readwrite import DynamoReadWriteStore
+from dmutex._backends.mysql import readwrite as readwrite_module
 from dmutex._backends.mysql.readwrite import MySQLReadWriteStore
 from dmutex._backends.postgresql.readwrite import PostgresReadWriteStore
 from dmutex._backends.rwcas import STAMP_EXPIRY, CasReadWriteStore
@@ -103,8 +109,8 @@ class Rig(Protocol):
         """What the recording connection sent since the last call, each as :func:`kind` names it."""
         ...
 
-    def value(self) -> str:
-        """The row ``rwlock:{KEY}``'s value."""
+    def value(self, key: str = KEY) -> str:
+        """The row ``rwlock:{key}``'s value."""
         ...
 
     def now_us(self) -> int:
@@ -135,11 +141,11 @@ class PostgresRig:
         self.counted.sent.clear()
         return found
 
-    def value(self) -> str:
+    def value(self, key: str = KEY) -> str:
         row = self.raw.execute(
-            f'SELECT "value" FROM "{self.table}" WHERE "key" = %s', (ROW,)
+            f'SELECT "value" FROM "{self.table}" WHERE "key" = %s', (f"rwlock:{key}",)
         ).fetchone()
-        assert row is not None, f"no row {ROW}"
+        assert row is not None, f"no row rwlock:{key}"
         return str(row[0])
 
     def now_us(self) -> int:
@@ -189,9 +195,11 @@ class MySQLRig:
         self.counted.sent.clear()
         return int(count)
 
-    def value(self) -> str:
+    def value(self, key: str = KEY) -> str:
         ((value,),) = fetch(
-            self.raw, f"SELECT `value` FROM {quoted(self.table)} WHERE `key` = %s", (ROW,)
+            self.raw,
+            f"SELECT `value` FROM {quoted(self.table)} WHERE `key` = %s",
+            (f"rwlock:{key}",),
         )
         return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -293,7 +301,7 @@ def test_renewals_are_one_statement_each(rig: PostgresRig | MySQLRig) -> None:
     assert [stored["r"][lease.token] for lease in leases] == answers
 
 
-def test_renewals_of_remembered_keys_are_one_statement_on_postgresql_one_each_on_mysql(
+def test_renewals_of_remembered_keys_are_one_statement_on_postgresql_two_on_mysql(
     rig: PostgresRig | MySQLRig,
 ) -> None:
     store, other = rig.store(), rig.store(counted=False)
@@ -312,12 +320,8 @@ def test_renewals_of_remembered_keys_are_one_statement_on_postgresql_one_each_on
     before = rig.now_us()
     answers = run(store, store.extend_many(leases))
     after = rig.now_us()
-    expected = (
-        ["stamped", "read", "write"]  # a, b in one statement; c by rule 1
-        if rig.name == "postgresql"
-        else ["stamped", "stamped", "stamped", "read", "write"]  # one by one; c falls back
-    )
-    assert rig.taken() == expected
+    batch = ["stamped"] if rig.name == "postgresql" else ["stamped", "read"]
+    assert rig.taken() == [*batch, "read", "write"], "a, b in one batch; c by rule 1"
     assert answers[3] is None
     for key, lease, expires in zip(keys[:3], leases[:3], answers[:3], strict=True):
         assert isinstance(expires, int)
@@ -325,13 +329,112 @@ def test_renewals_of_remembered_keys_are_one_statement_on_postgresql_one_each_on
         found = run(other, other.holders(key)).holders
         assert (lease.token, expires) in {(h.token, h.expires_ms) for h in found}
     assert stranger.token in {h.token for h in run(other, other.holders("c")).holders}
-    # All three remembered now: PostgreSQL's one statement carries them all.
+    # All three remembered now: one batch carries them all.
+    before = rig.questions() if isinstance(rig, MySQLRig) else 0
     rig.taken()
     again = run(store, store.extend_many(leases[:3]))
-    assert rig.taken() == (["stamped"] if rig.name == "postgresql" else ["stamped"] * 3)
+    assert rig.taken() == batch
+    if isinstance(rig, MySQLRig):
+        # The server's count: the batch's statements and the second SHOW.
+        assert rig.questions() - before == len(batch) + 1
     for key, lease, expires in zip(keys[:3], leases[:3], again, strict=True):
         found = run(other, other.holders(key)).holders
         assert (lease.token, expires) in {(h.token, h.expires_ms) for h in found}
+        assert remembered(store, key) == rig.value(key)
+
+
+def test_each_row_of_a_batch_applies_on_its_own_terms_at_the_statements_time(
+    rig: PostgresRig | MySQLRig,
+) -> None:
+    """a: applies, stamped by the server; b: changed behind the store's back; c: expired
+    by the server's clock though the memory, behind it, counts it live; d: a memory
+    ahead of the server's clock, which prunes a hold the server still counts (a reader
+    of 5 s). None but a is written by the batch."""
+    store, other = rig.store(), rig.store(counted=False)
+    early = run(store, store.acquire("d", str(uuid.uuid4()), 5_000, None, write=False))
+    keys = ["a", "b", "c", "d"]
+    leases = [
+        run(
+            store,
+            store.acquire(key, str(uuid.uuid4()), 300 if key == "c" else TTL_MS, None, write=False),
+        )
+        for key in keys
+    ]
+    for lease in leases:
+        lease.ttl_ms = TTL_MS
+    stranger = run(other, other.acquire("b", str(uuid.uuid4()), TTL_MS, None, write=False))
+    shift(store, "a", -50_000)  # 50 ms behind: an expiry from it would be early
+    shift(store, "c", -10_000_000)  # 10 s behind: c's reader looks live to the memory
+    shift(store, "d", 10_000_000)  # 10 s ahead: before its window
+    while rig.now_us() // 1000 < leases[2].expires_ms:
+        time.sleep(0.05)
+    expired = rig.value("c")
+    rig.taken()
+    before = rig.now_us()
+    answers = run(store, store.extend_many(leases))
+    after = rig.now_us()
+    batch = ["stamped"] if rig.name == "postgresql" else ["stamped", "read"]
+    # b and d: rule 1's read and write; c: the read, which finds its reader expired.
+    assert rig.taken() == [*batch, "read", "write", "read", "read", "write"]
+    assert answers[2] is None
+    assert rig.value("c") == expired, "the expired reader was not brought back"
+    for n in (0, 1, 3):
+        expires = answers[n]
+        assert isinstance(expires, int)
+        assert before // 1000 + TTL_MS <= expires <= after // 1000 + TTL_MS
+        stored = json.loads(rig.value(keys[n]))
+        assert stored["r"][leases[n].token] == expires
+        assert remembered(store, keys[n]) == rig.value(keys[n])
+    assert stranger.token in json.loads(rig.value("b"))["r"], "b's other reader was kept"
+    assert json.loads(rig.value("d"))["r"][early.token] == early.expires_ms, (
+        "d's live reader was kept"
+    )
+
+
+def test_mysql_splits_a_large_renewal_into_batches(
+    mysql_session: Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rig = MySQLRig(mysql_session)
+    try:
+        store = rig.store()
+        keys = [f"k{n}" for n in range(8)]
+        leases = []
+        for key in keys:
+            lease = run(store, store.acquire(key, str(uuid.uuid4()), TTL_MS, None, write=True))
+            lease.ttl_ms = TTL_MS
+            leases.append(lease)
+        monkeypatch.setattr(readwrite_module, "RENEW_BATCH", 3)
+        rig.taken()
+        answers = run(store, store.extend_many(leases))
+        # 3 + 3 + 2: each part its own batch, the update and the read.
+        assert rig.taken() == ["stamped", "read"] * 3
+        for key, lease, expires in zip(keys, leases, answers, strict=True):
+            assert isinstance(expires, int)
+            assert json.loads(rig.value(key))["w"] == [lease.token, expires]
+        # The texts' bound: each part as many leases as fit (here two).
+        monkeypatch.setattr(readwrite_module, "RENEW_BATCH", 100)
+        longest = max(len(remembered(store, key) or "") for key in keys)
+        monkeypatch.setattr(readwrite_module, "RENEW_TEXT", 2 * longest)
+        answers = run(store, store.extend_many(leases))
+        assert rig.taken() == ["stamped", "read"] * 4
+        assert all(isinstance(expires, int) for expires in answers)
+    finally:
+        rig.close()
+
+
+def test_a_batch_that_writes_no_row_is_one_statement(rig: PostgresRig | MySQLRig) -> None:
+    store, other = rig.store(), rig.store(counted=False)
+    leases = []
+    for key in ("a", "b"):
+        lease = run(store, store.acquire(key, str(uuid.uuid4()), TTL_MS, None, write=False))
+        lease.ttl_ms = TTL_MS
+        leases.append(lease)
+        run(other, other.acquire(key, str(uuid.uuid4()), TTL_MS, None, write=False))
+    rig.taken()
+    answers = run(store, store.extend_many(leases))
+    assert rig.taken() == ["stamped", "read", "write", "read", "write"]
+    for lease, expires in zip(leases, answers, strict=True):
+        assert json.loads(rig.value(lease.key))["r"][lease.token] == expires
 
 
 # --- a stale memory -----------------------------------------------------------------------

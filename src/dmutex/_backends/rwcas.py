@@ -100,13 +100,21 @@ Rules of this module:
    text in which a stamp's digits appear elsewhere (a token) go rule 1's
    way, as do refusals, which leave a writer's intent until a time of the
    read's clock.
-9. Renewals in one statement: where the server's store batches
-   (PostgreSQL), ``extend_many`` sends the extends that rule 8 would send
-   alone, one lease a key, in one statement, each applying on its own
-   terms (its row's text, its window); the leases it did not extend, and
-   every other lease (a key not remembered, a second lease of one key),
-   go one after another, each by rule 8 or rule 1. A failed batch
-   statement is the answer of each lease it carried, and only of those.
+9. Renewals in a batch: where the server's store batches (PostgreSQL,
+   MySQL), ``extend_many`` sends the extends that rule 8 would send alone,
+   one lease a key, together, each applying on its own terms (its row's
+   text, its window) and stamped with the one statement's time: one
+   statement a batch on PostgreSQL; two on MySQL (the update, whose OK
+   packet carries its time, then a read of the rows that tells which it
+   wrote; the update alone where it wrote none), which splits a large
+   call into batches (``mysql/readwrite.py``, rule 5). A lease counts as
+   extended only where the server says its row took its text stamped with
+   that time, that time in its window, and its answer and remembered text
+   are rebuilt at that time as rule 8's are; the leases not extended so,
+   and every other lease (a key not remembered, a second lease of one
+   key, a batch of one), go one after another, each by rule 8 or rule 1.
+   A failed batch statement is the answer of each lease it carried, and
+   only of those.
 """
 
 from __future__ import annotations
@@ -299,7 +307,7 @@ class CasReadWriteStore:
     """Rule 8: whether the server's store has :meth:`_write_stamped` (PostgreSQL, MySQL)."""
 
     stamped_batches = False
-    """Rule 9: whether it also has :meth:`_extend_stamped` (PostgreSQL)."""
+    """Rule 9: whether it also has :meth:`_extend_stamped` (PostgreSQL, MySQL)."""
 
     def __init__(self, table: str, max_readers: int | None, clock: Clock, *, fencing: bool) -> None:
         self._table = table
@@ -610,7 +618,7 @@ class CasReadWriteStore:
     def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
         """Extend the leases that have not ended (rule 9); a failure is the answer of those it hit.
 
-        Where the server's store batches (PostgreSQL): the leases of keys it
+        Where the server's store batches (PostgreSQL, MySQL): the leases of keys it
         remembers, one a key, in one statement; every other lease, and any
         that statement did not extend, one after another
         (``abc.extend_each``).

@@ -29,25 +29,58 @@ is MySQL's here:
    ms as ``DIV 1000`` does), else 0. One that did not apply is followed by
    rule 1's read. It never inserts: a key whose row the store does not
    know goes rule 1's way.
+5. Renewals without their reads (``rwcas.py``, rule 9) are two statements
+   per batch (one where no row changed), a batch being up to
+   ``store.RENEW_BATCH`` leases and :data:`RENEW_TEXT` characters of
+   remembered text (a larger call is split, each part its own batch).
+   The first is one ``UPDATE`` of rule 4's updates, fence-less, one
+   ``CASE`` branch a key (keys all different): a row changes only while
+   its ``value`` is its own old text and the statement's ``NOW_MS`` is in
+   its own window, its text's stamp replaced by ``NOW_MS`` plus its own
+   TTL; its OK packet's id is ``LAST_INSERT_ID(NOW_US)``, set by any row it
+   changed, so the statement's µs (its ms ``DIV 1000``), else 0. An id of
+   0 means no row changed: nothing more is sent. Else the second reads the
+   batch's rows by key, and the store counts a key written where its value
+   is that key's text stamped with the first statement's ``NOW_MS + ttl``
+   and that ms is in the key's window: what the update wrote, unless
+   another store changed the row between the two, which only sends that
+   lease rule 1's way (``rwcas.py``, rule 9); a row that holds that text
+   without this update (another writer of the very same text) holds the
+   same extended lease.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 from ..._clock import Clock
+from ..._core.abc import Renewed
 from ..._core.effects import Call, Sleep, Steps, Wait
+from ..._core.lease import Lease
 from ..._core.waiting import Waiter
 from ..._errors import DMutexError
-from ..rwcas import STAMP_EXPIRY, STAMP_FENCE, CasReadWriteStore, Stamped, StampedWrite
+from ..rwcas import (
+    STAMP_EXPIRY,
+    STAMP_FENCE,
+    CasReadWriteStore,
+    Extension,
+    Stamped,
+    StampedWrite,
+)
 from .runners import Outcome, Row, runner
 from .statements import FOREVER, NOW_MS, NOW_US, Statement
-from .store import MySQLStore, waiters_of
+from .store import RENEW_BATCH, MySQLStore, waiters_of
 
-__all__ = ["MySQLReadWriteStore"]
+__all__ = ["RENEW_TEXT", "MySQLReadWriteStore"]
 
 # Rule 2: a value of that column type, up to 16 MiB.
 VALUE_TYPE = "mediumtext"
+
+# Rule 5: at most this many characters of remembered text a renewal batch carries, unless
+# one lease's alone is more. Each goes twice (the old text, and nearly alike the new):
+# about 2 MiB for texts in ASCII, below max_allowed_packet's smallest default (4 MiB).
+RENEW_TEXT = 1 << 20
 
 
 def _read(t: str) -> Statement:
@@ -90,6 +123,44 @@ def _stamped(t: str) -> Statement:
     )
 
 
+def _extend_stamped(t: str, count: int) -> Statement:
+    """Rule 5's update (``rwcas.py``, rule 9): ``count`` extends without their reads.
+
+    Lease ``n`` is ``%(row{n})s``: it changes only while its ``value`` is
+    ``%(old{n})s`` and the statement's ms is in [``%(since{n})s``,
+    ``%(until{n})s``), to ``%(value{n})s`` with its stamp replaced by
+    ``NOW_MS + %(ttl{n})s``. Its OK packet's id is the statement's µs if any
+    row changed (``NOW_MS`` is that ``DIV 1000``), else 0.
+    """
+    keys = range(count)
+    rows = ", ".join(f"%(row{n})s" for n in keys)
+    values = "".join(f"\n    WHEN %(row{n})s THEN %(value{n})s" for n in keys)
+    ttls = "".join(f" WHEN %(row{n})s THEN %(ttl{n})s" for n in keys)
+    terms = "".join(
+        f"\n    WHEN %(row{n})s THEN `value` = %(old{n})s"
+        f" AND {NOW_MS} >= %(since{n})s AND {NOW_MS} < %(until{n})s"
+        for n in keys
+    )
+    return Statement(
+        f"UPDATE {t} SET `value` = CONCAT(REPLACE(CASE `key`{values} END,\n"
+        f"    '{STAMP_EXPIRY}', {NOW_MS} + CASE `key`{ttls} END),\n"
+        f"  LEFT(LAST_INSERT_ID({NOW_US}), 0))\n"
+        f"WHERE `key` IN ({rows})\n"
+        f"  AND CASE `key`{terms} END"
+    )
+
+
+def _renewed(t: str, count: int) -> Statement:
+    """Rule 5's read after the update: the rows ``(key, value)`` of ``%(row0)s`` ..."""
+    rows = ", ".join(f"%(row{n})s" for n in range(count))
+    return Statement(f"SELECT `key`, `value` FROM {t} WHERE `key` IN ({rows})")
+
+
+def _text(value: object) -> object:
+    """A text column's value as a ``str`` (a driver may answer bytes for a binary collation)."""
+    return bytes(value).decode() if isinstance(value, (bytes, bytearray)) else value
+
+
 # The text of a lock that holds neither a writer nor a reader (rwstate.py, rule 1),
 # as a LIKE pattern: its start.
 FREE_PATTERN = '{"dmutex":"rwlock","w":null,"r":{},%'
@@ -113,6 +184,7 @@ class MySQLReadWriteStore(CasReadWriteStore):
 
     server = "MySQL"
     stamped_writes = True
+    stamped_batches = True
 
     def __init__(
         self,
@@ -142,6 +214,9 @@ class MySQLReadWriteStore(CasReadWriteStore):
         self._write_sql = _write(t)
         self._stamped_sql = _stamped(t)
         self._page_sql = _page(t)
+        self._t = t
+        # Rule 5's statements, by the batch's size.
+        self._extend_sql: dict[int, tuple[Statement, Statement]] = {}
         self._run = runner(client, asynchronous=asynchronous)
         self._waiting = waiters_of(client)
 
@@ -174,6 +249,66 @@ class MySQLReadWriteStore(CasReadWriteStore):
         if answer == 0:
             return Stamped(False)
         return Stamped(True, answer // 1000, answer)
+
+    def extend_many(self, leases: Sequence[Lease]) -> Steps[list[Renewed]]:
+        """``rwcas.py``'s renewals (rule 9), in parts of at most :data:`RENEW_BATCH` leases.
+
+        And of at most :data:`RENEW_TEXT` characters of remembered text,
+        unless one lease's alone is more (rule 5): each part is its own batch.
+        """
+        answers: list[Renewed] = []
+        start = 0
+        while start < len(leases):
+            end, size = start, 0
+            while end < len(leases) and end - start < RENEW_BATCH:
+                text = self._known.get(leases[end].key, (None, 0))[0]
+                size += len(text or "")
+                if end > start and size > RENEW_TEXT:
+                    break
+                end += 1
+            part = leases[start:end]
+            answers.extend((yield from super().extend_many(part)))
+            start = end
+        return answers
+
+    def _extend_stamped(self, writes: Sequence[Extension]) -> Steps[tuple[set[str], int, int]]:
+        count = len(writes)
+        sql = self._extend_sql.get(count)
+        if sql is None:
+            sql = self._extend_sql[count] = (
+                _extend_stamped(self._t, count),
+                _renewed(self._t, count),
+            )
+        update, read = sql
+        params: dict[str, object] = {}
+        rows: dict[str, object] = {}
+        for n, w in enumerate(writes):
+            rows[f"row{n}"] = f"rwlock:{w.key}"
+            params[f"value{n}"] = w.new
+            params[f"old{n}"] = w.old
+            params[f"ttl{n}"] = w.ttl_ms
+            params[f"since{n}"] = w.since_ms
+            params[f"until{n}"] = w.until_ms
+        params.update(rows)
+        answer = (yield from self._call(update, params)).answer
+        if not isinstance(answer, int) or answer < 0:
+            raise DMutexError(f"unexpected answer from MySQL to a renewal: {answer!r}")
+        if answer == 0:
+            return set(), 0, 0  # no row changed: nothing to read
+        now_us, now = answer, answer // 1000
+        found = (yield from self._call(read, rows)).rows
+        values: dict[object, object] = {}
+        for row in found:
+            if len(row) != 2:
+                raise DMutexError(f"unexpected reply from MySQL: {row!r}")
+            values[_text(row[0])] = _text(row[1])
+        written = {
+            w.key
+            for w in writes
+            if w.since_ms <= now < w.until_ms
+            and values.get(f"rwlock:{w.key}") == w.new.replace(STAMP_EXPIRY, str(now + w.ttl_ms))
+        }
+        return written, now, now_us
 
     def _name(self, key: str) -> tuple[str, str]:
         return (self._table, f"rwlock:{key}")
