@@ -32,6 +32,11 @@ Rules of this module:
    release reaches every listener without taking a waiter's place
    (:class:`~dmutex.InMemoryBackend`, PostgreSQL's ``LISTEN``); Redis's
    release signal wakes one waiter, which an observer must not take.
+7. A store may mark its releases' requests to run to completion itself
+   (:func:`releases_complete`: every request its ``release`` yields is a
+   :class:`~dmutex._core.effects.Call` made with ``complete=True``); the
+   engine then does not wrap them in ``effects.completing``, one generator
+   less per release (engine rule 6). Redis's store does.
 """
 
 from __future__ import annotations
@@ -191,6 +196,11 @@ class TextRule(Protocol):
         ``what`` names it in the message: ``"key"`` or ``"token"``.
         """
         ...
+
+
+def releases_complete(store: object) -> bool:
+    """Whether ``store`` marks its releases' requests to run to completion itself (rule 7)."""
+    return getattr(store, "releases_complete", False) is True
 
 
 def text_rule(store: object) -> Callable[[str, str], None] | None:

@@ -20,9 +20,11 @@ Rules of this module:
    retrying acquire keeps one token for all its attempts and does the same
    when a wait raises, since a wait may carry an attempt (waiting rule 6). On a
    face whose tasks can be cancelled (asyncio: ``shield=True``, the
-   default) every release is marked to run to completion (``completing``),
-   so that a cancellation cannot cut it short; a sync engine skips the
-   mark, which its driver has no use for (a thread is not cancelled).
+   default) every release is marked to run to completion (``completing``,
+   or by the store itself where it marks its releases' requests so:
+   ``abc.releases_complete``), so that a cancellation cannot cut it short;
+   a sync engine skips the mark, which its driver has no use for (a thread
+   is not cancelled).
 7. A release stops renewal before it is sent (``Lease.released``), and an
    answer that shows a lease gone marks it lost (``renewal.lose``); when to
    renew and when to give up is ``renewal.py``'s.
@@ -52,6 +54,7 @@ from typing import Literal, TypeVar
 
 from .._errors import LeaseLostError
 from .._validate import (
+    MAX_KEY_LENGTH,
     check_callback,
     check_key,
     check_retry_delay,
@@ -60,7 +63,7 @@ from .._validate import (
     check_ttl,
 )
 from . import renewal, waiting
-from .abc import Inspection, Store, Watching, sleep, text_rule
+from .abc import Inspection, Store, Watching, releases_complete, sleep, text_rule
 from .abc import Renewed as Answer
 from .effects import Callback, Steps, completing
 from .lease import Lease, new_token, now_ms, ttl_to_ms
@@ -111,7 +114,9 @@ class Engine:
         self._store = store
         # Who the tokens say holds them (stamps.py): None, this process.
         self._stamper = Stamper(identity)
-        self._shield = shield
+        # Rule 6: releases are wrapped in completing() unless no driver
+        # needs the mark, or the store marks its releases' requests itself.
+        self._shield = shield and not releases_complete(store)
         # Rule 3: the store's own rule for keys and tokens, if it has one.
         self._refuse = text_rule(store)
         # Rule 10: who is told, and what they are told the events come from.
@@ -119,6 +124,8 @@ class Engine:
         self._source = source
         # The store's clock, which also times retries; fixed for the store's life.
         self.clock = store.clock
+        # Its wall clock, as lease.now_ms reads it, one call less per token.
+        self._wall = self.clock.time
         self.default_ttl = default_ttl
         default_ms = ttl_to_ms(default_ttl, self.clock, store.max_expiry_ms)
         fits = now_ms(self.clock) + default_ms + _CENTURY_MS <= store.max_expiry_ms
@@ -152,13 +159,28 @@ class Engine:
             self._refuse("token", checked)
 
     def acquire(self, key: str, ttl: float | None) -> Steps[Lease | None]:
-        """Try once to take a permit; None only when all permits are active."""
-        key = self._key(key)
-        request = self._request(key, self.ttl_ms(ttl))
-        if not self._listened():
-            return self._attempt(*request)
+        """Try once to take a permit; None only when all permits are active.
+
+        Every acquire of a face runs here, so the common case is written out:
+        a plain key and the default TTL pass the checks of :meth:`_key` and
+        :meth:`ttl_ms` inline, and the token is minted as :meth:`_request`
+        mints it.
+        """
+        if self._refuse is not None or not (
+            type(key) is str and key and key.isascii() and len(key) <= MAX_KEY_LENGTH
+        ):
+            key = self._key(key)
+        ttl_ms = self._default_ms if ttl is None else None
+        if ttl_ms is None:
+            ttl_ms = self.ttl_ms(ttl)
+        token = new_token() + self._stamper.suffix(round(self._wall() * 1000))  # _mint()
+        steps = self._store.acquire(key, token, ttl_ms, None)
+        observe = self._observe
+        if observe is None or not observe.listening():
+            return self._attempt(key, token, ttl_ms, steps)
         operation = self._operation("acquire", key)
-        return self._observed(operation, self._attempt(*request, operation=operation))
+        steps = self._attempt(key, token, ttl_ms, steps, operation=operation)
+        return self._observed(operation, steps)
 
     def _listened(self) -> bool:
         """Whether an operation starting now is reported (observe rule 5)."""
@@ -228,7 +250,7 @@ class Engine:
 
     def _mint(self) -> str:
         """A new token, stamped with its holder and the time (``stamps.py``)."""
-        return new_token() + self._stamper.suffix(now_ms(self.clock))
+        return new_token() + self._stamper.suffix(round(self._wall() * 1000))
 
     def _attempt(
         self,
@@ -422,9 +444,8 @@ class Engine:
         earlier = lease.released
         lease.released = True
         try:
-            released = yield from self._finishing(
-                self._store.release(lease.key, lease.token, lease.slot)
-            )
+            steps = self._store.release(lease.key, lease.token, lease.slot)
+            released = yield from (completing(steps) if self._shield else steps)  # _finishing
         except BaseException:
             renewal.end(lease)
             raise

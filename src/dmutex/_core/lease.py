@@ -10,7 +10,7 @@ import math
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from operator import itemgetter
@@ -77,12 +77,12 @@ class Lease:
             if self.listeners is not None and listener in self.listeners:
                 self.listeners.remove(listener)
 
-    def end(self) -> list[Callable[[], None]]:
+    def end(self) -> Sequence[Callable[[], None]]:
         """Mark the lease ended and hand over its listeners, once: later calls get none."""
         with _LISTENING:
             self.ended = True
-            listeners, self.listeners = self.listeners or [], None
-            return listeners
+            listeners, self.listeners = self.listeners, None
+        return listeners or ()
 
 
 # Guards every lease's listener list: the renewal thread ends leases that

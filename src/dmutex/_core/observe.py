@@ -238,12 +238,14 @@ class Observers:
     an observer always listens, else if a :class:`Switched` one does now.
     """
 
-    __slots__ = ("_always", "_switched", "_warned", "observers")
+    __slots__ = ("_always", "_asks", "_switched", "_warned", "observers")
 
     def __init__(self, observers: Sequence[Observer]) -> None:
         self.observers = tuple(observers)
         switched = [o for o in self.observers if callable(getattr(o, "listening", None))]
         self._switched = tuple(cast("list[Switched]", switched))  # each has listening()
+        # Their listening(), looked up once: every acquire asks them (rule 5).
+        self._asks = tuple(zip([o.listening for o in self._switched], self._switched, strict=True))
         self._always = len(switched) < len(self.observers)
         self._warned: set[tuple[int, type[BaseException]]] = set()
 
@@ -251,9 +253,9 @@ class Observers:
         """Whether an operation starting now makes events (rule 5)."""
         if self._always:
             return True
-        for observer in self._switched:
+        for listening, observer in self._asks:
             try:
-                if observer.listening():
+                if listening():
                     return True
             except Exception as error:  # noqa: BLE001 - rule 3
                 self._warn(observer, error)

@@ -88,7 +88,22 @@ def margin_ms(ttl_ms: int) -> int:
 
 def deadline(sent: float, ttl_ms: int) -> float:
     """The deadline that a request sent at ``sent`` (monotonic s) setting ``ttl_ms`` gives."""
-    return sent + (ttl_ms - margin_ms(ttl_ms)) / 1000
+    span = _SPANS.get(ttl_ms)
+    return sent + (_span(ttl_ms) if span is None else span)
+
+
+# Each TTL's span from a request's send time to its deadline, in seconds:
+# an instance's few TTLs, worked out once (a grant's deadline is set on
+# every acquire). At most _SPANS_KEPT of them; the rest are worked out each time.
+_SPANS: dict[int, float] = {}
+_SPANS_KEPT = 256
+
+
+def _span(ttl_ms: int) -> float:
+    span = (ttl_ms - margin_ms(ttl_ms)) / 1000
+    if len(_SPANS) < _SPANS_KEPT:
+        _SPANS[ttl_ms] = span
+    return span
 
 
 def confirm(lease: Lease, sent: float, ttl_ms: int) -> None:
@@ -99,7 +114,8 @@ def confirm(lease: Lease, sent: float, ttl_ms: int) -> None:
     """
     if sent >= lease.confirmed:
         lease.confirmed = sent
-        lease.deadline = deadline(sent, ttl_ms)
+        span = _SPANS.get(ttl_ms)  # deadline(sent, ttl_ms), one call less per grant
+        lease.deadline = sent + (_span(ttl_ms) if span is None else span)
 
 
 def time_left(lease: Lease, clock: Clock) -> float:

@@ -148,7 +148,8 @@ class _AsyncFace(Wrapping[H]):
         ``auto_renew=True``: one task of the running event loop renews every
         such lease of the loop.
         """
-        wrap = self._wrapper(auto_renew)
+        # _wrapper(auto_renew), its common case first: one call less per acquire.
+        wrap = self._wrap if auto_renew is False else self._wrapper(auto_renew)
         lease = await self._drive(self._engine.acquire(key, ttl))
         return None if lease is None else wrap(lease)
 

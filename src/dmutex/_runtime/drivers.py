@@ -24,7 +24,7 @@ import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from types import CoroutineType
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from .._backends.shapes import wrong_face
 from .._clock import Clock, SystemClock
@@ -124,7 +124,8 @@ class SyncDriver:
                 else:
                     effect = send(value)
         except StopIteration as done:
-            return cast(T, done.value)
+            outcome: T = done.value  # no cast(): a call, and this runs per operation
+            return outcome
 
 
 class AsyncDriver:
@@ -182,7 +183,8 @@ class AsyncDriver:
                 except StopIteration as done:
                     if cancelled is not None:
                         raise cancelled from None
-                    return cast(T, done.value)
+                    outcome: T = done.value  # no cast(): a call, and this runs per operation
+                    return outcome
                 value, error = None, None
                 try:
                     shielded = cancelled is not None
@@ -190,11 +192,12 @@ class AsyncDriver:
                     result: Awaitable[object]
                     if isinstance(effect, Call):
                         shielded = shielded or effect.complete
-                        fn, kwargs = effect.fn, effect.kwargs
+                        fn: Callable[..., Any] = effect.fn
+                        kwargs = effect.kwargs
                         reply = fn(*effect.args, **kwargs) if kwargs else fn(*effect.args)
                         if type(reply) is not CoroutineType and not inspect.isawaitable(reply):
                             raise wrong_face(fn, reply)
-                        result = cast("Awaitable[object]", reply)
+                        result = reply
                     elif isinstance(effect, Callback):
                         reply = effect.fn(effect.handle)
                         if not inspect.isawaitable(reply):
@@ -314,13 +317,14 @@ async def _to_the_end(
     eagerly, so that a request that needs no I/O ends without a turn at all.
     Every release of an asyncio face runs here once.
     """
+    loop = asyncio.get_running_loop()
     signal: list[asyncio.Future[None] | None] = [None]
-    task = _start(_signalling(awaitable, signal))
+    task = _start(_signalling(awaitable, signal), loop)
     cancelled: asyncio.CancelledError | None = None
     while not task.done():
         # A fresh waiter after a cancellation: a cancellation reaches only
         # the future awaited here, which the task's end settles.
-        signal[0] = waiter = asyncio.get_running_loop().create_future()
+        signal[0] = waiter = loop.create_future()
         try:
             await waiter
         except asyncio.CancelledError as exc:
@@ -340,23 +344,25 @@ async def _signalling(awaitable: Awaitable[T], signal: list[asyncio.Future[None]
 
 if sys.version_info >= (3, 12):
 
-    def _start(coroutine: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
-        """A task of ``coroutine``, started eagerly unless the loop makes its own tasks."""
-        loop = asyncio.get_running_loop()
+    def _start(
+        coroutine: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop
+    ) -> asyncio.Future[T]:
+        """A task of ``coroutine`` on the running ``loop``, eager unless the loop makes its own."""
         if loop.get_task_factory() is not None:
             return loop.create_task(coroutine)
         return asyncio.Task(coroutine, loop=loop, eager_start=True)
 
 else:
 
-    def _start(coroutine: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
-        """A task of ``coroutine``, made directly unless the loop makes its own tasks.
+    def _start(
+        coroutine: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop
+    ) -> asyncio.Future[T]:
+        """A task of ``coroutine`` on the running ``loop``, made directly unless it makes its own.
 
         No eager start before Python 3.12. ``asyncio.Task`` directly skips the
         checks of the pure-Python ``create_task``, which cost more than the
         task.
         """
-        loop = asyncio.get_running_loop()
         if loop.get_task_factory() is not None:
             return loop.create_task(coroutine)
         return asyncio.Task(coroutine, loop=loop)

@@ -147,6 +147,8 @@ def as_int(reply: object, low: int, high: int) -> int:
     Anything else is a client or server that does not speak this protocol; it
     raises rather than pass for contention or success.
     """
+    if type(reply) is int and low <= reply <= high:
+        return reply  # the common case, first: this reads every script's reply
     value: int | None = None
     if isinstance(reply, int) and not isinstance(reply, bool):
         value = reply
@@ -210,6 +212,8 @@ class RedisRequests:
             if self._cluster:
                 self._node_of = method(client, "get_node_from_key")
         self._clock = clock
+        # Its wall clock, as lease.now_ms reads it (one call less per request).
+        self._wall = clock.time
         # Waiters block (BLPOP) only where that is safe: a command client
         # on the system clock, with connections to spare.
         found = block_budget(client) if self._execute and isinstance(clock, SystemClock) else None
@@ -222,18 +226,53 @@ class RedisRequests:
     def clock(self) -> Clock:
         return self._clock
 
-    def _run(self, script: Script, keys: Sequence[str], args: tuple[object, ...]) -> Steps[object]:
-        """Run ``script`` in one request (two the first time on a fresh server)."""
+    def _run(
+        self,
+        script: Script,
+        keys: Sequence[str],
+        args: tuple[object, ...],
+        complete: bool = False,
+    ) -> Steps[object]:
+        """Run ``script`` in one request (two the first time on a fresh server).
+
+        ``complete``: the requests are a release's, marked to run to
+        completion (``Call.complete``; the store's ``releases_complete``).
+        """
         if self._execute is None:
             assert self._eval is not None  # detection: no execute_command means set + eval
-            return (yield Call(self._eval, (script.text, len(keys), *keys, *args)))
+            return (yield Call(self._eval, (script.text, len(keys), *keys, *args), None, complete))
         try:
-            return (yield Call(self._execute, ("EVALSHA", script.sha, len(keys), *keys, *args)))
-        except Exception as error:
-            if not is_noscript(error):
-                raise
+            return (
+                yield Call(
+                    self._execute, ("EVALSHA", script.sha, len(keys), *keys, *args), None, complete
+                )
+            )
+        except Exception as error:  # noqa: BLE001 - NOSCRIPT, or raised by _run_again
+            failed = error
+        return (yield from self._run_again(script, keys, args, failed, complete))
+
+    def _run_again(
+        self,
+        script: Script,
+        keys: Sequence[str],
+        args: tuple[object, ...],
+        failed: Exception,
+        complete: bool = False,
+    ) -> Steps[object]:
+        """After ``script``'s ``EVALSHA`` raised ``failed``: ``EVAL`` on NOSCRIPT, else raise it.
+
+        What :meth:`_run` does after its first request; the store's mutex
+        requests, written out where they are made, end here too.
+        """
+        if not is_noscript(failed):
+            raise failed
+        assert self._execute is not None  # EVALSHA went through execute_command
         # EVAL caches the script, so the next EVALSHA on this server succeeds.
-        return (yield Call(self._execute, ("EVAL", script.text, len(keys), *keys, *args)))
+        return (
+            yield Call(
+                self._execute, ("EVAL", script.text, len(keys), *keys, *args), None, complete
+            )
+        )
 
     def _run_waited(
         self, script: Script, keys: Sequence[str], args: tuple[object, ...]
@@ -283,9 +322,32 @@ class RedisRequests:
             raise NotReplicatedError(key, acks, self._replicas)
 
     def _take(self, script: Script, keys: Sequence[str], args: tuple[object, ...]) -> Steps[object]:
-        """Run an acquire ``script``; a record not dmutex's raises a clear :class:`DMutexError`."""
+        """Run an acquire ``script``; a record not dmutex's raises a clear :class:`DMutexError`.
+
+        :meth:`_run`'s requests, written out here rather than delegated to:
+        one generator less per acquire, which every cycle makes.
+        """
         try:
-            return (yield from self._run(script, keys, args))
+            if self._execute is None:
+                assert self._eval is not None  # detection: no execute_command means set + eval
+                return (yield Call(self._eval, (script.text, len(keys), *keys, *args)))
+            try:
+                return (yield Call(self._execute, ("EVALSHA", script.sha, len(keys), *keys, *args)))
+            except Exception as error:  # noqa: BLE001 - NOSCRIPT, or raised by _run_again
+                failed = error
+            return (yield from self._run_again(script, keys, args, failed))
+        except Exception as error:
+            clear = foreign(error)
+            if clear is None:
+                raise
+            raise clear from error
+
+    def _take_again(
+        self, script: Script, keys: Sequence[str], args: tuple[object, ...], failed: Exception
+    ) -> Steps[object]:
+        """:meth:`_take` after its ``EVALSHA`` raised ``failed`` (see :meth:`_run_again`)."""
+        try:
+            return (yield from self._run_again(script, keys, args, failed))
         except Exception as error:
             clear = foreign(error)
             if clear is None:

@@ -70,7 +70,7 @@ from collections.abc import Sequence
 
 from ..._clock import Clock
 from ..._core.abc import Holder, Inspection, Renewed
-from ..._core.effects import Steps
+from ..._core.effects import Call, Steps
 from ..._core.lease import MAX_EXPIRY_MS, Lease, now_ms
 from ..._core.waiting import Ahead, Waiter
 from ..._errors import DMutexError, InvalidArgumentError, NotReplicatedError
@@ -98,6 +98,9 @@ from .scripts import (
     RENEW_BATCH,
     Script,
 )
+
+# The mutex's scripts' SHA1s, for the requests written out below.
+_ACQUIRE, _RELEASE = MUTEX_ACQUIRE.sha, MUTEX_RELEASE.sha
 
 
 def _grant(reply: object, last: int) -> tuple[int, int, int]:
@@ -131,6 +134,11 @@ class RedisStore(RedisRequests):
     key in a hash tag, ``"{orders}"``, to keep one request per operation.
     """
 
+    # Every request of a release is marked to run to completion here
+    # (``_run``'s ``complete``), so the engine adds no generator to mark them
+    # (``dmutex._core.abc``, rule 7).
+    releases_complete = True
+
     def __init__(
         self,
         client: object,
@@ -145,6 +153,11 @@ class RedisStore(RedisRequests):
         super().__init__(client, prefix, clock, replicas=replicas, replicas_ms=replicas_ms)
         self._permits = max_permits
         self._fencing = fencing
+        # A mutex's slot key and fence counter are these + the key (``_groups``,
+        # ``_counter``): built once, as every acquire and release of one needs them.
+        self._slot0 = f"{prefix}permit:0:"
+        # Where a mutex's counter simply follows its slot key (``_counter``'s rule).
+        self._fence0 = None if fencing is False or self._cluster else f"{prefix}fence:"
 
     def _groups(self, key: str) -> list[list[str]]:
         """Every slot key of ``key``, in slot order, in groups one script may touch.
@@ -222,7 +235,9 @@ class RedisStore(RedisRequests):
         if self._permits == 1 and (waiter is None or self._blockers is None):
             # The mutex's own script: nothing of the semaphore, no waiter to
             # register (a waiter that cannot be woken registers nowhere).
-            slot = f"{self._prefix}permit:0:{key}"
+            slot = self._slot0 + key
+            if self._fence0 is not None:  # _counter's answer, without the call
+                return self._acquire_mutex(key, token, ttl_ms, (slot, self._fence0 + key))
             counter = self._counter(key, [[slot]])
             return self._acquire_mutex(key, token, ttl_ms, (slot, counter) if counter else (slot,))
         groups, records, wakes = self._plan(key, waiter is not None)
@@ -249,14 +264,25 @@ class RedisStore(RedisRequests):
     def _acquire_mutex(
         self, key: str, token: str, ttl_ms: int, keys: tuple[str, ...]
     ) -> Steps[Lease | None]:
-        expires = now_ms(self._clock) + ttl_ms
+        expires = round(self._wall() * 1000) + ttl_ms  # now_ms(self._clock)
         acks = 0
+        execute = self._execute
         if self._replicas:
             reply, acks = yield from self._take_waited(MUTEX_ACQUIRE, keys, (token, ttl_ms))
-        else:
+        elif execute is None:
             reply = yield from self._take(MUTEX_ACQUIRE, keys, (token, ttl_ms))
+        else:
+            # _take's first request, written out: every acquire of a mutex sends it.
+            failed: Exception | None = None
+            try:
+                reply = yield Call(execute, ("EVALSHA", _ACQUIRE, len(keys), *keys, token, ttl_ms))
+            except Exception as error:  # noqa: BLE001 - NOSCRIPT, or raised by _take_again
+                failed = error
+            if failed is not None:
+                reply = yield from self._take_again(MUTEX_ACQUIRE, keys, (token, ttl_ms), failed)
         counted = len(keys) > 1
-        fence = as_int(reply, 0, 2**63 - 1 if counted else 1)
+        high = 2**63 - 1 if counted else 1
+        fence = reply if type(reply) is int and 0 <= reply <= high else as_int(reply, 0, high)
         if fence == 0:
             return None
         if self._replicas:
@@ -409,8 +435,8 @@ class RedisStore(RedisRequests):
         waited = self._replicas and not wake  # an extend's write counts once replicated
         for group in groups:
             keys = [*group, *after] if after else group
-            if not waited:
-                if as_int((yield from self._run(script, keys, args)), 0, 1) == 1:
+            if not waited:  # a release's requests run to completion (releases_complete)
+                if as_int((yield from self._run(script, keys, args, wake)), 0, 1) == 1:
                     return True
                 continue
             reply, acks = yield from self._run_waited(script, keys, args)
@@ -422,12 +448,27 @@ class RedisStore(RedisRequests):
     def release(self, key: str, token: str, slot: int | None) -> Steps[bool]:
         """Delete the slot key that holds ``token`` and wake a waiter, in one atomic script."""
         if self._permits == 1:
-            name = f"{self._prefix}permit:0:{key}"
+            name = self._slot0 + key
+            if self._blockers is None:  # _wakes' answer, without the call
+                return self._release_mutex((name,), token)
             return self._release_mutex((name, *self._wakes(key, [[name]])), token)
         return self._holder(RELEASE, key, slot, (token,), wake=True)
 
     def _release_mutex(self, keys: tuple[str, ...], token: str) -> Steps[bool]:
-        return as_int((yield from self._run(MUTEX_RELEASE, keys, (token,))), 0, 1) == 1
+        execute = self._execute
+        if execute is None:
+            reply = yield from self._run(MUTEX_RELEASE, keys, (token,), True)
+        else:
+            # _run's first request, written out: every release of a mutex sends it.
+            failed: Exception | None = None
+            request = ("EVALSHA", _RELEASE, len(keys), *keys, token)
+            try:
+                reply = yield Call(execute, request, None, True)
+            except Exception as error:  # noqa: BLE001 - NOSCRIPT, or raised by _run_again
+                failed = error
+            if failed is not None:
+                reply = yield from self._run_again(MUTEX_RELEASE, keys, (token,), failed, True)
+        return (reply if type(reply) is int and 0 <= reply <= 1 else as_int(reply, 0, 1)) == 1
 
     def extend(self, key: str, token: str, slot: int | None, ttl_ms: int) -> Steps[int | None]:
         """Set the expiry of the slot key that holds ``token`` to now + ttl."""
