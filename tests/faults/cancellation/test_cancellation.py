@@ -507,10 +507,13 @@ def test_one_asyncpg_connection_serves_concurrent_tasks_and_a_renewal(
             semaphore = AsyncDSemaphore(
                 service, conn, max_permits=PERMITS, schema_name=postgres_schema
             )
-            renewed = await mutex.acquire("renewed", ttl=0.3, auto_renew=True)
+            # 0.6 s: a renewal has 0.25 s past its due time to come back (a 0.3 s lease
+            # left it 0.125 s, and CI run P's final run once lost the lease, a pause
+            # of that size in a process that had run 6,000 tests; never seen alone).
+            renewed = await mutex.acquire("renewed", ttl=0.6, auto_renew=True)
             assert renewed is not None
             loop = asyncio.get_running_loop()
-            end = loop.time() + 1.0
+            end = loop.time() + 1.5
             while loop.time() < end:  # past the lease's TTL: its renewals meet the calls below
                 held = await asyncio.gather(
                     *(mutex.acquire(f"m{n}") for n in range(4)),
